@@ -1,0 +1,262 @@
+"""The Driver protocol: everything calfsm may ask of a device, mirroring CalRT 0.7.6.
+
+Theory of operation
+-------------------
+A driver is a thin, honest window onto one device. It never raises for a *device*
+condition: every call that CalRT can fail returns the CalRT integer code (0 = success)
+— or, for ``KvManager::Apply``/``canAllocate``, the bare bool CalRT returns — exactly as
+the vendor runtime does, so the executor's single status check (:func:`calfsm.errors.check`)
+is the only place codes become exceptions. A driver raises only for *misuse by Python
+code* that CalRT could not even express (a handle of another driver, a closed driver).
+
+The memory model is CalRT's: a host numpy array mapped into a buffer (``MapBuf``) is
+read by the device *when the job runs*, not when it is submitted, and written back when
+the job completes. The caller must keep the array alive, unmoved and unresized until
+``wait`` reported completion; calfsm's :class:`~calfsm.buffers.BufferPool` guarantees it.
+
+A driver declares its :class:`Capabilities`; callers ask, never assume (a driver without
+``ResetKind.FULL`` cannot recover a wedged device in-process; one without
+``fixed_engine_slots`` cannot run ping/pong).
+
+Call-by-call correspondence with CalRT 0.7.6:
+
+==========================  =====================================================
+Driver method               CalRT 0.7.6
+==========================  =====================================================
+``configure``               ``VirtualDevice::Configure(Calbin)``
+``get_all_models``          ``Calbin::GetAllModels`` + tensor metadata
+``model``                   exact-name lookup in that list (never substring, S08)
+``create_buffers``          ``CalrtInputBuf``/``CalrtOutputBuf`` construction
+``map_buffer``              ``MapBuf``
+``slice_tensor``            ``SliceTensor``; ``undo_slice`` its reset
+``set_csr``                 ``SetCsrByName``
+``set_kv_seq``              the ``KvSeqId`` an input buffer's job reads and writes
+``infer``                   ``calrt::infer``
+``infer_fixed``             ``calrt::infer_with_fixed_task_type`` (Ping/Pong)
+``wait``                    ``CalrtOutputBuf::Wait``
+``status``                  ``CalrtOutputBuf::GetStatus``
+``output_bytes``            ``CalrtOutputBuf`` tensor ``ByteSize()`` after the job
+``kv_can_allocate``         ``KvManager::canAllocate``
+``kv_apply``                ``KvManager::Apply``
+``kv_release``              ``KvManager::Release``
+``reset``                   ``ResetCCU`` / ``ResetConfiguration`` / ``Reset``
+``enable_parallel_mode``    ``EnableParallelMode``
+==========================  =====================================================
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+import attrs
+import numpy as np
+
+from calfsm.clock import Clock
+from calfsm.errors import ManifestError
+from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
+
+__all__ = [
+    "Calbin",
+    "Capabilities",
+    "Driver",
+    "EngineSlot",
+    "JobTag",
+    "ModelHandle",
+    "OutputStatus",
+    "ResetKind",
+]
+
+
+class OutputStatus(enum.IntEnum):
+    """``CalrtOutputBuf::GetStatus`` values."""
+
+    IDLE = 0                 #: never submitted (or status consumed by a new map)
+    PENDING = 1              #: submitted, not finished
+    DONE_OK = 2              #: finished, output written
+    DONE_CCU_EXCEPTION = 3   #: the compute unit raised an exception (bad CSR/slice/KV)
+    DONE_ABORTED = 4         #: killed by a reset before it finished; output not written
+
+
+class EngineSlot(enum.IntEnum):
+    """Spec ``EngineSlot``: which engine a buffer set is bound to."""
+
+    AUTO = -1
+    PING = 0
+    PONG = 1
+
+
+class ResetKind(enum.StrEnum):
+    CCU = "ccu"                      #: ``ResetCCU``: the compute unit only
+    CONFIGURATION = "configuration"  #: ``ResetConfiguration``: drop the configured calbin
+    FULL = "full"                    #: ``Reset``: the whole device, KV included
+
+
+@attrs.frozen
+class Capabilities:
+    """What a driver can do; the executor asks before it relies on any of it."""
+
+    resets: frozenset[ResetKind] = frozenset()
+    parallel_mode: bool = False
+    fixed_engine_slots: bool = False
+    engine_slots: int = 1
+
+    def can_reset(self, kind: ResetKind) -> bool:
+        return kind in self.resets
+
+
+@attrs.frozen
+class JobTag:
+    """Who a device call is for. Not part of CalRT: drivers use it only for their trace
+    and for fault plans that match by job or sequence."""
+
+    job_id: int
+    seq_id: int
+    generation: int = 0
+
+
+@attrs.frozen
+class Calbin:
+    """A compiled artifact as the device sees it: the models it holds with their metadata.
+
+    A real calbin is an opaque vendor file; ours is a JSON description that the simulated
+    driver and the native emulator both accept, so tests can build a calbin that
+    disagrees with a manifest in exactly one place (FI01).
+    """
+
+    models: tuple[ModelInfo, ...]
+    sha256: str = ""
+    calrt_version: str = "0.7.6"
+
+    @classmethod
+    def from_manifest(cls, manifest: Manifest) -> Calbin:
+        """The calbin a manifest describes (what the compiler would have produced)."""
+        models = []
+        for sub in manifest.submodels:
+            t = sub.token_or_embed, sub.position
+            models.append(ModelInfo(
+                name=sub.exact_name, kind=sub.kind,
+                inputs=tuple(TensorInfo(x.name, x.shape, x.dtype, x.byte_size) for x in t),
+                outputs=(TensorInfo(sub.logits.name, sub.logits.shape, sub.logits.dtype,
+                                    sub.logits.byte_size),),
+                csr_names=(sub.csr_cur_seq, sub.csr_total_seq),
+                tile_d0=sub.logits_tile_d0 if sub.kind.is_prefill else None))
+        return cls(tuple(models), manifest.calbin_sha256, manifest.calrt_version)
+
+    def replace_model(self, name: str, **changes: Any) -> Calbin:
+        """A copy with one model changed (e.g. ``name="..."`` for FI01)."""
+        found = False
+        models = []
+        for m in self.models:
+            if m.name == name:
+                found = True
+                m = attrs.evolve(m, **changes)
+            models.append(m)
+        if not found:
+            raise KeyError(name)
+        return attrs.evolve(self, models=tuple(models))
+
+    def to_json(self) -> str:
+        def tensor(t: TensorInfo) -> dict:
+            return {"name": t.name, "shape": list(t.shape), "dtype": t.dtype.value,
+                    "byte_size": t.byte_size}
+        return json.dumps({
+            "sha256": self.sha256, "calrt_version": self.calrt_version,
+            "models": [{"name": m.name, "kind": m.kind.value if m.kind else None,
+                        "inputs": [tensor(t) for t in m.inputs],
+                        "outputs": [tensor(t) for t in m.outputs],
+                        "csr_names": list(m.csr_names), "tile_d0": m.tile_d0}
+                       for m in self.models]}, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> Calbin:
+        try:
+            data = json.loads(text)
+            models = tuple(
+                ModelInfo(
+                    name=m["name"], kind=TaskKind(m["kind"]) if m["kind"] else None,
+                    inputs=tuple(_tensor(t) for t in m["inputs"]),
+                    outputs=tuple(_tensor(t) for t in m["outputs"]),
+                    csr_names=tuple(m["csr_names"]), tile_d0=m.get("tile_d0"))
+                for m in data["models"])
+            return cls(models, data.get("sha256", ""), data.get("calrt_version", "0.7.6"))
+        except (ValueError, KeyError, TypeError) as e:
+            raise ManifestError(f"calbin description does not parse: {e!r}",
+                                stage="calbin") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text(self.to_json(), "utf-8")
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Calbin:
+        return cls.from_json(Path(path).read_text("utf-8"))
+
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def _tensor(t: dict) -> TensorInfo:
+    return TensorInfo(t["name"], tuple(t["shape"]), DType(t["dtype"]), t["byte_size"])
+
+
+class ModelHandle(Protocol):
+    """An opaque configured model (a sub-model of the calbin), found by exact name."""
+
+    name: str
+
+
+@runtime_checkable
+class Driver(Protocol):
+    """What calfsm may ask of a device. See the module docstring for the CalRT mapping.
+
+    Handles (models, input and output buffers) are opaque objects owned by the driver.
+    Methods return CalRT codes; a tuple ``(code, value)`` where CalRT fills an
+    out-parameter. ``value`` is None whenever ``code`` is not success.
+    """
+
+    name: str
+    clock: Clock
+
+    # ---- identity and capabilities ------------------------------------------------
+    def version(self) -> str: ...
+    def capabilities(self) -> Capabilities: ...
+
+    # ---- configuration ------------------------------------------------------------
+    def configure(self, calbin: Calbin) -> int: ...
+    def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]: ...
+    def model(self, exact_name: str) -> tuple[int, ModelHandle | None]: ...
+
+    # ---- buffers --------------------------------------------------------------------
+    def create_buffers(self, model: ModelHandle, engine: EngineSlot = EngineSlot.AUTO
+                       ) -> tuple[int, tuple[Any, Any] | None]: ...
+    def destroy_buffers(self, inp: Any, out: Any) -> int: ...
+    def map_buffer(self, buf: Any, tensor: str, host: np.ndarray) -> int: ...
+    def slice_tensor(self, buf: Any, tensor: str, offset: int, size: int) -> int: ...
+    def undo_slice(self, buf: Any, tensor: str) -> int: ...
+    def set_csr(self, inp: Any, name: str, value: int) -> int: ...
+    def set_kv_seq(self, inp: Any, seq_id: int) -> int: ...
+
+    # ---- execution ------------------------------------------------------------------
+    def infer(self, model: ModelHandle, inp: Any, out: Any, *,
+              tag: JobTag | None = None) -> int: ...
+    def infer_fixed(self, model: ModelHandle, inp: Any, out: Any, engine: EngineSlot, *,
+                    tag: JobTag | None = None) -> int: ...
+    def wait(self, out: Any, timeout_s: float) -> int: ...
+    def status(self, out: Any) -> OutputStatus: ...
+    def output_bytes(self, out: Any, tensor: str) -> tuple[int, int | None]: ...
+
+    # ---- KV manager -----------------------------------------------------------------
+    def kv_can_allocate(self, n: int) -> bool: ...
+    def kv_apply(self, seq_id: int, target_len: int) -> bool: ...
+    def kv_release(self, seq_id: int, keep_len: int = 0) -> int: ...
+
+    # ---- device control -------------------------------------------------------------
+    def reset(self, kind: ResetKind) -> int: ...
+    def enable_parallel_mode(self, enabled: bool) -> int: ...
+    def close(self) -> None: ...

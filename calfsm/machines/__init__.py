@@ -1,0 +1,25 @@
+"""The three declared state machines: job, KV transaction and device lifecycle.
+
+Each is declared once as data (states, transitions, guards) and executed by one shared
+``transitions.Machine``; see :mod:`calfsm.machines._declared` for why.
+"""
+
+from calfsm.machines._declared import DeclaredMachine, Listener, StateModel
+from calfsm.machines.job import JOB_MACHINE, JobState
+from calfsm.machines.kv import KV_MACHINE, KvState
+from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
+
+ALL_MACHINES: tuple[DeclaredMachine, ...] = (JOB_MACHINE, KV_MACHINE, LIFECYCLE_MACHINE)
+
+__all__ = [
+    "ALL_MACHINES",
+    "JOB_MACHINE",
+    "KV_MACHINE",
+    "LIFECYCLE_MACHINE",
+    "DeclaredMachine",
+    "JobState",
+    "KvState",
+    "LifecycleState",
+    "Listener",
+    "StateModel",
+]

@@ -1,0 +1,463 @@
+"""The model manifest: what calfsm expects the calbin on the device to contain.
+
+A manifest is the contract between an artifact (a calbin compiled for the NPU) and the
+executor (spec section 4.1). It names every sub-model *exactly* (never by substring,
+defect S08), gives each tensor's shape, dtype and byte size, the CSR names that carry
+the sequence lengths, and layout metadata such as the prefill output tile height
+``logits_tile_d0`` (which must come from the graph's metadata: there is no code default,
+defect S09).
+
+Loading goes through one project-owned cattrs converter that forbids unknown keys; every
+failure, structural or semantic, is a :class:`~calfsm.errors.ManifestError` whose message
+names the field path (``submodels[1].logits.byte_size``) and the offending value.
+
+:meth:`Manifest.resolve` checks the manifest against the models a device lists and
+reports every difference in one error, so an operator fixes them all in one round.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import math
+import tomllib
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import attrs
+import cattrs
+from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+
+from calfsm.errors import ManifestError
+
+__all__ = [
+    "DType",
+    "Manifest",
+    "ModelGeneration",
+    "ModelInfo",
+    "SubmodelContract",
+    "TaskKind",
+    "TensorContract",
+    "TensorInfo",
+    "builtin_manifest",
+]
+
+
+class TaskKind(enum.StrEnum):
+    """The kinds of sub-model a calbin may hold (spec ``CalTaskKind``)."""
+
+    PREFILL_IDS = "prefill_ids"
+    PREFILL_EMBEDS = "prefill_embeds"
+    DECODE = "decode"
+    VISION = "vision"
+
+    @property
+    def is_prefill(self) -> bool:
+        return self in (TaskKind.PREFILL_IDS, TaskKind.PREFILL_EMBEDS)
+
+
+class DType(enum.StrEnum):
+    """CalRT primitive types the manifests use, with their byte sizes."""
+
+    S32 = "S32"
+    U32 = "U32"
+    S16 = "S16"
+    U16 = "U16"
+    S8 = "S8"
+    U8 = "U8"
+    F32 = "F32"
+    F16 = "F16"
+    BF16 = "BF16"
+
+    @property
+    def itemsize(self) -> int:
+        return _ITEMSIZE[self]
+
+    @property
+    def host_dtype(self) -> str:
+        """The numpy dtype of a host backing array (BF16 is kept as raw uint16 bits)."""
+        return _HOST_DTYPE[self]
+
+
+_ITEMSIZE = {DType.S32: 4, DType.U32: 4, DType.S16: 2, DType.U16: 2, DType.S8: 1,
+             DType.U8: 1, DType.F32: 4, DType.F16: 2, DType.BF16: 2}
+_HOST_DTYPE = {DType.S32: "<i4", DType.U32: "<u4", DType.S16: "<i2", DType.U16: "<u2",
+               DType.S8: "i1", DType.U8: "u1", DType.F32: "<f4", DType.F16: "<f2",
+               DType.BF16: "<u2"}
+
+
+@attrs.frozen
+class TensorContract:
+    """One tensor of a sub-model as the manifest promises it."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    byte_size: int
+    sliceable: bool = False
+
+    @property
+    def element_count(self) -> int:
+        return math.prod(self.shape)
+
+
+@attrs.frozen
+class SubmodelContract:
+    """One compiled graph of the calbin (spec ``SubmodelContract``).
+
+    For prefill kinds the ``logits`` tensor is the physical output tile
+    ``[1, logits_tile_d0, vocab]``; for decode it is ``[1, 1, vocab]``.
+    """
+
+    kind: TaskKind
+    exact_name: str
+    token_or_embed: TensorContract
+    position: TensorContract
+    logits: TensorContract
+    csr_cur_seq: str
+    csr_total_seq: str
+    max_batch: int
+    max_seq: int
+    logits_tile_d0: int | None = None
+
+    @property
+    def vocab(self) -> int:
+        return self.logits.shape[-1]
+
+    @property
+    def rows(self) -> int:
+        """Rows of the physical logits tensor (``tile_d0`` for prefill, 1 for decode)."""
+        return self.logits_tile_d0 if self.kind.is_prefill else 1
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens one job of this graph can carry (elements of the token tensor)."""
+        return self.token_or_embed.shape[-1] if self.kind is not TaskKind.PREFILL_EMBEDS \
+            else self.token_or_embed.shape[-2]
+
+
+@attrs.frozen
+class TensorInfo:
+    """A tensor as a device reports it (``GetAllModels`` metadata)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: DType
+    byte_size: int
+
+
+@attrs.frozen
+class ModelInfo:
+    """A sub-model as a device reports it, with its layout metadata.
+
+    ``kind`` is the task type tag of the compiled graph (``None`` if the graph has none);
+    ``tile_d0`` the output tile height from the graph's layout metadata.
+    """
+
+    name: str
+    kind: TaskKind | None
+    inputs: tuple[TensorInfo, ...]
+    outputs: tuple[TensorInfo, ...]
+    csr_names: tuple[str, ...]
+    tile_d0: int | None = None
+
+    def tensor(self, name: str) -> TensorInfo | None:
+        for t in self.inputs + self.outputs:
+            if t.name == name:
+                return t
+        return None
+
+
+@attrs.frozen
+class ModelGeneration:
+    """A configured model: the manifest bound to a generation number.
+
+    The generation counter fences everything created for it (buffers, KV reservations,
+    completions): when a reset bumps it, old objects can no longer touch new state.
+    """
+
+    generation_id: int
+    calbin_sha256: str
+    calrt_version: str
+    submodels: Mapping[TaskKind, SubmodelContract]
+    device_models: Mapping[TaskKind, ModelInfo] = attrs.field(factory=dict)
+
+    def submodel(self, kind: TaskKind) -> SubmodelContract:
+        try:
+            return self.submodels[kind]
+        except KeyError:
+            from calfsm.errors import Unsupported
+            raise Unsupported(f"the model of generation {self.generation_id} has no "
+                              f"{kind.value} sub-model", generation=self.generation_id,
+                              stage="lookup") from None
+
+
+@attrs.frozen
+class Manifest:
+    """The contents of a manifest file."""
+
+    calbin_sha256: str
+    calrt_version: str
+    submodels: tuple[SubmodelContract, ...]
+    name: str = ""
+
+    # ---- loading -------------------------------------------------------------------
+    @classmethod
+    def from_dict(cls, data: Any) -> Manifest:
+        """Build and validate a manifest from plain data (parsed JSON or TOML)."""
+        if not isinstance(data, Mapping):
+            raise ManifestError(f"manifest must be a mapping, got {type(data).__name__}",
+                                stage="manifest")
+        try:
+            manifest = _converter.structure(data, cls)
+        except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as e:
+            raise ManifestError("; ".join(_paths(e)), stage="manifest") from None
+        except (ValueError, TypeError, KeyError) as e:
+            raise ManifestError(f"invalid manifest: {e!r}", stage="manifest") from None
+        manifest.validate()
+        return manifest
+
+    @classmethod
+    def load(cls, path: str | Path) -> Manifest:
+        """Read a ``.json`` or ``.toml`` manifest file."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as e:
+            raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror}",
+                                stage="manifest") from None
+        try:
+            data = (tomllib.loads(raw.decode("utf-8")) if path.suffix == ".toml"
+                    else json.loads(raw))
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ManifestError(f"{str(path)!r} does not parse: {e}", stage="manifest") from None
+        return cls.from_dict(data)
+
+    def to_dict(self) -> dict[str, Any]:
+        return _converter.unstructure(self)
+
+    # ---- validation ----------------------------------------------------------------
+    def validate(self) -> None:
+        """Check the manifest against itself; raise one error listing every problem."""
+        problems: list[str] = []
+        if not self.submodels:
+            problems.append("submodels: empty")
+        names = Counter(s.exact_name for s in self.submodels)
+        for i, sub in enumerate(self.submodels):
+            at = f"submodels[{i}]"
+            if not sub.exact_name:
+                problems.append(f"{at}.exact_name: empty")
+            elif names[sub.exact_name] > 1:
+                problems.append(f"{at}.exact_name: {sub.exact_name!r} is not unique")
+            for field in ("max_batch", "max_seq"):
+                if getattr(sub, field) <= 0:
+                    problems.append(f"{at}.{field}: must be positive, got "
+                                    f"{getattr(sub, field)}")
+            for field in ("token_or_embed", "position", "logits"):
+                problems.extend(_tensor_problems(f"{at}.{field}", getattr(sub, field)))
+            for field in ("csr_cur_seq", "csr_total_seq"):
+                if not getattr(sub, field):
+                    problems.append(f"{at}.{field}: empty")
+            if sub.kind.is_prefill:
+                d0 = sub.logits_tile_d0
+                if d0 is None:
+                    problems.append(f"{at}.logits_tile_d0: required for {sub.kind.value} "
+                                    "(it comes from the graph metadata, never a default)")
+                elif d0 <= 0:
+                    problems.append(f"{at}.logits_tile_d0: must be positive, got {d0}")
+                elif len(sub.logits.shape) >= 2 and sub.logits.shape[-2] != d0:
+                    problems.append(f"{at}.logits.shape: {list(sub.logits.shape)} has "
+                                    f"{sub.logits.shape[-2]} rows, logits_tile_d0 is {d0}")
+            elif sub.kind is TaskKind.DECODE and sub.logits.element_count != sub.vocab:
+                problems.append(f"{at}.logits.shape: decode logits must hold one row, got "
+                                f"{list(sub.logits.shape)}")
+        kinds = Counter(s.kind for s in self.submodels)
+        for kind, n in kinds.items():
+            if n > 1:
+                problems.append(f"submodels: {n} sub-models of kind {kind.value}")
+        if problems:
+            raise ManifestError("invalid manifest: " + "; ".join(problems), stage="manifest")
+
+    def submodel(self, kind: TaskKind) -> SubmodelContract:
+        for sub in self.submodels:
+            if sub.kind is kind:
+                return sub
+        from calfsm.errors import Unsupported
+        raise Unsupported(f"manifest {self.name or self.calbin_sha256[:12]!r} has no "
+                          f"{kind.value} sub-model", stage="lookup")
+
+    @property
+    def kinds(self) -> tuple[TaskKind, ...]:
+        return tuple(s.kind for s in self.submodels)
+
+    # ---- against a device ----------------------------------------------------------
+    def resolve(self, device_models: Iterable[ModelInfo]) -> dict[TaskKind, ModelInfo]:
+        """Match each sub-model to exactly one device model by exact name.
+
+        Reports, in one :class:`ManifestError`: names missing on the device, names listed
+        more than once, device models of a kind this manifest uses but with another name
+        (the "unexpected" side of a typo), and every tensor, dtype, shape, byte size, CSR
+        or tile difference. Never a substring match.
+        """
+        listed = list(device_models)
+        by_name: dict[str, list[ModelInfo]] = {}
+        for m in listed:
+            by_name.setdefault(m.name, []).append(m)
+        problems: list[str] = []
+        resolved: dict[TaskKind, ModelInfo] = {}
+        wanted = {s.exact_name for s in self.submodels}
+        for i, sub in enumerate(self.submodels):
+            at = f"submodels[{i}]"
+            found = by_name.get(sub.exact_name, [])
+            if not found:
+                problems.append(f"{at}: missing on device: {sub.exact_name!r}")
+                continue
+            if len(found) > 1:
+                problems.append(f"{at}: {sub.exact_name!r} listed {len(found)} times by device")
+                continue
+            dev = found[0]
+            problems.extend(_model_problems(at, sub, dev))
+            resolved[sub.kind] = dev
+        kinds = set(self.kinds)
+        for m in listed:
+            if m.name not in wanted and m.kind in kinds:
+                problems.append(f"device: unexpected {m.kind.value} model {m.name!r}")
+        if problems:
+            raise ManifestError("manifest does not match device: " + "; ".join(problems),
+                                stage="resolve")
+        return resolved
+
+    def generation(self, generation_id: int,
+                   device_models: Mapping[TaskKind, ModelInfo] | None = None
+                   ) -> ModelGeneration:
+        return ModelGeneration(generation_id, self.calbin_sha256, self.calrt_version,
+                               {s.kind: s for s in self.submodels}, dict(device_models or {}))
+
+
+def _tensor_problems(at: str, t: TensorContract) -> list[str]:
+    problems = []
+    if not t.name:
+        problems.append(f"{at}.name: empty")
+    if not t.shape:
+        problems.append(f"{at}.shape: empty")
+    for j, d in enumerate(t.shape):
+        if d <= 0:
+            problems.append(f"{at}.shape[{j}]: must be positive, got {d}")
+    if t.byte_size <= 0:
+        problems.append(f"{at}.byte_size: must be positive, got {t.byte_size}")
+    elif t.shape and all(d > 0 for d in t.shape):
+        expected = t.element_count * t.dtype.itemsize
+        if t.byte_size != expected:
+            problems.append(f"{at}.byte_size: {t.byte_size} != shape {list(t.shape)} x "
+                            f"{t.dtype.value} ({t.dtype.itemsize} B) = {expected}")
+    return problems
+
+
+def _model_problems(at: str, sub: SubmodelContract, dev: ModelInfo) -> list[str]:
+    problems = []
+    for field in ("token_or_embed", "position", "logits"):
+        want: TensorContract = getattr(sub, field)
+        got = dev.tensor(want.name)
+        if got is None:
+            problems.append(f"{at}.{field}: tensor {want.name!r} missing in device model "
+                            f"{dev.name!r}")
+            continue
+        for attr in ("dtype", "shape", "byte_size"):
+            w, g = getattr(want, attr), getattr(got, attr)
+            if w != g:
+                problems.append(f"{at}.{field}.{attr}: manifest {_show(w)} != device {_show(g)}")
+    for field in ("csr_cur_seq", "csr_total_seq"):
+        name = getattr(sub, field)
+        if name not in dev.csr_names:
+            problems.append(f"{at}.{field}: CSR {name!r} not offered by device model "
+                            f"{dev.name!r}")
+    if sub.kind.is_prefill and dev.tile_d0 != sub.logits_tile_d0:
+        problems.append(f"{at}.logits_tile_d0: manifest {sub.logits_tile_d0} != device "
+                        f"metadata {dev.tile_d0}")
+    return problems
+
+
+def _show(v: Any) -> str:
+    if isinstance(v, enum.Enum):
+        return str(v.value)
+    if isinstance(v, tuple):
+        return str(list(v))
+    return repr(v)
+
+
+def _make_converter() -> cattrs.Converter:
+    conv = cattrs.Converter(forbid_extra_keys=True)
+
+    def strict_int(value: Any, _type: type) -> int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"expected an integer, got {value!r}")
+        return value
+
+    def strict_str(value: Any, _type: type) -> str:
+        if not isinstance(value, str):
+            raise TypeError(f"expected a string, got {value!r}")
+        return value
+
+    def strict_bool(value: Any, _type: type) -> bool:
+        if not isinstance(value, bool):
+            raise TypeError(f"expected true or false, got {value!r}")
+        return value
+
+    def shape(value: Any, _type: type) -> tuple[int, ...]:
+        if not isinstance(value, list | tuple):
+            raise TypeError(f"expected a list of integers, got {value!r}")
+        return tuple(strict_int(v, int) for v in value)
+
+    def enum_of(kind: type[enum.Enum]):
+        def structure(value: Any, _type: type) -> Any:
+            try:
+                return kind(value)
+            except ValueError:
+                allowed = ", ".join(str(m.value) for m in kind)
+                raise ValueError(f"unknown {kind.__name__} {value!r} (one of {allowed})") \
+                    from None
+        return structure
+
+    conv.register_structure_hook(int, strict_int)
+    conv.register_structure_hook(str, strict_str)
+    conv.register_structure_hook(bool, strict_bool)
+    conv.register_structure_hook_func(lambda t: t == tuple[int, ...], shape)
+    conv.register_structure_hook(DType, enum_of(DType))
+    conv.register_structure_hook(TaskKind, enum_of(TaskKind))
+    conv.register_unstructure_hook_func(lambda t: t == tuple[int, ...], list)
+    return conv
+
+
+_converter = _make_converter()
+
+
+def _paths(exc: BaseException) -> list[str]:
+    """cattrs' nested errors as ``submodels[1].logits.byte_size: <problem> (got <value>)``."""
+    out = []
+    for line in cattrs.transform_error(exc, path="$", format_exception=_describe):
+        msg, _, path = line.rpartition(" @ ")
+        path = path.removeprefix("$").removeprefix(".")
+        out.append(f"{path or '<root>'}: {msg}")
+    return out
+
+
+def _describe(exc: BaseException, type_: Any) -> str:
+    if isinstance(exc, KeyError):
+        return "required field missing"
+    if isinstance(exc, ForbiddenExtraKeysError):
+        return f"unknown field(s) {sorted(exc.extra_fields)}"
+    return str(exc)
+
+
+def builtin_manifest(name: str = "qwen3-b1") -> Manifest:
+    """A manifest shipped with calfsm: ``qwen3-b1`` (the current Qwen3 batch=1 calbin) or
+    ``tiny`` (same graph shapes, vocabulary 1024 and max_seq 8192, for fast tests)."""
+    files = {"qwen3-b1": "qwen3-b1.manifest.json", "tiny": "tiny.manifest.json"}
+    if name not in files:
+        raise ManifestError(f"no built-in manifest {name!r} (have {sorted(files)})",
+                            stage="manifest")
+    text = resources.files("calfsm.data").joinpath(files[name]).read_text("utf-8")
+    return Manifest.from_dict(json.loads(text))
