@@ -41,6 +41,7 @@ __all__ = [
     "Internal",
     "InvalidArgument",
     "JobEffect",
+    "LeaseError",
     "ManifestError",
     "RecoveryAction",
     "ResourceExhausted",
@@ -365,6 +366,13 @@ class IllegalTransition(Internal):
 
 def _rebuild_transition(machine, state, trigger, context):
     return IllegalTransition(machine, state, trigger, **context)
+
+
+class LeaseError(Internal):
+    """A buffer lease used after it was moved or returned, returned twice, or returned
+    to a pool of another generation: a bug in the caller, never a device condition."""
+
+    default_category = ErrorCategory.PROGRAMMING
 
 
 # code -> (category, exception class). The one place a code is classified.
