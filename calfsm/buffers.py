@@ -1,0 +1,696 @@
+"""Buffer slots built once per generation, lent out as move-only leases.
+
+Theory of operation
+-------------------
+A :class:`BufferSlot` is one set of device buffers (CalRT input + output buffer) for one
+(generation, task kind, engine slot), together with the host arrays mapped into them:
+the token (or embedding) tensor, the position tensor and the logits tensor. Every slot is
+created when the model is configured (:meth:`BufferPool.build`): ``create_buffers``, host
+arrays allocated once with the tensor's host dtype and exact byte size, ``map_buffer``
+once per tensor, every CalRT code checked. Nothing is allocated on the hot path (S07).
+
+The device reads and writes host arrays *when the job runs*, so a slot whose job may
+still be on the device must never be reused, resized or freed (S06, invariant 4). The
+pool therefore hands a slot out only through a :class:`BufferLease`:
+
+- *move-only*: ``new = lease.move()`` transfers ownership; the old object is dead, and
+  any use of a moved-from or returned lease raises :class:`~calfsm.errors.LeaseError`;
+- it tracks what its holder did to the slot: slices applied through it, and whether
+  the job is on the device (``mark_on_device()`` after ``infer`` succeeded,
+  ``mark_off_device()`` after ``wait`` returned);
+- :meth:`BufferPool.release` checks the slot is clean before it goes back to the free
+  list. A slice left applied quarantines the slot (FI15; ``release`` returns False and
+  logs). A lease still marked on-device is *refused*: the slot is quarantined, the lease
+  is consumed and :class:`LeaseError` is raised (the spec's "assert and quarantine": a
+  caller that knows the job may still run must call :meth:`BufferPool.quarantine`).
+
+A quarantined slot is never lent again in its generation; its host arrays stay alive
+(referenced by the slot) so a late DMA has somewhere harmless to land. After a device
+reset the executor calls :meth:`BufferPool.retire`: every slot of the generation is
+retired (leased ones become quarantined when returned), free slots' device buffers are
+destroyed, and a new pool is built for the new generation. A lease of another generation
+returned to a pool is refused with :class:`LeaseError` and its slot left alone.
+
+Invariant (checked by the stateful tests): ``free + leased + quarantined == total`` and
+no slot is held by two leases. Retired slots count as quarantined.
+
+Locking: one pool lock (``pool_mu`` in the spec), never held across a runtime call.
+Lease operations that call the runtime (slice, CSR, KV sequence) take no pool lock: a
+lease has one owner at a time, that is what move-only means.
+
+Blocking acquire on a virtual clock: :meth:`BufferPool.acquire_wait` waits on the
+condition for at most the virtual time left until the deadline, in real seconds, and
+re-reads the clock on every wake-up; whoever advances a virtual clock while threads wait
+should call :meth:`BufferPool.wake_all` so they re-check their deadlines. Deterministic
+step schedulers use the non-blocking :meth:`BufferPool.acquire`.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import attrs
+import numpy as np
+
+from calfsm.clock import Clock, RealClock
+from calfsm.drivers.base import Driver, EngineSlot
+from calfsm.errors import (
+    CalfsmError,
+    Cancelled,
+    DeadlineExceeded,
+    InvalidArgument,
+    LeaseError,
+    ManifestError,
+    ResourceExhausted,
+    Unavailable,
+    Unsupported,
+    check,
+)
+from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
+
+__all__ = [
+    "BufferLease",
+    "BufferPool",
+    "BufferSlot",
+    "PoolStats",
+    "SlotState",
+]
+
+log = logging.getLogger(__name__)
+
+_U32_MAX = 2**32 - 1
+_SEQ_LIMIT = 2**31
+
+
+class SlotState(enum.StrEnum):
+    FREE = "free"
+    LEASED = "leased"
+    QUARANTINED = "quarantined"
+    RETIRED = "retired"  #: retired by a reset; counts as quarantined in the stats
+
+
+@attrs.frozen
+class PoolStats:
+    """A snapshot of a pool; ``free + leased + quarantined == total`` always."""
+
+    generation: int
+    total: int
+    free: int
+    leased: int
+    quarantined: int
+    retired: bool = False
+
+
+@attrs.define(eq=False, slots=True, repr=False)
+class BufferSlot:
+    """One set of device buffers and the host arrays mapped into them.
+
+    ``tokens`` and ``positions`` are flat views of the input host arrays; ``logits`` is
+    the whole physical output tensor as raw BF16 bits (``uint16``). The arrays are
+    allocated once and never resized, moved or freed while the slot exists.
+    """
+
+    index: int
+    generation: int
+    kind: TaskKind
+    engine: EngineSlot
+    model: Any
+    inp: Any
+    out: Any
+    contract: SubmodelContract
+    token_host: np.ndarray
+    position_host: np.ndarray
+    logits: np.ndarray
+    tokens: np.ndarray
+    positions: np.ndarray
+    state: SlotState = SlotState.FREE
+    reason: str | None = None
+    holder: _LeaseCore | None = None
+    destroyed: bool = False
+
+    def tensor(self, name: str) -> tuple[TensorContract, Any] | None:
+        """The contract of a tensor of this slot by exact name, and the buffer it is in."""
+        c = self.contract
+        if name == c.token_or_embed.name:
+            return c.token_or_embed, self.inp
+        if name == c.position.name:
+            return c.position, self.inp
+        if name == c.logits.name:
+            return c.logits, self.out
+        return None
+
+    def __repr__(self) -> str:
+        return (f"<BufferSlot #{self.index} gen={self.generation} {self.kind.value} "
+                f"{self.engine.name} {self.state.value}>")
+
+
+class _LeaseCore:
+    """What a lease knows, shared by the successive owners of one acquisition."""
+
+    __slots__ = ("job_id", "on_device", "pool", "seq_id", "slices", "slot")
+
+    def __init__(self, pool: BufferPool, slot: BufferSlot) -> None:
+        self.pool = pool
+        self.slot = slot
+        self.slices: dict[str, tuple[int, int]] = {}
+        self.on_device = False
+        self.job_id: int | None = None
+        self.seq_id: int | None = None
+
+
+class BufferLease:
+    """Move-only ownership of one :class:`BufferSlot` (see the module docstring).
+
+    Every driver code met through a lease is checked with :func:`calfsm.errors.check`
+    and raised with the lease's context (``bind(job_id=..., seq_id=...)``, generation).
+    """
+
+    __slots__ = ("_core", "_dead")
+
+    def __init__(self, core: _LeaseCore) -> None:
+        self._core: _LeaseCore | None = core
+        self._dead = ""
+
+    # ---- ownership --------------------------------------------------------------------
+    def _live(self) -> _LeaseCore:
+        core = self._core
+        if core is None:
+            raise LeaseError(f"buffer lease used after it was {self._dead}", stage="lease")
+        return core
+
+    @property
+    def valid(self) -> bool:
+        """Whether this object still owns its slot (not moved, not returned)."""
+        return self._core is not None
+
+    def move(self) -> BufferLease:
+        """Transfer ownership to a new lease object; this one becomes unusable."""
+        core = self._live()
+        self._core = None
+        self._dead = "moved"
+        return BufferLease(core)
+
+    def _consume(self, why: str) -> None:
+        self._core = None
+        self._dead = why
+
+    # ---- what the holder sees -----------------------------------------------------------
+    @property
+    def slot(self) -> BufferSlot:
+        return self._live().slot
+
+    @property
+    def generation(self) -> int:
+        return self._live().slot.generation
+
+    @property
+    def kind(self) -> TaskKind:
+        return self._live().slot.kind
+
+    @property
+    def engine(self) -> EngineSlot:
+        return self._live().slot.engine
+
+    @property
+    def job_id(self) -> int | None:
+        return self._live().job_id
+
+    @property
+    def seq_id(self) -> int | None:
+        return self._live().seq_id
+
+    @property
+    def on_device(self) -> bool:
+        return self._live().on_device
+
+    @property
+    def slices(self) -> Mapping[str, tuple[int, int]]:
+        """Slices applied through this lease and not undone: name -> (offset, size)."""
+        return dict(self._live().slices)
+
+    def bind(self, *, job_id: int | None = None, seq_id: int | None = None) -> BufferLease:
+        """Set the job/sequence context every error raised through this lease carries."""
+        core = self._live()
+        if job_id is not None:
+            core.job_id = job_id
+        if seq_id is not None:
+            core.seq_id = seq_id
+        return self
+
+    def _ctx(self, core: _LeaseCore) -> dict[str, Any]:
+        return {"job_id": core.job_id, "seq_id": core.seq_id,
+                "generation": core.slot.generation}
+
+    def mark_on_device(self) -> None:
+        """``infer`` succeeded: the device may read and write this slot until ``wait``."""
+        self._live().on_device = True
+
+    def mark_off_device(self) -> None:
+        """``wait`` returned (or a verified reset aborted the job): the device is done."""
+        self._live().on_device = False
+
+    # ---- host data ----------------------------------------------------------------------
+    def write_inputs(self, tokens: Any, positions: Any) -> int:
+        """Copy ``tokens`` and ``positions`` into the host arrays; returns the token count.
+
+        Checked locally (InvalidArgument, nothing written): at least one token, equal
+        lengths, no more than the tensor holds, values representable in the host dtype
+        and positions non-negative. For ``PREFILL_EMBEDS`` ``tokens`` is ``(n, hidden)``.
+        """
+        core = self._live()
+        slot = core.slot
+        ctx = self._ctx(core)
+        tok = np.asarray(tokens)
+        pos = np.asarray(positions)
+        if slot.kind is TaskKind.PREFILL_EMBEDS:
+            hidden = slot.contract.token_or_embed.shape[-1]
+            if tok.ndim != 2 or tok.shape[1] != hidden:
+                raise InvalidArgument(f"embeddings must be (n, {hidden}), got {tok.shape}",
+                                      stage="prepare", **ctx)
+        elif tok.ndim != 1:
+            raise InvalidArgument(f"tokens must be 1-D, got shape {tok.shape}",
+                                  stage="prepare", **ctx)
+        if pos.ndim != 1:
+            raise InvalidArgument(f"positions must be 1-D, got shape {pos.shape}",
+                                  stage="prepare", **ctx)
+        n = tok.shape[0]
+        capacity = slot.contract.max_tokens
+        if n < 1:
+            raise InvalidArgument("no tokens to write", stage="prepare", **ctx)
+        if pos.shape[0] != n:
+            raise InvalidArgument(f"{n} tokens but {pos.shape[0]} positions",
+                                  stage="prepare", **ctx)
+        if n > capacity:
+            raise InvalidArgument(f"{n} tokens exceed the {slot.kind.value} tensor "
+                                  f"capacity of {capacity}", stage="prepare", **ctx)
+        _check_values(tok, slot.tokens.dtype, "tokens", ctx)
+        _check_values(pos, slot.positions.dtype, "positions", ctx)
+        if pos.size and pos.min() < 0:
+            raise InvalidArgument(f"negative position {int(pos.min())}", stage="prepare",
+                                  **ctx)
+        slot.tokens[:tok.size] = tok.reshape(-1)
+        slot.positions[:n] = pos
+        return n
+
+    # ---- device-side settings -------------------------------------------------------------
+    def slice(self, tensor_name: str, offset_bytes: int, size_bytes: int) -> None:
+        """Set the active region of a tensor of this slot.
+
+        Bounds are checked locally *before* the driver is called (FI03): the tensor must
+        be one of the slot's, ``offset >= 0``, ``size > 0``, ``offset + size <=
+        byte_size``, both multiples of the dtype size; else InvalidArgument and the
+        runtime is never called. The slice is tracked until :meth:`undo_slices`.
+        """
+        core = self._live()
+        slot = core.slot
+        ctx = self._ctx(core)
+        found = slot.tensor(tensor_name)
+        if found is None:
+            raise InvalidArgument(f"{slot.kind.value} has no tensor {tensor_name!r}",
+                                  stage="slice", **ctx)
+        contract, buf = found
+        for what, v in (("offset", offset_bytes), ("size", size_bytes)):
+            if isinstance(v, bool) or not isinstance(v, int | np.integer):
+                raise InvalidArgument(f"slice {what} of {tensor_name!r} must be an integer, "
+                                      f"got {v!r}", stage="slice", **ctx)
+        offset, size = int(offset_bytes), int(size_bytes)
+        byte_size = contract.byte_size
+        item = contract.dtype.itemsize
+        if offset < 0 or size <= 0 or offset > byte_size or size > byte_size - offset:
+            raise InvalidArgument(f"slice [{offset}, +{size}) of {tensor_name!r} outside its "
+                                  f"{byte_size} bytes", stage="slice", **ctx)
+        if offset % item or size % item:
+            raise InvalidArgument(f"slice [{offset}, +{size}) of {tensor_name!r} not a "
+                                  f"multiple of its {item}-byte {contract.dtype.value} "
+                                  "elements", stage="slice", **ctx)
+        check(core.pool.driver.slice_tensor(buf, tensor_name, offset, size), "slice", **ctx)
+        core.slices[tensor_name] = (offset, size)
+
+    def slice_inputs(self, n_tokens: int) -> None:
+        """Slice the token and position tensors to their first ``n_tokens`` elements."""
+        core = self._live()
+        c = core.slot.contract
+        per_token = c.token_or_embed.byte_size // c.max_tokens
+        self.slice(c.token_or_embed.name, 0, n_tokens * per_token)
+        self.slice(c.position.name, 0, n_tokens * c.position.dtype.itemsize)
+
+    def undo_slices(self) -> None:
+        """Restore every tensor sliced through this lease. Tries all of them; a slice whose
+        undo failed stays tracked (the slot will be quarantined on return) and the first
+        failure is raised."""
+        core = self._live()
+        ctx = self._ctx(core)
+        first: CalfsmError | None = None
+        for name in list(core.slices):
+            found = core.slot.tensor(name)
+            buf = found[1] if found else core.slot.inp
+            try:
+                check(core.pool.driver.undo_slice(buf, name), "undo_slice", **ctx)
+            except CalfsmError as e:
+                first = first or e
+                continue
+            del core.slices[name]
+        if first is not None:
+            raise first
+
+    def set_csr(self, name: str, value: int) -> None:
+        """Set a CSR of the input buffer (value checked to ``0..2**32-1`` locally)."""
+        core = self._live()
+        ctx = self._ctx(core)
+        if isinstance(value, bool) or not isinstance(value, int | np.integer) \
+                or not 0 <= value <= _U32_MAX:
+            raise InvalidArgument(f"CSR {name!r} value {value!r} outside 0..2**32-1",
+                                  stage="csr", **ctx)
+        check(core.pool.driver.set_csr(core.slot.inp, name, int(value)), "csr", **ctx)
+
+    def set_kv_seq(self, seq_id: int) -> None:
+        """Bind the input buffer to a KV sequence (``0 <= seq_id < 2**31`` locally)."""
+        core = self._live()
+        ctx = self._ctx(core)
+        if isinstance(seq_id, bool) or not isinstance(seq_id, int | np.integer) \
+                or not 0 <= seq_id < _SEQ_LIMIT:
+            raise InvalidArgument(f"KV sequence id {seq_id!r} outside 0..2**31-1",
+                                  stage="kv_seq", **ctx)
+        check(core.pool.driver.set_kv_seq(core.slot.inp, int(seq_id)), "kv_seq", **ctx)
+
+    def __repr__(self) -> str:
+        core = self._core
+        if core is None:
+            return f"<BufferLease {self._dead}>"
+        return f"<BufferLease of {core.slot!r} job={core.job_id} seq={core.seq_id}>"
+
+
+def _check_values(a: np.ndarray, dtype: np.dtype, what: str, ctx: dict[str, Any]) -> None:
+    if a.size == 0:
+        return
+    if dtype.kind in "iu":
+        if a.dtype.kind not in "iu":
+            raise InvalidArgument(f"{what} must be integers, got {a.dtype}", stage="prepare",
+                                  **ctx)
+        info = np.iinfo(dtype)
+        lo, hi = int(a.min()), int(a.max())
+        if lo < info.min or hi > info.max:
+            raise InvalidArgument(f"{what} values [{lo}, {hi}] do not fit {dtype}",
+                                  stage="prepare", **ctx)
+
+
+class BufferPool:
+    """Every buffer slot of one generation, and the free/leased/quarantined bookkeeping.
+
+    Build with :meth:`build`. ``acquire`` never blocks (ResourceExhausted when nothing is
+    free); ``acquire_wait`` waits on the pool's condition until a release, the deadline,
+    cancellation or retirement.
+    """
+
+    def __init__(self, driver: Driver, generation: int, slots: Iterable[BufferSlot]) -> None:
+        self.driver = driver
+        self.generation = generation
+        self._slots: tuple[BufferSlot, ...] = tuple(slots)
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._free: dict[tuple[TaskKind, EngineSlot], deque[BufferSlot]] = {}
+        self._kinds: dict[TaskKind, list[EngineSlot]] = {}
+        for s in self._slots:
+            self._free.setdefault((s.kind, s.engine), deque()).append(s)
+            engines = self._kinds.setdefault(s.kind, [])
+            if s.engine not in engines:
+                engines.append(s.engine)
+        self._n_free = len(self._slots)
+        self._n_leased = 0
+        self._n_quarantined = 0
+        self._retired = False
+
+    # ---- construction ---------------------------------------------------------------------
+    @classmethod
+    def build(cls, driver: Driver, generation: int,
+              models: Mapping[TaskKind, tuple[Any, SubmodelContract]], *,
+              engines: Sequence[EngineSlot] = (EngineSlot.AUTO,),
+              slots_per_engine: int = 1) -> BufferPool:
+        """Create every slot now: per (task kind, engine) ``slots_per_engine`` buffer sets,
+        host arrays allocated and mapped once. Any failure destroys what was created and
+        raises the classified error (stage ``buffers`` or ``map``)."""
+        if slots_per_engine < 1:
+            raise InvalidArgument(f"slots_per_engine must be >= 1, got {slots_per_engine}",
+                                  stage="buffers", generation=generation)
+        if not engines:
+            raise InvalidArgument("no engine slots given", stage="buffers",
+                                  generation=generation)
+        slots: list[BufferSlot] = []
+        try:
+            for kind, (model, contract) in models.items():
+                for engine in engines:
+                    for _ in range(slots_per_engine):
+                        slots.append(_make_slot(driver, generation, len(slots), kind,
+                                                EngineSlot(engine), model, contract))
+        except BaseException:
+            for s in slots:
+                _destroy(driver, s)
+            raise
+        return cls(driver, generation, slots)
+
+    # ---- lending --------------------------------------------------------------------------
+    def _take(self, kind: TaskKind, engine: EngineSlot) -> BufferSlot | None:
+        """Pop a free slot (lock held). Raises for a kind/engine the pool never had."""
+        engines = self._kinds.get(kind)
+        if engines is None:
+            raise Unsupported(f"pool of generation {self.generation} has no "
+                              f"{kind.value} slots", stage="lease", generation=self.generation)
+        if engine is EngineSlot.AUTO:
+            for e in engines:
+                q = self._free[(kind, e)]
+                if q:
+                    return q.popleft()
+            return None
+        q = self._free.get((kind, engine))
+        if q is None:
+            raise Unsupported(f"pool of generation {self.generation} has no {kind.value} "
+                              f"slots on engine {engine.name}", stage="lease",
+                              generation=self.generation)
+        return q.popleft() if q else None
+
+    def _lend(self, slot: BufferSlot) -> BufferLease:
+        core = _LeaseCore(self, slot)
+        slot.state = SlotState.LEASED
+        slot.holder = core
+        self._n_free -= 1
+        self._n_leased += 1
+        return BufferLease(core)
+
+    def _refuse_retired(self) -> None:
+        raise Unavailable(f"buffer pool of generation {self.generation} is retired",
+                          stage="lease", generation=self.generation)
+
+    def acquire(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO) -> BufferLease:
+        """Lease a free slot now, or raise ResourceExhausted (Unavailable once retired)."""
+        with self._lock:
+            if self._retired:
+                self._refuse_retired()
+            slot = self._take(kind, engine)
+            if slot is None:
+                raise ResourceExhausted(f"no free {kind.value} buffer slot "
+                                        f"(engine {engine.name})", stage="lease",
+                                        generation=self.generation)
+            return self._lend(slot)
+
+    def acquire_wait(self, kind: TaskKind, deadline: float, *,
+                     engine: EngineSlot = EngineSlot.AUTO,
+                     cancelled: Callable[[], bool] | None = None,
+                     clock: Clock | None = None) -> BufferLease:
+        """Lease a slot, waiting on the pool's condition (never polling) until one is
+        returned. ``deadline`` is in ``clock`` time (default: a :class:`RealClock`).
+        Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
+        with :meth:`wake_all`) or Unavailable (pool retired)."""
+        clock = clock or _REAL
+        with self._cond:
+            while True:
+                if self._retired:
+                    self._refuse_retired()
+                if cancelled is not None and cancelled():
+                    raise Cancelled("cancelled while waiting for a buffer slot",
+                                    stage="lease", generation=self.generation)
+                slot = self._take(kind, engine)
+                if slot is not None:
+                    return self._lend(slot)
+                left = deadline - clock.now()
+                if left <= 0:
+                    raise DeadlineExceeded(f"no {kind.value} buffer slot before the "
+                                           "deadline", stage="lease",
+                                           generation=self.generation)
+                self._cond.wait(left)
+
+    def wake_all(self) -> None:
+        """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
+        with self._cond:
+            self._cond.notify_all()
+
+    # ---- returning ------------------------------------------------------------------------
+    def _own(self, lease: BufferLease) -> _LeaseCore:
+        core = lease._live()
+        slot = core.slot
+        if core.pool is not self or slot.generation != self.generation:
+            raise LeaseError(f"lease of generation {slot.generation} returned to the pool "
+                             f"of generation {self.generation}", stage="lease",
+                             job_id=core.job_id, seq_id=core.seq_id,
+                             generation=slot.generation)
+        if slot.holder is not core:  # cannot happen through the public API
+            raise LeaseError(f"{slot!r} is not held by this lease", stage="lease",
+                             job_id=core.job_id, seq_id=core.seq_id,
+                             generation=slot.generation)
+        return core
+
+    def _quarantine_locked(self, slot: BufferSlot, reason: str) -> None:
+        slot.holder = None
+        slot.reason = reason
+        slot.state = SlotState.RETIRED if self._retired else SlotState.QUARANTINED
+        self._n_leased -= 1
+        self._n_quarantined += 1
+
+    def release(self, lease: BufferLease) -> bool:
+        """Return a lease's slot; True if it went back to the free list.
+
+        - lease moved-from, already returned, or of another pool/generation: LeaseError
+          (a foreign lease is left untouched, still valid for its own pool);
+        - lease still marked on-device: refused, the slot is quarantined, the lease
+          consumed, and LeaseError raised;
+        - a slice still applied through the lease (FI15): the slot is quarantined, the
+          fact logged, False returned;
+        - pool retired: the slot is quarantined (retired), False returned.
+        """
+        with self._cond:
+            core = self._own(lease)
+            slot = core.slot
+            lease._consume("returned")
+            if core.on_device:
+                self._quarantine_locked(slot, "returned while the job may be on the device")
+                on_device = True
+            else:
+                on_device = False
+                if core.slices:
+                    reason = f"returned with slices applied: {sorted(core.slices)}"
+                    self._quarantine_locked(slot, reason)
+                elif self._retired:
+                    self._quarantine_locked(slot, "generation retired")
+                else:
+                    slot.holder = None
+                    slot.state = SlotState.FREE
+                    self._free[(slot.kind, slot.engine)].append(slot)
+                    self._n_leased -= 1
+                    self._n_free += 1
+                    self._cond.notify()
+                    return True
+        if on_device:
+            err = LeaseError(f"{slot!r} returned while its job may still be on the device; "
+                             "slot quarantined", stage="lease", job_id=core.job_id,
+                             seq_id=core.seq_id, generation=slot.generation)
+            log.error("%s", err, extra=err.context())
+            raise err
+        log.warning("buffer slot quarantined on return: %s (%s)", slot.reason, slot,
+                    extra={"job_id": core.job_id, "seq_id": core.seq_id,
+                           "generation": slot.generation, "stage": "lease"})
+        return False
+
+    def quarantine(self, lease: BufferLease, reason: str) -> None:
+        """Take a lease's slot out of service for this generation (e.g. after a Wait
+        timeout, when the device may still write it). The lease is consumed; the host
+        arrays stay alive with the slot."""
+        with self._cond:
+            core = self._own(lease)
+            lease._consume("quarantined")
+            self._quarantine_locked(core.slot, reason)
+        log.warning("buffer slot quarantined: %s (%s)", reason, core.slot,
+                    extra={"job_id": core.job_id, "seq_id": core.seq_id,
+                           "generation": core.slot.generation, "stage": "lease"})
+
+    def retire(self) -> None:
+        """After a reset: no slot of this generation is lent again. Free slots are retired
+        and their device buffers destroyed (codes logged, not raised: after a
+        configuration reset the handles are stale); leased ones become quarantined when
+        returned; waiters are woken with Unavailable. Calling it twice is harmless."""
+        with self._cond:
+            self._retired = True
+            freed: list[BufferSlot] = []
+            for q in self._free.values():
+                while q:
+                    slot = q.popleft()
+                    slot.state = SlotState.RETIRED
+                    slot.reason = "generation retired"
+                    freed.append(slot)
+            self._n_free -= len(freed)
+            self._n_quarantined += len(freed)
+            self._cond.notify_all()
+        for slot in freed:
+            _destroy(self.driver, slot)
+
+    # ---- introspection --------------------------------------------------------------------
+    @property
+    def retired(self) -> bool:
+        return self._retired
+
+    @property
+    def slots(self) -> tuple[BufferSlot, ...]:
+        return self._slots
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            return PoolStats(self.generation, len(self._slots), self._n_free,
+                             self._n_leased, self._n_quarantined, self._retired)
+
+    def __repr__(self) -> str:
+        s = self.stats()
+        return (f"<BufferPool gen={s.generation} total={s.total} free={s.free} "
+                f"leased={s.leased} quarantined={s.quarantined}"
+                f"{' retired' if s.retired else ''}>")
+
+
+_REAL = RealClock()
+
+
+def _host_array(t: TensorContract, generation: int, where: str) -> np.ndarray:
+    host = np.zeros(t.shape, dtype=t.dtype.host_dtype)
+    if host.nbytes != t.byte_size:
+        raise ManifestError(f"{where}: shape {list(t.shape)} of {t.dtype.value} is "
+                            f"{host.nbytes} bytes, byte_size says {t.byte_size}",
+                            stage="buffers", generation=generation)
+    return host
+
+
+def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
+               engine: EngineSlot, model: Any, contract: SubmodelContract) -> BufferSlot:
+    ctx = {"generation": generation}
+    token = _host_array(contract.token_or_embed, generation, f"{kind.value}.token_or_embed")
+    position = _host_array(contract.position, generation, f"{kind.value}.position")
+    logits = _host_array(contract.logits, generation, f"{kind.value}.logits")
+    if logits.dtype != np.uint16:
+        raise ManifestError(f"{kind.value}.logits: dtype {contract.logits.dtype.value}, "
+                            "calfsm reads BF16 logits", stage="buffers", **ctx)
+    code, bufs = driver.create_buffers(model, engine)
+    check(code, "buffers", **ctx)
+    assert bufs is not None
+    inp, out = bufs
+    slot = BufferSlot(index=index, generation=generation, kind=kind, engine=engine,
+                      model=model, inp=inp, out=out, contract=contract, token_host=token,
+                      position_host=position, logits=logits, tokens=token.reshape(-1),
+                      positions=position.reshape(-1))
+    try:
+        check(driver.map_buffer(inp, contract.token_or_embed.name, token), "map", **ctx)
+        check(driver.map_buffer(inp, contract.position.name, position), "map", **ctx)
+        check(driver.map_buffer(out, contract.logits.name, logits), "map", **ctx)
+    except BaseException:
+        _destroy(driver, slot)
+        raise
+    return slot
+
+
+def _destroy(driver: Driver, slot: BufferSlot) -> None:
+    if slot.destroyed:
+        return
+    code = driver.destroy_buffers(slot.inp, slot.out)
+    slot.destroyed = True
+    if code != 0:
+        log.warning("destroy_buffers of %s returned %d", slot, code,
+                    extra={"generation": slot.generation, "stage": "buffers"})
