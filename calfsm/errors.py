@@ -226,6 +226,7 @@ class CalfsmError(Exception):
             "generation": self.generation,
             "calrt_code": self.calrt_code,
             "stage": self.stage,
+            "retry_after_s": self.retry_after_s,
         }
 
     def with_context(self, **context: Any) -> CalfsmError:
@@ -240,8 +241,10 @@ class CalfsmError(Exception):
     def __str__(self) -> str:
         code = "-" if self.calrt_code is None else (
             f"{self.calrt_code}({code_name(self.calrt_code)})")
+        # One log line, always: a multi-line message is joined, never split.
+        message = " | ".join(self.message.splitlines()) or self.message
         parts = [
-            f"{type(self).__name__}[{self.category.value}]: {self.message}",
+            f"{type(self).__name__}[{self.category.value}]: {message}",
             f"stage={self.stage or '-'}",
             f"job={_dash(self.job_id)}",
             f"seq={_dash(self.seq_id)}",
