@@ -1,0 +1,1082 @@
+"""SimDriver: a deterministic simulated Calculet NPU that behaves like the hardware.
+
+Theory of operation
+-------------------
+The simulated device follows ``docs/driver-protocol.md`` rule by rule; the conformance
+suite in ``tests/drivers/`` checks it (and the native emulator) against that page.
+
+*Jobs.* ``infer`` checks its arguments, then queues a job and computes its finish time
+from the :class:`LatencyModel` and the pipeline state — nothing is read from host memory.
+A job *executes* when device time reaches its finish time: every public call first runs
+every job whose time has come (:meth:`SimDriver._pump`), in submission order. Executing
+reads the mapped token and position arrays *at that moment*, checks CSRs, slices and the
+KV allocation like the device would, and ends ``DONE_CCU_EXCEPTION`` (writing nothing)
+when they disagree; otherwise it runs the hash chain against the sequence's KV words and
+writes the whole output array (:mod:`calfsm.refmodel`).
+
+*Time.* With a :class:`~calfsm.clock.VirtualClock` (the default) nothing sleeps: ``wait``
+moves the clock to the job's finish (or by its timeout). With a
+:class:`~calfsm.clock.RealClock` ``wait`` sleeps on a condition variable — releasing the
+driver lock — so a reset or close from another thread wakes it.
+
+*Faults.* A :class:`~calfsm.drivers.faults.FaultPlan` replaces the result of chosen calls
+(see that module for the counting rules). Code effects return at the point where the
+honest call would have succeeded; job effects are attached at submit and act at
+execution (or at a reset, for ``stale``).
+
+*Trace.* Every call and every injected effect is recorded as one JSON line: virtual time
+in integer nanoseconds, the call, an argument summary (model names, buffer labels such as
+``in1``/``out1`` numbered in creation order, values) and the result. No ids, addresses or
+wall-clock time, so a seed and a plan replay to the same trace byte for byte. Records are
+kept as tuples and formatted only when :meth:`SimDriver.trace_lines` is called.
+
+Thread safety: one lock guards all state; the executor's submitter (``infer``) and
+completion thread (``wait``) may call concurrently.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+import numpy as np
+
+from calfsm import refmodel
+from calfsm.clock import Clock, VirtualClock
+from calfsm.drivers.base import (
+    Calbin,
+    Capabilities,
+    EngineSlot,
+    JobTag,
+    OutputStatus,
+    ResetKind,
+)
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.errors import CalrtCode, InvalidArgument
+from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind
+
+__all__ = ["DEFAULT_CAPABILITIES", "LatencyModel", "SimDriver"]
+
+_OK = 0
+_NOT_FOUND = int(CalrtCode.NOT_FOUND)
+_INVALID_VALUE = int(CalrtCode.INVALID_VALUE)
+_INVALID_STATE = int(CalrtCode.INVALID_STATE)
+_ALREADY_CONFIGURED = int(CalrtCode.ALREADY_CONFIGURED)
+_TIMEOUT = int(CalrtCode.TIMEOUT)
+_OUT_OF_RANGE = int(CalrtCode.OUT_OF_RANGE)
+_MISSING_CONFIG = int(CalrtCode.MISSING_CONFIG)
+_DEVICE_BUSY = int(CalrtCode.DEVICE_BUSY)
+_INVALID_CALBIN = int(CalrtCode.INVALID_CALBIN)
+_DTYPE_MISMATCH = int(CalrtCode.DTYPE_MISMATCH)
+_SHAPE_MISMATCH = int(CalrtCode.SHAPE_MISMATCH)
+_UNSUPPORTED = int(CalrtCode.UNSUPPORTED)
+_WRONG_DIRECTION = int(CalrtCode.WRONG_DIRECTION)
+
+_BF16_NAN = 0x7FC0
+_BF16_INF = 0x7F80
+_U32_MAX = 2**32 - 1
+_SEQ_LIMIT = 2**31
+
+DEFAULT_CAPABILITIES = Capabilities(resets=frozenset(ResetKind), parallel_mode=True,
+                                    fixed_engine_slots=True, engine_slots=2)
+
+
+@attrs.frozen
+class LatencyModel:
+    """How long a job's stages take on the simulated device.
+
+    H2D moves the active input regions (bytes), compute costs per token (prefill) or per
+    step (decode), D2H moves the whole output tensor (bytes). ``jitter`` (a fraction, 0
+    by default) scales each job's stages by a factor in ``[1 - jitter, 1 + jitter]``
+    derived from the driver seed and the job's ordinal (``fmix32``, no global RNG).
+    """
+
+    h2d_s_per_byte: float = 0.0
+    prefill_per_token_s: float = 0.0
+    decode_s: float = 0.0
+    d2h_s_per_byte: float = 0.0
+    jitter: float = 0.0
+
+    @classmethod
+    def virtual_default(cls) -> LatencyModel:
+        """Plausible figures: 16 GB/s DMA, 0.2 ms per prefill token, 10 ms per decode."""
+        return cls(h2d_s_per_byte=1 / 16e9, prefill_per_token_s=2e-4, decode_s=0.010,
+                   d2h_s_per_byte=1 / 16e9)
+
+    @classmethod
+    def zero(cls) -> LatencyModel:
+        """Every job finishes the instant it is submitted."""
+        return cls()
+
+    @classmethod
+    def fixed(cls, decode_s: float = 0.010, prefill_per_token_s: float = 0.0,
+              h2d_s_per_byte: float = 0.0, d2h_s_per_byte: float = 0.0,
+              jitter: float = 0.0) -> LatencyModel:
+        """E.g. ``LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=1e-4)``."""
+        return cls(h2d_s_per_byte, prefill_per_token_s, decode_s, d2h_s_per_byte, jitter)
+
+    def stages(self, decode: bool, n_tokens: int, h2d_bytes: int, d2h_bytes: int,
+               factor: float = 1.0) -> tuple[float, float, float]:
+        """Seconds of (H2D, compute, D2H) of one job."""
+        compute = self.decode_s if decode else self.prefill_per_token_s * n_tokens
+        return (h2d_bytes * self.h2d_s_per_byte * factor, compute * factor,
+                d2h_bytes * self.d2h_s_per_byte * factor)
+
+
+# ---------------------------------------------------------------------------------------
+# handles
+
+
+class _Model:
+    """A configured model handle (``ModelHandle``)."""
+
+    __slots__ = ("computable", "csr_cur", "csr_names", "csr_total", "decode", "driver", "epoch",
+                 "info", "input_names", "max_tokens", "name", "out_name", "out_size", "pos_name",
+                 "rows", "tensors", "tok_name", "vocab")
+
+    def __init__(self, driver: SimDriver, info: ModelInfo, epoch: int) -> None:
+        self.driver = driver
+        self.info = info
+        self.name = info.name
+        self.epoch = epoch
+        self.tensors = {t.name: (t, True) for t in info.inputs}
+        self.tensors.update({t.name: (t, False) for t in info.outputs})
+        self.input_names = tuple(t.name for t in info.inputs)
+        tok, pos = info.inputs[0], info.inputs[1]
+        out = info.outputs[0]
+        self.tok_name, self.pos_name, self.out_name = tok.name, pos.name, out.name
+        self.out_size = out.byte_size
+        self.max_tokens = math.prod(tok.shape)
+        self.vocab = out.shape[-1]
+        self.decode = info.kind is TaskKind.DECODE
+        self.rows = 1 if self.decode else (info.tile_d0 or 1)
+        self.csr_cur, self.csr_total = info.csr_names[0], info.csr_names[1]
+        self.csr_names = frozenset(info.csr_names)
+        self.computable = (info.kind in (TaskKind.DECODE, TaskKind.PREFILL_IDS)
+                           and tok.dtype in (DType.S32, DType.U32)
+                           and pos.dtype in (DType.S32, DType.U32)
+                           and out.dtype in (DType.BF16, DType.U16))
+
+    def __repr__(self) -> str:
+        return f"<sim model {self.name!r}>"
+
+
+class _Buf:
+    """One input or output buffer of a model."""
+
+    __slots__ = ("csrs", "destroyed", "driver", "engine", "epoch", "is_input", "job", "kv_seq",
+                 "label", "maps", "model", "out_bytes", "slices", "status", "submitted")
+
+    def __init__(self, driver: SimDriver, model: _Model, is_input: bool, engine: int,
+                 label: str) -> None:
+        self.driver = driver
+        self.model = model
+        self.epoch = model.epoch
+        self.is_input = is_input
+        self.engine = engine
+        self.label = label
+        self.destroyed = False
+        self.maps: dict[str, np.ndarray] = {}
+        self.slices: dict[str, tuple[int, int]] = {}
+        self.csrs: dict[str, int] = {}
+        self.kv_seq: int | None = None
+        self.job: _Job | None = None
+        self.status = OutputStatus.IDLE
+        self.submitted = False
+        self.out_bytes: int | None = None
+
+    def __repr__(self) -> str:
+        return f"<sim buffer {self.label} of {self.model.name!r}>"
+
+
+class _Job:
+    __slots__ = ("effect", "engine", "finish", "ghost", "inp", "model", "ordinal", "out", "rule",
+                 "seq", "tag")
+
+    def __init__(self, ordinal: int, model: _Model, inp: _Buf, out: _Buf,
+                 tag: JobTag | None, engine: int, seq: int) -> None:
+        self.ordinal = ordinal
+        self.model = model
+        self.inp = inp
+        self.out = out
+        self.tag = tag
+        self.engine = engine
+        self.seq = seq
+        self.effect: str | None = None
+        self.rule: FaultRule | None = None
+        self.finish = 0.0
+        self.ghost = False
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class SimDriver:
+    """The simulated device. See the module docstring and ``docs/driver-protocol.md``."""
+
+    name = "sim"
+
+    def __init__(self, manifest_or_calbin: Manifest | Calbin | None = None, *, seed: int = 0,
+                 faults: FaultPlan | None = None, clock: Clock | None = None,
+                 latency: LatencyModel | None = None, kv_capacity: int = 1 << 20,
+                 capabilities: Capabilities = DEFAULT_CAPABILITIES,
+                 trace: bool = True, trace_path: str | Path | None = None) -> None:
+        if isinstance(manifest_or_calbin, Manifest):
+            manifest_or_calbin = Calbin.from_manifest(manifest_or_calbin)
+        if manifest_or_calbin is not None and not isinstance(manifest_or_calbin, Calbin):
+            raise InvalidArgument(f"SimDriver takes a Manifest or a Calbin, got "
+                                  f"{type(manifest_or_calbin).__name__}", stage="driver")
+        if kv_capacity < 0:
+            raise InvalidArgument(f"kv_capacity must be >= 0, got {kv_capacity}",
+                                  stage="driver")
+        #: the calbin this device is meant to be configured with (the executor passes it
+        #: to :meth:`configure`); any valid calbin is accepted
+        self.calbin: Calbin | None = manifest_or_calbin
+        self.seed = int(seed)
+        self.faults = faults if faults is not None else FaultPlan.none()
+        if not isinstance(self.faults, FaultPlan):
+            raise InvalidArgument("faults must be a FaultPlan", stage="driver")
+        self.clock: Clock = clock if clock is not None else VirtualClock()
+        self.latency = latency if latency is not None else LatencyModel.virtual_default()
+        self.kv_capacity = int(kv_capacity)
+        self._caps = capabilities
+        self._virtual = bool(getattr(self.clock, "virtual", False))
+        self._cond = threading.Condition(threading.Lock())
+        self._closed = False
+        self._epoch = 0
+        self._configured: Calbin | None = None
+        self._models: dict[str, _Model] = {}
+        self._max_seq = 0
+        self._parallel = False
+        self._queue: list[_Job] = []
+        self._ghosts: list[_Job] = []
+        self._h2d_free = self._comp_free = self._d2h_free = 0.0
+        self._jobs = 0
+        self._bufs = 0
+        self._kv: dict[int, np.ndarray] = {}
+        self._kv_alloc: dict[int, int] = {}
+        self._kv_used = 0
+        self._rules = self.faults.by_point()
+        self._matches = [0] * len(self.faults.rules)
+        self._fired = [0] * len(self.faults.rules)
+        self._trace: list[tuple] | None = [] if trace or trace_path else None
+        self._trace_path = Path(trace_path) if trace_path is not None else None
+        self._t0 = 0.0 if self._virtual else self.clock.now()
+        if self._trace is not None:
+            self._trace.append((0.0, "open", (
+                ("seed", self.seed), ("faults", self.faults.name),
+                ("rules", len(self.faults.rules)), ("kv_capacity", self.kv_capacity),
+                ("virtual", self._virtual)), 0))
+
+    # ---- trace ------------------------------------------------------------------------
+    def _rec(self, call: str, args: tuple, rc: Any) -> None:
+        self._trace.append((self.clock.now() - self._t0, call, args, rc))  # type: ignore[union-attr]
+
+    def trace_lines(self) -> list[str]:
+        """The trace so far, one JSON object per line (without newlines)."""
+        with self._cond:
+            records = list(self._trace or ())
+        lines = []
+        for t, call, args, rc in records:
+            d: dict[str, Any] = {"t": round(t * 1e9), "call": call}
+            for k, v in args:
+                d[k] = v
+            d["rc"] = rc if isinstance(rc, bool | str) else int(rc)
+            lines.append(json.dumps(d, separators=(",", ":")))
+        return lines
+
+    def write_trace(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.write_text("".join(line + "\n" for line in self.trace_lines()), "utf-8")
+        return path
+
+    # ---- faults -----------------------------------------------------------------------
+    def _fault(self, point: str, seq: int | None = None, job: int | None = None,
+               name: str | None = None) -> FaultRule | None:
+        entries = self._rules.get(point)
+        if not entries:
+            return None
+        chosen: FaultRule | None = None
+        chosen_i = -1
+        for i, r in entries:
+            if r.seq_id is not None and r.seq_id != seq:
+                continue
+            if r.job_id is not None and r.job_id != job:
+                continue
+            if r.name is not None and r.name != name:
+                continue
+            self._matches[i] += 1
+            if chosen is None and r.fires_at(self._matches[i], self._fired[i]):
+                self._fired[i] += 1
+                chosen, chosen_i = r, i
+        if chosen is not None and self._trace is not None:
+            args: tuple = (("point", point), ("effect", chosen.effect), ("rule", chosen_i))
+            if chosen.effect == "code":
+                args += (("code", chosen.effective_code),)
+            self._rec("fault", args, 0)
+        return chosen
+
+    # ---- identity ---------------------------------------------------------------------
+    def version(self) -> str:
+        return "0.7.6"
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    # ---- handle checks ----------------------------------------------------------------
+    def _model_ok(self, m: Any) -> bool:
+        return (isinstance(m, _Model) and m.driver is self and m.epoch == self._epoch
+                and self._configured is not None)
+
+    def _buf_ok(self, b: Any) -> bool:
+        return (isinstance(b, _Buf) and b.driver is self and not b.destroyed
+                and b.epoch == self._epoch and self._configured is not None)
+
+    # ---- configuration ----------------------------------------------------------------
+    def configure(self, calbin: Calbin) -> int:
+        with self._cond:
+            rc = self._configure(calbin)
+            if self._trace is not None:
+                name = ",".join(m.name for m in calbin.models) if isinstance(calbin, Calbin) \
+                    else type(calbin).__name__
+                self._rec("configure", (("models", name),), rc)
+            return rc
+
+    def _configure(self, calbin: Calbin) -> int:
+        if self._closed:
+            return _INVALID_STATE
+        self._pump()
+        if self._configured is not None:
+            return _ALREADY_CONFIGURED
+        if not isinstance(calbin, Calbin) or not calbin.models or not _calbin_usable(calbin):
+            return _INVALID_CALBIN
+        rule = self._fault("configure")
+        if rule is not None:
+            return rule.effective_code
+        self._configured = calbin
+        self._models = {m.name: _Model(self, m, self._epoch) for m in calbin.models}
+        self._max_seq = max((mm.max_tokens for mm in self._models.values() if not mm.decode),
+                            default=0)
+        return _OK
+
+    def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]:
+        with self._cond:
+            if self._closed:
+                rc, val = _INVALID_STATE, None
+            elif self._configured is None:
+                rc, val = _MISSING_CONFIG, None
+            else:
+                rc, val = _OK, tuple(self._configured.models)
+            if self._trace is not None:
+                self._rec("get_all_models", (), rc)
+            return rc, val
+
+    def model(self, exact_name: str) -> tuple[int, _Model | None]:
+        with self._cond:
+            if self._closed:
+                rc, val = _INVALID_STATE, None
+            elif self._configured is None:
+                rc, val = _MISSING_CONFIG, None
+            else:
+                val = self._models.get(exact_name) if isinstance(exact_name, str) else None
+                rc = _OK if val is not None else _NOT_FOUND
+            if self._trace is not None:
+                self._rec("model", (("name", str(exact_name)),), rc)
+            return rc, val
+
+    # ---- buffers ----------------------------------------------------------------------
+    def create_buffers(self, model: _Model, engine: EngineSlot = EngineSlot.AUTO
+                       ) -> tuple[int, tuple[_Buf, _Buf] | None]:
+        with self._cond:
+            rc, val = self._create_buffers(model, engine)
+            if self._trace is not None:
+                args: tuple = (("model", getattr(model, "name", "?")), ("engine", int(engine)))
+                if val is not None:
+                    args += (("in", val[0].label), ("out", val[1].label))
+                self._rec("create_buffers", args, rc)
+            return rc, val
+
+    def _create_buffers(self, model: _Model, engine: Any) -> tuple[int, Any]:
+        if self._closed or not self._model_ok(model):
+            return _INVALID_STATE, None
+        try:
+            engine = EngineSlot(engine)
+        except ValueError:
+            return _INVALID_VALUE, None
+        if engine is not EngineSlot.AUTO and not self._caps.fixed_engine_slots:
+            return _UNSUPPORTED, None
+        rule = self._fault("create_buffers")
+        if rule is not None:
+            return rule.effective_code, None
+        self._bufs += 1
+        k = self._bufs
+        return _OK, (_Buf(self, model, True, int(engine), f"in{k}"),
+                     _Buf(self, model, False, int(engine), f"out{k}"))
+
+    def destroy_buffers(self, inp: _Buf, out: _Buf) -> int:
+        with self._cond:
+            rc = self._destroy(inp, out)
+            if self._trace is not None:
+                self._rec("destroy_buffers", (("in", _label(inp)), ("out", _label(out))), rc)
+            return rc
+
+    def _destroy(self, inp: _Buf, out: _Buf) -> int:
+        if self._closed or not self._buf_ok(inp) or not self._buf_ok(out):
+            return _INVALID_STATE
+        if not inp.is_input or out.is_input:
+            return _WRONG_DIRECTION
+        self._pump()
+        if inp.job is not None or out.job is not None:
+            return _DEVICE_BUSY
+        for b in (inp, out):
+            b.destroyed = True
+            b.maps = {}
+        return _OK
+
+    def map_buffer(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
+        with self._cond:
+            rc = self._map(buf, tensor, host)
+            if self._trace is not None:
+                self._rec("map_buffer", (("buf", _label(buf)), ("tensor", str(tensor)),
+                                         ("nbytes", int(getattr(host, "nbytes", -1)))), rc)
+            return rc
+
+    def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
+        """(0, TensorInfo) of a tensor of the buffer's direction, or the code."""
+        entry = buf.model.tensors.get(tensor) if isinstance(tensor, str) else None
+        if entry is None:
+            return _NOT_FOUND, None
+        info, is_input = entry
+        if is_input != buf.is_input:
+            return _WRONG_DIRECTION, None
+        return _OK, info
+
+    def _map(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
+        if self._closed or not self._buf_ok(buf):
+            return _INVALID_STATE
+        rc, info = self._tensor(buf, tensor)
+        if rc:
+            return rc
+        if not isinstance(host, np.ndarray) or host.dtype != np.dtype(info.dtype.host_dtype):
+            return _DTYPE_MISMATCH
+        if not host.flags.c_contiguous or host.nbytes != info.byte_size:
+            return _SHAPE_MISMATCH
+        if not buf.is_input and not host.flags.writeable:
+            return _INVALID_VALUE
+        self._pump()
+        if buf.job is not None:
+            return _DEVICE_BUSY
+        rule = self._fault("map_buffer", name=tensor)
+        if rule is not None:
+            return rule.effective_code
+        buf.maps[tensor] = host.reshape(-1)
+        if not buf.is_input:
+            buf.status = OutputStatus.IDLE
+            buf.submitted = False
+            buf.out_bytes = None
+        return _OK
+
+    def slice_tensor(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
+        with self._cond:
+            rc = self._slice(buf, tensor, offset, size)
+            if self._trace is not None:
+                self._rec("slice_tensor", (("buf", _label(buf)), ("tensor", str(tensor)),
+                                           ("offset", _num(offset)), ("size", _num(size))), rc)
+            return rc
+
+    def _slice(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
+        if self._closed or not self._buf_ok(buf):
+            return _INVALID_STATE
+        rc, info = self._tensor(buf, tensor)
+        if rc:
+            return rc
+        if not _is_int(offset) or not _is_int(size):
+            return _INVALID_VALUE
+        if size <= 0 or offset < 0 or offset + size > info.byte_size:
+            return _OUT_OF_RANGE
+        item = info.dtype.itemsize
+        if offset % item or size % item:
+            return _INVALID_VALUE
+        self._pump()
+        if buf.job is not None:
+            return _DEVICE_BUSY
+        rule = self._fault("slice_tensor", name=tensor)
+        if rule is not None:
+            return rule.effective_code
+        buf.slices[tensor] = (int(offset), int(size))
+        return _OK
+
+    def undo_slice(self, buf: _Buf, tensor: str) -> int:
+        with self._cond:
+            rc = self._undo_slice(buf, tensor)
+            if self._trace is not None:
+                self._rec("undo_slice", (("buf", _label(buf)), ("tensor", str(tensor))), rc)
+            return rc
+
+    def _undo_slice(self, buf: _Buf, tensor: str) -> int:
+        if self._closed or not self._buf_ok(buf):
+            return _INVALID_STATE
+        rc, _info = self._tensor(buf, tensor)
+        if rc:
+            return rc
+        self._pump()
+        if buf.job is not None:
+            return _DEVICE_BUSY
+        buf.slices.pop(tensor, None)
+        return _OK
+
+    def set_csr(self, inp: _Buf, name: str, value: int) -> int:
+        with self._cond:
+            rc = self._set_csr(inp, name, value)
+            if self._trace is not None:
+                self._rec("set_csr", (("buf", _label(inp)), ("name", str(name)),
+                                      ("value", _num(value))), rc)
+            return rc
+
+    def _set_csr(self, inp: _Buf, name: str, value: int) -> int:
+        if self._closed or not self._buf_ok(inp):
+            return _INVALID_STATE
+        if not inp.is_input:
+            return _WRONG_DIRECTION
+        if name not in inp.model.csr_names:
+            return _NOT_FOUND
+        if not _is_int(value) or not 0 <= value <= _U32_MAX:
+            return _INVALID_VALUE
+        self._pump()
+        if inp.job is not None:
+            return _DEVICE_BUSY
+        rule = self._fault("set_csr", name=name)
+        if rule is not None:
+            return rule.effective_code
+        inp.csrs[name] = int(value)
+        return _OK
+
+    def set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
+        with self._cond:
+            rc = self._set_kv_seq(inp, seq_id)
+            if self._trace is not None:
+                self._rec("set_kv_seq", (("buf", _label(inp)), ("seq", _num(seq_id))), rc)
+            return rc
+
+    def _set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
+        if self._closed or not self._buf_ok(inp):
+            return _INVALID_STATE
+        if not inp.is_input:
+            return _WRONG_DIRECTION
+        if not _is_int(seq_id) or not 0 <= seq_id < _SEQ_LIMIT:
+            return _INVALID_VALUE
+        self._pump()
+        if inp.job is not None:
+            return _DEVICE_BUSY
+        rule = self._fault("set_kv_seq", seq=int(seq_id))
+        if rule is not None:
+            return rule.effective_code
+        inp.kv_seq = int(seq_id)
+        return _OK
+
+    # ---- execution --------------------------------------------------------------------
+    def infer(self, model: _Model, inp: _Buf, out: _Buf, *, tag: JobTag | None = None) -> int:
+        with self._cond:
+            rc = self._infer(model, inp, out, tag, None)
+            if self._trace is not None:
+                self._rec("infer", _infer_args(model, inp, out, tag, None), rc)
+            return rc
+
+    def infer_fixed(self, model: _Model, inp: _Buf, out: _Buf, engine: EngineSlot, *,
+                    tag: JobTag | None = None) -> int:
+        with self._cond:
+            if self._closed:
+                rc = _INVALID_STATE
+            elif not (self._caps.fixed_engine_slots and self._parallel):
+                rc = _UNSUPPORTED
+            elif not _is_int(engine) or int(engine) not in (EngineSlot.PING, EngineSlot.PONG):
+                rc = _INVALID_VALUE
+            else:
+                rc = self._infer(model, inp, out, tag, int(engine))
+            if self._trace is not None:
+                self._rec("infer_fixed", _infer_args(model, inp, out, tag, engine), rc)
+            return rc
+
+    def _infer(self, model: _Model, inp: _Buf, out: _Buf, tag: JobTag | None,
+               engine: int | None) -> int:
+        if self._closed:
+            return _INVALID_STATE
+        if self._configured is None:
+            return _MISSING_CONFIG
+        if not (self._model_ok(model) and self._buf_ok(inp) and self._buf_ok(out)):
+            return _INVALID_STATE
+        if inp.model is not model or out.model is not model or not inp.is_input \
+                or out.is_input:
+            return _INVALID_VALUE
+        if engine is not None and inp.engine not in (-1, engine):
+            return _INVALID_VALUE
+        maps = inp.maps
+        for name in model.input_names:
+            if name not in maps:
+                return _MISSING_CONFIG
+        if model.out_name not in out.maps or inp.kv_seq is None \
+                or model.csr_cur not in inp.csrs or model.csr_total not in inp.csrs:
+            return _MISSING_CONFIG
+        self._pump()
+        if out.job is not None or inp.job is not None:
+            return _DEVICE_BUSY
+        queue = self._queue
+        if self._parallel:
+            busy = {j.engine for j in queue}
+            if len(queue) >= max(1, self._caps.engine_slots):
+                return _DEVICE_BUSY
+            if engine is None:
+                engine = inp.engine if inp.engine >= 0 else (0 if 0 not in busy else 1)
+            if engine in busy:
+                return _DEVICE_BUSY
+        else:
+            if queue:
+                return _DEVICE_BUSY
+            engine = 0
+        seq = tag.seq_id if tag is not None else inp.kv_seq
+        rule = self._fault("infer", seq=seq, job=tag.job_id if tag is not None else None)
+        if rule is not None and rule.effect == "code":
+            return rule.effective_code
+        self._jobs += 1
+        job = _Job(self._jobs, model, inp, out, tag, engine, inp.kv_seq)
+        if rule is not None:
+            job.effect = rule.effect
+            job.rule = rule
+        self._schedule(job)
+        queue.append(job)
+        inp.job = out.job = job
+        out.status = OutputStatus.PENDING
+        out.submitted = True
+        out.out_bytes = None
+        return _OK
+
+    def _schedule(self, job: _Job) -> None:
+        """Finish time of a new job from the latency model and the pipeline state."""
+        inp, model = job.inp, job.model
+        h2d_bytes = 0
+        for name in model.input_names:
+            region = inp.slices.get(name)
+            h2d_bytes += region[1] if region is not None else inp.maps[name].nbytes
+        tok = inp.slices.get(model.tok_name)
+        n_tokens = (tok[1] if tok is not None else inp.maps[model.tok_name].nbytes) // 4
+        lat = self.latency
+        factor = 1.0
+        if lat.jitter:
+            u = refmodel.fmix32(self.seed ^ (job.ordinal * refmodel.TOKEN_MUL))
+            factor = 1.0 + lat.jitter * (2.0 * u / 2**32 - 1.0)
+        h2d, comp, d2h = lat.stages(model.decode, n_tokens, h2d_bytes, model.out_size, factor)
+        now = self.clock.now()
+        if job.effect == "hang":
+            comp = math.inf
+        if self._parallel:
+            h2d_end = max(now, self._h2d_free) + h2d
+            self._h2d_free = h2d_end
+            comp_end = max(h2d_end, self._comp_free) + comp
+            self._comp_free = comp_end
+            finish = max(comp_end, self._d2h_free) + d2h
+            self._d2h_free = finish
+        else:
+            start = max(now, self._d2h_free)
+            finish = start + h2d + comp + d2h
+            self._h2d_free = self._comp_free = self._d2h_free = finish
+        job.finish = finish
+
+    def _pump(self) -> None:
+        """Execute every job (queued or stale) whose finish time has come, in order."""
+        queue, ghosts = self._queue, self._ghosts
+        if not queue and not ghosts:
+            return
+        now = self.clock.now()
+        while True:
+            job = queue[0] if queue and queue[0].finish <= now else None
+            for g in ghosts:
+                if g.finish <= now and (job is None or g.finish < job.finish):
+                    job = g
+            if job is None:
+                return
+            if job.ghost:
+                ghosts.remove(job)
+            else:
+                queue.pop(0)
+            self._execute(job)
+
+    def _finish(self, job: _Job, status: OutputStatus, nbytes: int) -> None:
+        out, inp = job.out, job.inp
+        if out.job is job:
+            out.job = None
+            out.status = status
+            out.out_bytes = nbytes
+        if inp.job is job:
+            inp.job = None
+        if self._trace is not None:
+            self._rec("exec", (("job", job.ordinal), ("out", out.label),
+                               ("status", status.name), ("bytes", nbytes)), int(status))
+        self._cond.notify_all()
+
+    def _execute(self, job: _Job) -> None:
+        model, inp, out = job.model, job.inp, job.out
+        if job.effect == "ccu_exception" or not model.computable:
+            self._finish(job, OutputStatus.DONE_CCU_EXCEPTION, 0)
+            return
+        tok_arr, pos_arr = inp.maps[model.tok_name], inp.maps[model.pos_name]
+        tok_region = inp.slices.get(model.tok_name)
+        pos_region = inp.slices.get(model.pos_name)
+        tokens = tok_arr if tok_region is None else \
+            tok_arr[tok_region[0] // 4:(tok_region[0] + tok_region[1]) // 4]
+        positions = pos_arr if pos_region is None else \
+            pos_arr[pos_region[0] // 4:(pos_region[0] + pos_region[1]) // 4]
+        n = len(tokens)
+        seq = job.seq
+        alloc = self._kv_alloc.get(seq, 0)
+        ok = n >= 1 and len(positions) == n and inp.csrs[model.csr_cur] == n
+        if ok:
+            last = int(positions[n - 1])
+            ok = inp.csrs[model.csr_total] == last + 1 and (not model.decode or n == 1)
+        if ok:
+            lo, hi = (last, last) if n == 1 else (int(positions.min()), int(positions.max()))
+            limit = min(alloc, self._max_seq) if self._max_seq else alloc
+            ok = lo >= 0 and (hi < limit or job.ghost)
+            if ok and job.ghost and self._max_seq:
+                ok = hi < self._max_seq
+        if not ok:
+            self._finish(job, OutputStatus.DONE_CCU_EXCEPTION, 0)
+            return
+        if job.ghost:   # a stale completion reads KV, writes none
+            kv = np.zeros(hi + 1, np.uint32)
+            have = self._kv.get(seq)
+            if have is not None:
+                m = min(len(have), hi + 1)
+                kv[:m] = have[:m]
+            hashes = refmodel.chain_into(kv, tokens, positions, write=False)
+        else:
+            hashes = refmodel.chain_into(self._kv[seq], tokens, positions)
+        dest = out.maps[model.out_name]
+        effect = job.effect
+        nbytes = model.out_size
+        if effect == "short_output":
+            scratch = np.empty_like(dest)
+            self._write_logits(model, hashes, scratch)
+            rule = job.rule
+            nbytes = model.out_size // 2 if rule is None or rule.n_bytes is None \
+                else min(rule.n_bytes, model.out_size)
+            dest.view(np.uint8)[:nbytes] = scratch.view(np.uint8)[:nbytes]
+        else:
+            self._write_logits(model, hashes, dest)
+            if effect in ("nan", "inf"):
+                row = refmodel.tile_row(n, model.rows) if not model.decode else 0
+                index = (job.rule.index if job.rule is not None else 0) % model.vocab
+                dest[row * model.vocab + index] = _BF16_NAN if effect == "nan" else _BF16_INF
+        self._finish(job, OutputStatus.DONE_OK, nbytes)
+
+    @staticmethod
+    def _write_logits(model: _Model, hashes: list[int], dest: np.ndarray) -> None:
+        if model.decode:
+            refmodel.kernel(model.vocab).into(hashes[-1], dest[:model.vocab])
+            if len(dest) > model.vocab:
+                dest[model.vocab:] = 0
+        else:
+            refmodel.prefill_tile(hashes, model.rows, dest[:model.rows * model.vocab])
+
+    def wait(self, out: _Buf, timeout_s: float) -> int:
+        with self._cond:
+            rc = self._wait(out, timeout_s)
+            if self._trace is not None:
+                self._rec("wait", (("out", _label(out)), ("timeout", _num(timeout_s))), rc)
+            return rc
+
+    def _wait(self, out: _Buf, timeout_s: float) -> int:
+        if self._closed or not self._buf_ok(out) or out.is_input:
+            return _INVALID_STATE
+        self._pump()
+        if not out.submitted:
+            return _INVALID_STATE
+        job = out.job
+        if job is None:
+            return _OK
+        try:
+            timeout = max(0.0, float(timeout_s))
+        except (TypeError, ValueError):
+            return _INVALID_VALUE
+        rule = self._fault("wait", seq=job.seq,
+                           job=job.tag.job_id if job.tag is not None else None)
+        if rule is not None:
+            return rule.effective_code
+        clock = self.clock
+        if self._virtual:
+            deadline = clock.now() + timeout
+            if job.finish <= deadline:
+                clock.advance_to(job.finish)  # type: ignore[attr-defined]
+                self._pump()
+                return _OK
+            if math.isfinite(deadline):
+                clock.advance_to(deadline)  # type: ignore[attr-defined]
+                self._pump()
+            return _TIMEOUT if out.job is job else _OK
+        deadline = clock.now() + timeout
+        while out.job is job:
+            now = clock.now()
+            if job.finish <= now:
+                self._pump()
+                continue
+            if now >= deadline:
+                return _TIMEOUT
+            self._cond.wait(min(job.finish, deadline) - now)
+        return _OK
+
+    def status(self, out: _Buf) -> OutputStatus:
+        with self._cond:
+            if not isinstance(out, _Buf) or out.driver is not self or out.is_input:
+                raise InvalidArgument(f"status() of {out!r}: not an output buffer of this "
+                                      "driver", stage="status")
+            if not self._closed:
+                self._pump()
+            st = out.status
+            if self._trace is not None:
+                self._rec("status", (("out", out.label),), st.name)
+            return st
+
+    def output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
+        with self._cond:
+            rc, val = self._output_bytes(out, tensor)
+            if self._trace is not None:
+                self._rec("output_bytes", (("out", _label(out)), ("tensor", str(tensor)),
+                                           ("bytes", val)), rc)
+            return rc, val
+
+    def _output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
+        if self._closed or not self._buf_ok(out):
+            return _INVALID_STATE, None
+        rc, _info = self._tensor(out, tensor)
+        if rc:
+            return rc, None
+        self._pump()
+        if out.job is not None or out.out_bytes is None:
+            return _INVALID_STATE, None
+        return _OK, out.out_bytes
+
+    # ---- KV manager -------------------------------------------------------------------
+    def kv_can_allocate(self, n: int) -> bool:
+        with self._cond:
+            ok = (not self._closed and _is_int(n)
+                  and self.kv_capacity - self._kv_used >= n)
+            if ok and self._fault("kv_can_allocate") is not None:
+                ok = False
+            if self._trace is not None:
+                self._rec("kv_can_allocate", (("n", _num(n)),), ok)
+            return ok
+
+    def kv_apply(self, seq_id: int, target_len: int) -> bool:
+        with self._cond:
+            ok = self._kv_apply(seq_id, target_len)
+            if self._trace is not None:
+                self._rec("kv_apply", (("seq", _num(seq_id)), ("target", _num(target_len))),
+                          ok)
+            return ok
+
+    def _kv_apply(self, seq: int, target: int) -> bool:
+        if self._closed or not _is_int(seq) or not _is_int(target) \
+                or not 0 <= seq < _SEQ_LIMIT or target < 0:
+            return False
+        cur = self._kv_alloc.get(seq, 0)
+        need = target - cur
+        if need > self.kv_capacity - self._kv_used:
+            return False
+        if self._fault("kv_apply", seq=int(seq)) is not None:
+            return False
+        if need <= 0:
+            return True
+        words = self._kv.get(seq)
+        if words is None or len(words) < target:
+            grown = np.zeros(max(target, 2 * len(words) if words is not None else 0, 16),
+                             np.uint32)
+            if words is not None:
+                grown[:len(words)] = words
+            self._kv[seq] = grown
+        self._kv_alloc[seq] = int(target)
+        self._kv_used += need
+        return True
+
+    def kv_release(self, seq_id: int, keep_len: int = 0) -> int:
+        with self._cond:
+            rc = self._kv_release(seq_id, keep_len)
+            if self._trace is not None:
+                self._rec("kv_release", (("seq", _num(seq_id)), ("keep", _num(keep_len))), rc)
+            return rc
+
+    def _kv_release(self, seq: int, keep: int) -> int:
+        if self._closed:
+            return _INVALID_STATE
+        if not _is_int(seq) or not _is_int(keep) or keep < 0:
+            return _INVALID_VALUE
+        cur = self._kv_alloc.get(seq)
+        if cur is None or keep >= cur:
+            return _OK
+        self._kv[seq][keep:cur] = 0
+        self._kv_used -= cur - keep
+        if keep == 0:
+            del self._kv_alloc[seq]
+            del self._kv[seq]
+        else:
+            self._kv_alloc[seq] = int(keep)
+        return _OK
+
+    def kv_allocated(self, seq_id: int) -> int:
+        """Positions allocated to ``seq_id`` (a test and diagnostics helper, not protocol)."""
+        with self._cond:
+            return self._kv_alloc.get(seq_id, 0)
+
+    # ---- device control ---------------------------------------------------------------
+    def reset(self, kind: ResetKind) -> int:
+        with self._cond:
+            rc = self._reset(kind)
+            if self._trace is not None:
+                self._rec("reset", (("kind", str(getattr(kind, "value", kind))),), rc)
+            return rc
+
+    def _reset(self, kind: Any) -> int:
+        if self._closed:
+            return _INVALID_STATE
+        try:
+            kind = ResetKind(kind)
+        except ValueError:
+            return _INVALID_VALUE
+        if not self._caps.can_reset(kind):
+            return _UNSUPPORTED
+        self._pump()
+        rule = self._fault("reset")
+        if rule is not None:
+            return rule.effective_code
+        self._abort_pending(keep_stale=True)
+        if kind in (ResetKind.CONFIGURATION, ResetKind.FULL):
+            self._epoch += 1
+            self._configured = None
+            self._models = {}
+            self._max_seq = 0
+        if kind is ResetKind.FULL:
+            self._kv.clear()
+            self._kv_alloc.clear()
+            self._kv_used = 0
+            self._parallel = False
+        return _OK
+
+    def _abort_pending(self, keep_stale: bool) -> None:
+        queue, self._queue = self._queue, []
+        for job in queue:
+            if keep_stale and job.effect == "stale":
+                job.ghost = True
+                self._ghosts.append(job)
+            else:
+                self._finish(job, OutputStatus.DONE_ABORTED, 0)
+        if not keep_stale:
+            ghosts, self._ghosts = self._ghosts, []
+            for job in ghosts:
+                self._finish(job, OutputStatus.DONE_ABORTED, 0)
+        now = self.clock.now()
+        self._h2d_free = self._comp_free = self._d2h_free = now
+        self._cond.notify_all()
+
+    def enable_parallel_mode(self, enabled: bool) -> int:
+        with self._cond:
+            rc = self._enable_parallel(enabled)
+            if self._trace is not None:
+                self._rec("enable_parallel_mode", (("on", bool(enabled)),), rc)
+            return rc
+
+    def _enable_parallel(self, enabled: bool) -> int:
+        if self._closed:
+            return _INVALID_STATE
+        if not self._caps.parallel_mode:
+            return _UNSUPPORTED
+        self._pump()
+        if self._queue:
+            return _DEVICE_BUSY
+        rule = self._fault("enable_parallel_mode")
+        if rule is not None:
+            return rule.effective_code
+        self._parallel = bool(enabled)
+        return _OK
+
+    @property
+    def parallel_mode(self) -> bool:
+        return self._parallel
+
+    def close(self) -> None:
+        with self._cond:
+            if self._closed:
+                return
+            self._pump()
+            self._abort_pending(keep_stale=False)
+            self._closed = True
+            if self._trace is not None:
+                self._rec("close", (), 0)
+            self._cond.notify_all()
+        if self._trace_path is not None:
+            self.write_trace(self._trace_path)
+
+    def __enter__(self) -> SimDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else (
+            "configured" if self._configured is not None else "unconfigured")
+        return f"<SimDriver {state} seed={self.seed} faults={self.faults.describe()!r}>"
+
+
+# ---------------------------------------------------------------------------------------
+
+
+def _calbin_usable(calbin: Calbin) -> bool:
+    """Structural checks a device makes when it loads a calbin."""
+    names = set()
+    for m in calbin.models:
+        if not isinstance(m, ModelInfo) or not m.name or m.name in names:
+            return False
+        names.add(m.name)
+        if len(m.inputs) < 2 or len(m.outputs) < 1 or len(m.csr_names) < 2:
+            return False
+        for t in (*m.inputs, *m.outputs):
+            if not t.shape or any(d <= 0 for d in t.shape) \
+                    or t.byte_size != math.prod(t.shape) * t.dtype.itemsize:
+                return False
+        out = m.outputs[0]
+        if m.kind is not None and m.kind.is_prefill:
+            d0 = m.tile_d0
+            if not d0 or d0 <= 0 or math.prod(out.shape) != d0 * out.shape[-1]:
+                return False
+    return True
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _num(x: Any) -> Any:
+    if isinstance(x, bool):
+        return x
+    if isinstance(x, int | np.integer):
+        return int(x)
+    if isinstance(x, float | np.floating):
+        return float(x) if math.isfinite(x) else str(x)
+    return repr(type(x).__name__)
+
+
+def _label(b: Any) -> str:
+    return b.label if isinstance(b, _Buf) else "?"
+
+
+def _infer_args(model: Any, inp: Any, out: Any, tag: JobTag | None, engine: Any) -> tuple:
+    args: tuple = (("model", getattr(model, "name", "?")), ("in", _label(inp)),
+                   ("out", _label(out)))
+    if engine is not None:
+        args += (("engine", _num(engine)),)
+    if tag is not None:
+        args += (("tag", [tag.job_id, tag.seq_id, tag.generation]),)
+    return args
