@@ -20,6 +20,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import reprlib
 import tomllib
 from collections import Counter
 from collections.abc import Iterable, Mapping
@@ -30,6 +31,7 @@ from typing import Any
 import attrs
 import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
+from cattrs.gen import make_dict_structure_fn
 
 from calfsm.errors import ManifestError
 
@@ -211,6 +213,11 @@ class Manifest:
         if not isinstance(data, Mapping):
             raise ManifestError(f"manifest must be a mapping, got {type(data).__name__}",
                                 stage="manifest")
+        submodels = data.get("submodels")
+        if submodels is not None and not isinstance(submodels, list | tuple):
+            # cattrs would iterate a string's characters or a table's keys instead
+            raise ManifestError(f"submodels: expected a list of sub-models, got "
+                                f"{reprlib.repr(submodels)}", stage="manifest")
         try:
             manifest = _converter.structure(data, cls)
         except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as e:
@@ -271,7 +278,8 @@ class Manifest:
                 elif len(sub.logits.shape) >= 2 and sub.logits.shape[-2] != d0:
                     problems.append(f"{at}.logits.shape: {list(sub.logits.shape)} has "
                                     f"{sub.logits.shape[-2]} rows, logits_tile_d0 is {d0}")
-            elif sub.kind is TaskKind.DECODE and sub.logits.element_count != sub.vocab:
+            elif (sub.kind is TaskKind.DECODE and sub.logits.shape
+                  and sub.logits.element_count != sub.vocab):
                 problems.append(f"{at}.logits.shape: decode logits must hold one row, got "
                                 f"{list(sub.logits.shape)}")
         kinds = Counter(s.kind for s in self.submodels)
@@ -358,6 +366,9 @@ def _tensor_problems(at: str, t: TensorContract) -> list[str]:
 
 def _model_problems(at: str, sub: SubmodelContract, dev: ModelInfo) -> list[str]:
     problems = []
+    if dev.kind is not None and dev.kind is not sub.kind:
+        problems.append(f"{at}.kind: manifest {sub.kind.value} != device {dev.kind.value} "
+                        f"for {dev.name!r}")
     for field in ("token_or_embed", "position", "logits"):
         want: TensorContract = getattr(sub, field)
         got = dev.tensor(want.name)
@@ -421,6 +432,19 @@ def _make_converter() -> cattrs.Converter:
                     from None
         return structure
 
+    def mapping_only(cls: type) -> Any:
+        # Without this a non-table (``"logits": 5``) fails deep inside cattrs with a
+        # message that names neither the expected table nor the value.
+        fields = make_dict_structure_fn(cls, conv, _cattrs_forbid_extra_keys=True)
+
+        def structure(value: Any, _type: type) -> Any:
+            if not isinstance(value, Mapping):
+                raise TypeError(f"expected a table of {cls.__name__} fields, got "
+                                f"{reprlib.repr(value)}")
+            return fields(value, _type)
+        return structure
+
+    conv.register_structure_hook_factory(attrs.has, mapping_only)
     conv.register_structure_hook(int, strict_int)
     conv.register_structure_hook(str, strict_str)
     conv.register_structure_hook(bool, strict_bool)
