@@ -1,0 +1,373 @@
+"""Manifests: the built-in ones carry the spec's values, files round-trip through JSON
+and TOML, every bad input is a ManifestError naming the field path and the value, and
+``resolve`` matches device models by exact name only and reports every difference in
+one error (FI01, defect S08)."""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+import pytest
+
+from calfsm.drivers.base import Calbin
+from calfsm.errors import ManifestError
+from calfsm.manifest import (
+    DType,
+    Manifest,
+    ModelInfo,
+    TaskKind,
+    TensorInfo,
+    builtin_manifest,
+)
+
+QWEN = builtin_manifest("qwen3-b1")
+PREFILL, DECODE = "qwen3_b1_prefill_ids", "qwen3_b1_decode"
+
+
+# ---- built-in manifests ---------------------------------------------------------------
+
+def test_qwen3_builtin_has_the_spec_values() -> None:
+    assert QWEN.kinds == (TaskKind.PREFILL_IDS, TaskKind.DECODE)
+    prefill, decode = QWEN.submodel(TaskKind.PREFILL_IDS), QWEN.submodel(TaskKind.DECODE)
+    assert (prefill.exact_name, decode.exact_name) == (PREFILL, DECODE)
+    for sub in (prefill, decode):
+        assert (sub.max_batch, sub.max_seq) == (1, 40960)
+        assert sub.token_or_embed.dtype is DType.S32
+        assert sub.position.dtype is DType.S32
+        assert sub.logits.dtype is DType.BF16
+        assert sub.vocab == 151936
+        assert (sub.csr_cur_seq, sub.csr_total_seq) == ("cur_seq", "total_seq")
+    assert prefill.logits_tile_d0 == 16 and prefill.rows == 16
+    assert prefill.logits.shape == (1, 16, 151936)
+    assert prefill.logits.byte_size == 16 * 151936 * 2
+    assert prefill.token_or_embed.shape == (1, 40960) and prefill.max_tokens == 40960
+    assert prefill.token_or_embed.sliceable
+    assert decode.logits_tile_d0 is None and decode.rows == 1
+    assert decode.logits.shape == (1, 1, 151936)
+    assert decode.token_or_embed.shape == (1, 1)
+
+
+def test_tiny_builtin() -> None:
+    tiny = builtin_manifest("tiny")
+    assert {s.vocab for s in tiny.submodels} == {1024}
+    assert {s.max_seq for s in tiny.submodels} == {8192}
+    assert tiny.submodel(TaskKind.PREFILL_IDS).logits_tile_d0 == 16
+
+
+def test_unknown_builtin() -> None:
+    with pytest.raises(ManifestError, match="'nope'"):
+        builtin_manifest("nope")
+
+
+# ---- file round trips -------------------------------------------------------------------
+
+def test_json_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "m.manifest.json"
+    path.write_text(json.dumps(QWEN.to_dict(), indent=2), "utf-8")
+    assert Manifest.load(path) == QWEN
+    assert Manifest.from_dict(json.loads(json.dumps(QWEN.to_dict()))) == QWEN
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int):
+        return str(v)
+    if isinstance(v, str):
+        return json.dumps(v)  # a JSON string is a valid TOML basic string
+    if isinstance(v, list):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
+    raise TypeError(v)
+
+
+def to_toml(data: dict[str, Any]) -> str:
+    """Just enough TOML for a manifest: scalars, arrays, an array of tables
+    (``[[submodels]]``) whose tables hold sub-tables. ``None`` is left out (no null)."""
+    lines = [f"{k} = {_toml_value(v)}" for k, v in data.items()
+             if not isinstance(v, list | dict) or (isinstance(v, list) and v
+                                                   and not isinstance(v[0], dict))]
+    for key, items in data.items():
+        if not (isinstance(items, list) and items and isinstance(items[0], dict)):
+            continue
+        for item in items:
+            lines += ["", f"[[{key}]]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in item.items()
+                      if v is not None and not isinstance(v, dict)]
+            for sub, table in item.items():
+                if isinstance(table, dict):
+                    lines += ["", f"[{key}.{sub}]"]
+                    lines += [f"{k} = {_toml_value(v)}" for k, v in table.items()
+                              if v is not None]
+    return "\n".join(lines) + "\n"
+
+
+def test_toml_round_trip(tmp_path: Path) -> None:
+    path = tmp_path / "m.manifest.toml"
+    path.write_text(to_toml(QWEN.to_dict()), "utf-8")
+    assert "[[submodels]]" in path.read_text("utf-8")
+    assert Manifest.load(path) == QWEN
+
+
+# ---- bad input --------------------------------------------------------------------------
+
+def setter(*path: Any, value: Any) -> Callable[[dict], None]:
+    def mutate(d: dict) -> None:
+        for key in path[:-1]:
+            d = d[key]
+        d[path[-1]] = value
+    return mutate
+
+
+def deleter(*path: Any) -> Callable[[dict], None]:
+    def mutate(d: dict) -> None:
+        for key in path[:-1]:
+            d = d[key]
+        del d[path[-1]]
+    return mutate
+
+
+BAD: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
+    "bool for int": (setter("submodels", 0, "max_batch", value=True),
+                     ("submodels[0].max_batch", "got True")),
+    "string for int": (setter("submodels", 1, "max_seq", value="40960"),
+                       ("submodels[1].max_seq", "got '40960'")),
+    "float byte_size": (setter("submodels", 0, "logits", "byte_size", value=4861952.0),
+                        ("submodels[0].logits.byte_size", "got 4861952.0")),
+    "int for string": (setter("name", value=5), ("name: expected a string", "got 5")),
+    "string for bool": (setter("submodels", 0, "logits", "sliceable", value="yes"),
+                        ("submodels[0].logits.sliceable", "got 'yes'")),
+    "string for shape": (setter("submodels", 0, "position", "shape", value="1,40960"),
+                         ("submodels[0].position.shape", "got '1,40960'")),
+    "int for a table": (setter("submodels", 0, "logits", value=5),
+                        ("submodels[0].logits: expected a table", "got 5")),
+    "int for a sub-model": (setter("submodels", 1, value=7),
+                            ("submodels[1]: expected a table", "got 7")),
+    "string for submodels": (setter("submodels", value="abc"),
+                             ("submodels: expected a list", "got 'abc'")),
+    "table for submodels": (setter("submodels", value={"decode": 1}),
+                            ("submodels: expected a list", "got {'decode': 1}")),
+    "negative byte_size": (setter("submodels", 1, "position", "byte_size", value=-4),
+                           ("submodels[1].position.byte_size", "got -4")),
+    "negative dimension": (setter("submodels", 1, "token_or_embed", "shape", value=[1, -1]),
+                           ("submodels[1].token_or_embed.shape[1]", "got -1")),
+    "zero max_batch": (setter("submodels", 0, "max_batch", value=0),
+                       ("submodels[0].max_batch", "got 0")),
+    "inconsistent byte_size": (setter("submodels", 1, "logits", "byte_size", value=303873),
+                               ("submodels[1].logits.byte_size", "303873", "303872")),
+    "unknown dtype": (setter("submodels", 1, "logits", "dtype", value="BF17"),
+                      ("submodels[1].logits.dtype", "'BF17'")),
+    "unknown task kind": (setter("submodels", 1, "kind", value="encode"),
+                          ("submodels[1].kind", "'encode'")),
+    "missing logits_tile_d0": (deleter("submodels", 0, "logits_tile_d0"),
+                               ("submodels[0].logits_tile_d0", "prefill_ids")),
+    "null logits_tile_d0": (setter("submodels", 0, "logits_tile_d0", value=None),
+                            ("submodels[0].logits_tile_d0",)),
+    "tile_d0 disagrees with logits rows": (
+        setter("submodels", 0, "logits_tile_d0", value=8),
+        ("submodels[0].logits.shape", "16 rows", "logits_tile_d0 is 8")),
+    "duplicate exact names": (setter("submodels", 1, "exact_name", value=PREFILL),
+                              ("submodels[1].exact_name", repr(PREFILL), "not unique")),
+    "two sub-models of one kind": (setter("submodels", 1, "kind", value="prefill_ids"),
+                                   ("submodels: 2 sub-models of kind prefill_ids",)),
+    "empty submodels": (setter("submodels", value=[]), ("submodels: empty",)),
+    "empty decode logits shape": (setter("submodels", 1, "logits", "shape", value=[]),
+                                  ("submodels[1].logits.shape: empty",)),
+    "extra key at the top": (setter("comment", value="hi"),
+                             ("<root>: unknown field(s) ['comment']",)),
+    "extra key in a tensor": (setter("submodels", 0, "logits", "layout", value="NHWC"),
+                              ("submodels[0].logits: unknown field(s) ['layout']",)),
+    "missing field": (deleter("submodels", 1, "csr_total_seq"),
+                      ("submodels[1].csr_total_seq: required field missing",)),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_input_names_path_and_value(case: str) -> None:
+    mutate, expected = BAD[case]
+    data = copy.deepcopy(QWEN.to_dict())
+    mutate(data)
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_dict(data)
+    text = info.value.message  # not str(): its "http=500" suffix would match digits
+    for part in expected:
+        assert part in text, f"{part!r} not in {text!r}"
+    assert info.value.stage == "manifest"
+    assert "\n" not in str(info.value)
+
+
+def test_every_validation_problem_is_reported_at_once() -> None:
+    data = copy.deepcopy(QWEN.to_dict())
+    data["submodels"][0]["max_seq"] = -1
+    data["submodels"][1]["logits"]["byte_size"] = 1
+    del data["submodels"][0]["logits_tile_d0"]
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_dict(data)
+    for part in ("submodels[0].max_seq", "submodels[1].logits.byte_size",
+                 "submodels[0].logits_tile_d0"):
+        assert part in info.value.message
+
+
+@pytest.mark.parametrize("top", [[1, 2], "manifest", 3, None])
+def test_non_mapping_top_level(top: Any, tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match=f"must be a mapping, got {type(top).__name__}"):
+        Manifest.from_dict(top)
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(top), "utf-8")
+    with pytest.raises(ManifestError, match="must be a mapping"):
+        Manifest.load(path)
+
+
+@pytest.mark.parametrize(("suffix", "text"), [
+    (".json", '{"calbin_sha256": "ab", "submodels": [}'),
+    (".json", "\xff\xfe not utf-8"),
+    (".toml", 'calbin_sha256 = "ab"\nsubmodels = [\n'),
+    (".toml", "name = \n"),
+])
+def test_malformed_file(suffix: str, text: str, tmp_path: Path) -> None:
+    path = tmp_path / f"broken{suffix}"
+    path.write_bytes(text.encode("latin-1"))
+    with pytest.raises(ManifestError, match="does not parse") as info:
+        Manifest.load(path)
+    assert str(path) in info.value.message
+
+
+def test_unreadable_file(tmp_path: Path) -> None:
+    with pytest.raises(ManifestError, match="cannot read manifest"):
+        Manifest.load(tmp_path / "absent.json")
+
+
+# ---- resolve against a device -----------------------------------------------------------
+
+def device(manifest: Manifest = QWEN) -> Calbin:
+    return Calbin.from_manifest(manifest)
+
+
+def renamed(calbin: Calbin, old: str, new: str) -> tuple[ModelInfo, ...]:
+    return tuple(attrs.evolve(m, name=new) if m.name == old else m for m in calbin.models)
+
+
+def with_name(manifest: Manifest, old: str, new: str) -> Manifest:
+    return attrs.evolve(manifest, submodels=tuple(
+        attrs.evolve(s, exact_name=new) if s.exact_name == old else s
+        for s in manifest.submodels))
+
+
+def resolve_error(manifest: Manifest, models: tuple[ModelInfo, ...]) -> str:
+    with pytest.raises(ManifestError) as info:
+        manifest.resolve(models)
+    assert info.value.stage == "resolve"
+    return info.value.message
+
+
+def test_resolve_matches_by_exact_name() -> None:
+    resolved = QWEN.resolve(device().models)
+    assert {k: m.name for k, m in resolved.items()} == {
+        TaskKind.PREFILL_IDS: PREFILL, TaskKind.DECODE: DECODE}
+    # Order of the device list does not matter.
+    assert QWEN.resolve(tuple(reversed(device().models))) == resolved
+
+
+def _one_char_off(name: str, i: int) -> str:
+    return name[:i] + ("x" if name[i] != "x" else "y") + name[i + 1:]
+
+
+def test_fi01_one_character_wrong_in_the_manifest_fails_naming_both_names() -> None:
+    models = device().models
+    for right in (PREFILL, DECODE):
+        for i in range(len(right)):
+            wrong = _one_char_off(right, i)
+            message = resolve_error(with_name(QWEN, right, wrong), models)
+            assert f"missing on device: {wrong!r}" in message
+            assert f"unexpected {'decode' if right == DECODE else 'prefill_ids'} model " \
+                   f"{right!r}" in message
+
+
+def test_fi01_one_character_wrong_on_the_device_side_too() -> None:
+    message = resolve_error(QWEN, renamed(device(), DECODE, "qwen3_b1_dec0de"))
+    assert f"missing on device: {DECODE!r}" in message
+    assert "unexpected decode model 'qwen3_b1_dec0de'" in message
+
+
+def test_never_a_substring_match() -> None:
+    message = resolve_error(QWEN, renamed(device(), DECODE, "qwen3_b1_decode_v2"))
+    assert f"missing on device: {DECODE!r}" in message
+    assert "'qwen3_b1_decode_v2'" in message
+    # ...and a shorter device name does not satisfy a longer manifest name either.
+    message = resolve_error(QWEN, renamed(device(), PREFILL, "qwen3_b1_prefill"))
+    assert f"missing on device: {PREFILL!r}" in message
+
+
+def test_a_near_name_beside_the_exact_one_is_reported_not_chosen() -> None:
+    decode = next(m for m in device().models if m.name == DECODE)
+    models = (*device().models, attrs.evolve(decode, name="qwen3_b1_decode_v2"))
+    message = resolve_error(QWEN, models)
+    assert "unexpected decode model 'qwen3_b1_decode_v2'" in message
+    assert "missing" not in message
+
+
+def test_duplicate_device_names() -> None:
+    models = device().models
+    message = resolve_error(QWEN, (*models, models[1]))
+    assert f"{DECODE!r} listed 2 times by device" in message
+
+
+def test_every_device_difference_in_one_error() -> None:
+    calbin = device()
+    prefill = next(m for m in calbin.models if m.name == PREFILL)
+    decode = next(m for m in calbin.models if m.name == DECODE)
+    ids, pos = prefill.inputs
+    calbin = calbin.replace_model(
+        PREFILL, tile_d0=8,
+        inputs=(attrs.evolve(ids, shape=(1, 40961)),
+                attrs.evolve(pos, byte_size=pos.byte_size + 1)))
+    calbin = calbin.replace_model(
+        DECODE, csr_names=("cur_seq",),
+        outputs=(attrs.evolve(decode.outputs[0], dtype=DType.F16),))
+    message = resolve_error(QWEN, calbin.models)
+    for part in (
+        "submodels[0].token_or_embed.shape: manifest [1, 40960] != device [1, 40961]",
+        "submodels[0].position.byte_size: manifest 163840 != device 163841",
+        "submodels[0].logits_tile_d0: manifest 16 != device metadata 8",
+        "submodels[1].logits.dtype: manifest BF16 != device F16",
+        "submodels[1].csr_total_seq: CSR 'total_seq' not offered",
+    ):
+        assert part in message, part
+
+
+def test_missing_tensor_on_the_device() -> None:
+    calbin = device().replace_model(DECODE, outputs=(
+        TensorInfo("logits_out", (1, 1, 151936), DType.BF16, 303872),))
+    message = resolve_error(QWEN, calbin.models)
+    assert "submodels[1].logits: tensor 'logits' missing in device model" in message
+
+
+def test_device_model_of_another_kind_under_the_exact_name() -> None:
+    calbin = device().replace_model(DECODE, kind=TaskKind.PREFILL_IDS)
+    message = resolve_error(QWEN, calbin.models)
+    assert "submodels[1].kind: manifest decode != device prefill_ids" in message
+
+
+def test_untagged_device_model_and_unused_kinds_are_accepted() -> None:
+    calbin = device().replace_model(DECODE, kind=None)
+    vision = ModelInfo("qwen3_vision", TaskKind.VISION, (), (), ())
+    resolved = QWEN.resolve((*calbin.models, vision))
+    assert resolved[TaskKind.DECODE].name == DECODE
+
+
+def test_empty_device() -> None:
+    message = resolve_error(QWEN, ())
+    assert f"missing on device: {PREFILL!r}" in message
+    assert f"missing on device: {DECODE!r}" in message
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError,
+                   reason="Calbin.replace_model's own first parameter is called `name`, "
+                          "so replace_model(old, name=new) collides; see the report")
+def test_calbin_replace_model_can_rename() -> None:
+    calbin = device().replace_model(DECODE, name="qwen3_b1_dec0de")
+    assert "qwen3_b1_dec0de" in {m.name for m in calbin.models}
