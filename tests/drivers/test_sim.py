@@ -1,0 +1,203 @@
+"""SimDriver-specific behaviour: trace, real-time mode, threads, jitter, construction."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from calfsm.clock import RealClock, VirtualClock
+from calfsm.drivers.base import Calbin, OutputStatus, ResetKind
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.drivers.sim import LatencyModel, SimDriver
+from calfsm.errors import CalrtCode as C
+from calfsm.errors import InvalidArgument
+from calfsm.manifest import TaskKind, builtin_manifest
+from tests.drivers.test_determinism import _workload
+from tests.drivers.util import prepare, run, setup, small_calbin
+
+CB = small_calbin(vocab=64, max_seq=128)
+
+
+def test_trace_replays_byte_for_byte(tmp_path) -> None:
+    plan = FaultPlan.swarm(3, rate=0.2)
+    traces = []
+    for _ in range(2):
+        d = SimDriver(seed=3, faults=plan, trace_path=tmp_path / f"t{len(traces)}.jsonl")
+        _workload(d)
+        d.close()
+        traces.append((tmp_path / f"t{len(traces)}.jsonl").read_bytes())
+    assert traces[0] == traces[1]
+    lines = traces[0].decode().splitlines()
+    assert json.loads(lines[0])["call"] == "open"
+    recs = [json.loads(x) for x in lines]
+    assert {"infer", "wait", "exec", "kv_apply", "status"} <= {r["call"] for r in recs}
+    assert all(isinstance(r["t"], int) for r in recs)
+    assert "0x" not in traces[0].decode()               # no addresses
+
+
+def test_trace_records_injected_effects() -> None:
+    d = SimDriver(faults=FaultPlan.of(FaultRule("infer", "code", code=17)))
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    prepare(d, dec, 0, [1], 0)
+    assert d.infer(dec.model, dec.inp, dec.out) == 17
+    recs = [json.loads(x) for x in d.trace_lines()]
+    fault = next(r for r in recs if r["call"] == "fault")
+    assert fault == {"t": 0, "call": "fault", "point": "infer", "effect": "code", "rule": 0,
+                     "code": 17, "rc": 0}
+    assert recs[-1]["call"] == "infer" and recs[-1]["rc"] == 17
+
+
+def test_trace_off() -> None:
+    d = SimDriver(trace=False)
+    d.configure(CB)
+    assert d.trace_lines() == []
+
+
+def test_different_seed_with_jitter_changes_timing() -> None:
+    lat = LatencyModel.fixed(decode_s=0.01, jitter=0.5)
+    ends = []
+    for seed in (1, 2, 1):
+        d = SimDriver(seed=seed, latency=lat)
+        d.configure(CB)
+        dec = setup(d, CB, TaskKind.DECODE)
+        assert run(d, dec, 0, [1], 0) == OutputStatus.DONE_OK
+        ends.append(d.clock.now())
+    assert ends[0] == ends[2] != ends[1]
+    assert all(0.005 <= t <= 0.015 for t in ends)
+
+
+def test_construct_from_manifest_or_calbin() -> None:
+    m = builtin_manifest("tiny")
+    assert SimDriver(m).calbin == Calbin.from_manifest(m)
+    assert SimDriver(CB).calbin is CB
+    with pytest.raises(InvalidArgument):
+        SimDriver("qwen")  # type: ignore[arg-type]
+    with pytest.raises(InvalidArgument):
+        SimDriver(kv_capacity=-1)
+
+
+def test_shared_virtual_clock_drives_execution() -> None:
+    clock = VirtualClock()
+    d = SimDriver(clock=clock, latency=LatencyModel.fixed(decode_s=1.0))
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    prepare(d, dec, 0, [1], 0)
+    assert d.infer(dec.model, dec.inp, dec.out) == 0
+    assert d.status(dec.out) == OutputStatus.PENDING
+    clock.advance(1.0)                       # whoever drives the test moves time
+    assert d.status(dec.out) == OutputStatus.DONE_OK
+
+
+def test_status_of_foreign_object_raises() -> None:
+    d = SimDriver()
+    with pytest.raises(InvalidArgument):
+        d.status(object())
+
+
+def test_real_time_wait_sleeps_and_reset_wakes_it() -> None:
+    d = SimDriver(clock=RealClock(), latency=LatencyModel.fixed(decode_s=0.02),
+                  faults=FaultPlan.of(FaultRule("infer", "hang", nth=2)))
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    # a normal job: wait really sleeps until it is done
+    assert run(d, dec, 0, [1], 0) == OutputStatus.DONE_OK
+    # a hung job: a waiter blocked in wait is woken by a reset from another thread
+    prepare(d, dec, 0, [2], 1)
+    assert d.infer(dec.model, dec.inp, dec.out) == 0
+    result: list[int] = []
+    started = threading.Event()
+
+    def waiter() -> None:
+        started.set()
+        result.append(d.wait(dec.out, 60.0))
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    started.wait()
+    # the waiter may or may not be asleep yet; either way the reset ends the job
+    assert d.reset(ResetKind.CCU) == 0
+    t.join(10.0)
+    assert not t.is_alive()
+    assert result == [0]
+    assert d.status(dec.out) == OutputStatus.DONE_ABORTED
+
+
+def test_real_time_timeout() -> None:
+    d = SimDriver(clock=RealClock(), faults=FaultPlan.of(FaultRule("infer", "hang")))
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    prepare(d, dec, 0, [1], 0)
+    assert d.infer(dec.model, dec.inp, dec.out) == 0
+    assert d.wait(dec.out, 0.01) == C.TIMEOUT
+
+
+def test_submitter_and_completion_threads() -> None:
+    """infer from one thread, wait from another, parallel mode, no lost jobs."""
+    d = SimDriver(latency=LatencyModel.fixed(decode_s=0.001))
+    d.configure(CB)
+    assert d.enable_parallel_mode(True) == 0
+    slots = [setup(d, CB, TaskKind.DECODE) for _ in range(2)]
+    free = [threading.Semaphore(1) for _ in slots]
+    submitted = [threading.Semaphore(0) for _ in slots]
+    n = 200
+    done: list[int] = []
+
+    def submitter() -> None:
+        for i in range(n):
+            k = i % 2
+            free[k].acquire()
+            b = slots[k]
+            prepare(d, b, k, [i % 64], 0)
+            while d.infer(b.model, b.inp, b.out) != 0:   # the other slot may hold the queue
+                pass
+            submitted[k].release()
+
+    def completion() -> None:
+        for i in range(n):
+            k = i % 2
+            submitted[k].acquire()
+            assert d.wait(slots[k].out, 10.0) == 0
+            assert d.status(slots[k].out) == OutputStatus.DONE_OK
+            done.append(int(slots[k].logits.reshape(-1)[0]))
+            free[k].release()
+
+    threads = [threading.Thread(target=submitter), threading.Thread(target=completion)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert len(done) == n
+
+
+def test_kv_words_survive_growth() -> None:
+    d = SimDriver()
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    for p in range(100):                     # allocation grows one position per step
+        assert run(d, dec, 9, [p % 64], p) == OutputStatus.DONE_OK
+    from tests import refmodel_pure as pure
+    h = pure.hashes([p % 64 for p in range(100)])[-1]
+    assert dec.logits.reshape(-1).tolist() == pure.logits_bf16(h, 64)
+    assert d.kv_allocated(9) == 100
+
+
+def test_unsupported_model_kind_is_device_exception() -> None:
+    import attrs
+    emb = attrs.evolve(CB.models[0], name="emb", kind=TaskKind.PREFILL_EMBEDS)
+    cb = Calbin((emb,))
+    d = SimDriver()
+    assert d.configure(cb) == 0
+    b = setup(d, cb, TaskKind.PREFILL_EMBEDS)
+    assert run(d, b, 0, [1], 0) == OutputStatus.DONE_CCU_EXCEPTION
+
+
+def test_invalid_calbin_structure() -> None:
+    import attrs
+    bad = attrs.evolve(CB.models[0], tile_d0=None)
+    assert SimDriver().configure(Calbin((bad,))) == C.INVALID_CALBIN
+    assert SimDriver().configure("calbin") == C.INVALID_CALBIN  # type: ignore[arg-type]
+    assert np.dtype("<u2") == np.uint16
