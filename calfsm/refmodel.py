@@ -177,7 +177,8 @@ class LogitsKernel:
         u ^= self._sign
         np.right_shift(self._i, 8, out=self._i)
         # exact float32 of the value, times 2**-20 (exact: a power of two)
-        np.multiply(self._i, self._scale, out=self._f, dtype=np.float32, casting="unsafe")
+        np.copyto(self._f, self._i, casting="unsafe")   # a direct cast: no ufunc buffer
+        self._f *= self._scale
         # round to nearest even: bits + 0x7FFF + ((bits >> 16) & 1), keep the high half
         np.right_shift(self._bits, 16, out=u)
         u &= self._one
