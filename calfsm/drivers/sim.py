@@ -136,8 +136,8 @@ class _Model:
     """A configured model handle (``ModelHandle``)."""
 
     __slots__ = ("computable", "csr_cur", "csr_names", "csr_total", "decode", "driver", "epoch",
-                 "info", "input_names", "max_tokens", "name", "out_name", "out_size", "pos_name",
-                 "rows", "tensors", "tok_name", "vocab")
+                 "info", "input_names", "max_seq", "max_tokens", "name", "out_name", "out_size",
+                 "pos_name", "rows", "tensors", "tok_name", "vocab")
 
     def __init__(self, driver: SimDriver, info: ModelInfo, epoch: int) -> None:
         self.driver = driver
@@ -152,6 +152,7 @@ class _Model:
         self.tok_name, self.pos_name, self.out_name = tok.name, pos.name, out.name
         self.out_size = out.byte_size
         self.max_tokens = math.prod(tok.shape)
+        self.max_seq = 0    # set by configure: the calbin's largest prefill context
         self.vocab = out.shape[-1]
         self.decode = info.kind is TaskKind.DECODE
         self.rows = 1 if self.decode else (info.tile_d0 or 1)
@@ -362,6 +363,8 @@ class SimDriver:
         self._models = {m.name: _Model(self, m, self._epoch) for m in calbin.models}
         self._max_seq = max((mm.max_tokens for mm in self._models.values() if not mm.decode),
                             default=0)
+        for mm in self._models.values():
+            mm.max_seq = self._max_seq
         return _OK
 
     def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]:
@@ -739,10 +742,11 @@ class SimDriver:
             ok = inp.csrs[model.csr_total] == last + 1 and (not model.decode or n == 1)
         if ok:
             lo, hi = (last, last) if n == 1 else (int(positions.min()), int(positions.max()))
-            limit = min(alloc, self._max_seq) if self._max_seq else alloc
-            ok = lo >= 0 and (hi < limit or job.ghost)
-            if ok and job.ghost and self._max_seq:
-                ok = hi < self._max_seq
+            max_seq = model.max_seq
+            if job.ghost:   # a stale completion: no allocation check (its KV is not its own)
+                ok = lo >= 0 and (not max_seq or hi < max_seq)
+            else:
+                ok = lo >= 0 and hi < (min(alloc, max_seq) if max_seq else alloc)
         if not ok:
             self._finish(job, OutputStatus.DONE_CCU_EXCEPTION, 0)
             return
