@@ -1,0 +1,186 @@
+"""An *epoch* is everything calfsm builds for one model generation, and its golden check.
+
+Configuring a model creates, together and only together: the resolved sub-model handles,
+the KV coordinator and the buffer pool, all stamped with one generation number. Recovery
+and model switches never patch these in place; they build a new :class:`Epoch` and retire
+the old one. A job keeps a reference to the epoch it was admitted in, so a completion that
+arrives after a reset can only ever reach its own (retired) epoch's KV and pool — the
+generation fence is structural, not a check someone may forget.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+import numpy as np
+
+from calfsm import refmodel
+from calfsm.buffers import BufferPool
+from calfsm.drivers.base import Calbin, Driver, EngineSlot, JobTag, OutputStatus
+from calfsm.errors import CalfsmError, Internal, ManifestError, check, from_calrt
+from calfsm.kv import KvCoordinator
+from calfsm.logits import extract_logits
+from calfsm.manifest import Manifest, ModelGeneration, SubmodelContract, TaskKind
+
+__all__ = ["WARMUP_PROMPT", "WARMUP_SEQ", "Epoch", "build_epoch", "warm_up"]
+
+log = logging.getLogger("calfsm.epoch")
+
+#: The sequence id the warm-up golden uses; requests may not use it.
+WARMUP_SEQ = 2**31 - 1
+#: The fixed prompt of the warm-up golden and how many tokens it decodes.
+WARMUP_PROMPT = (1, 2, 3)
+WARMUP_DECODE = 2
+
+
+@attrs.define(eq=False)
+class Epoch:
+    """One configured generation: model handles, KV coordinator and buffer pool."""
+
+    generation: int
+    manifest: Manifest
+    calbin: Calbin
+    model: ModelGeneration
+    handles: Mapping[TaskKind, Any]
+    kv: KvCoordinator
+    pool: BufferPool
+    retired: bool = False
+
+    def contract(self, kind: TaskKind) -> SubmodelContract:
+        return self.model.submodel(kind)
+
+    def retire(self) -> None:
+        """Fence this epoch off: its coordinator refuses work, its slots are retired."""
+        if self.retired:
+            return
+        self.retired = True
+        self.kv.shutdown()
+        self.pool.retire()
+
+
+def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: int, *,
+                max_inflight: int, slots_per_engine: int, token_budget: int | None,
+                engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
+                clock: Any = None, configure: bool = True) -> Epoch:
+    """Resolve, configure and build an epoch. Raises a classified :class:`CalfsmError`.
+
+    The manifest is resolved against the calbin's model list *before* the device is
+    configured (FI01: a manifest typo fails start-up with nothing configured), and again
+    against what the configured device lists. ``configure=False`` reuses a configuration
+    the device kept (after a CCU-only reset).
+    """
+    manifest.resolve(calbin.models)
+    if configure:
+        check(driver.configure(calbin), "configure", generation=generation)
+    code, listed = driver.get_all_models()
+    check(code, "get_all_models", generation=generation)
+    device_models = manifest.resolve(listed or ())
+    handles: dict[TaskKind, Any] = {}
+    for sub in manifest.submodels:
+        code, handle = driver.model(sub.exact_name)
+        check(code, "model_lookup", generation=generation)
+        handles[sub.kind] = handle
+    model = manifest.generation(generation, device_models)
+    max_seq = max(s.max_seq for s in manifest.submodels)
+    kv = KvCoordinator(driver, max_seq=max_seq,
+                       token_budget=token_budget or max_seq * max(4, 2 * max_inflight),
+                       generation=generation, **({"clock": clock} if clock else {}))
+    pool = BufferPool.build(
+        driver, generation,
+        {kind: (handles[kind], model.submodel(kind)) for kind in handles},
+        engines=engines, slots_per_engine=slots_per_engine)
+    return Epoch(generation, manifest, calbin, model, handles, kv, pool)
+
+
+def expected_warmup_tokens(vocab: int) -> list[int]:
+    """The greedy tokens the reference model gives for the warm-up prompt."""
+    kv = np.zeros(len(WARMUP_PROMPT) + WARMUP_DECODE + 1, dtype=np.uint32)
+    h = refmodel.H_INIT
+    for pos, tok in enumerate(WARMUP_PROMPT):
+        h = refmodel.step(h, tok, pos)
+        kv[pos] = h
+    out = []
+    pos = len(WARMUP_PROMPT)
+    for _ in range(WARMUP_DECODE):
+        tok = refmodel.greedy(refmodel.logits_bf16(h, vocab))
+        out.append(tok)
+        h = refmodel.step(h, tok, pos)
+        pos += 1
+    return out
+
+
+def warm_up(driver: Driver, epoch: Epoch, timeout_s: float) -> None:
+    """Run the fixed golden prefill + decode on the new generation and compare it with
+    the reference model. Any code, status or token difference raises; the sequence is
+    released afterwards either way."""
+    prefill = epoch.contract(TaskKind.PREFILL_IDS) if TaskKind.PREFILL_IDS in epoch.handles \
+        else None
+    decode = epoch.contract(TaskKind.DECODE) if TaskKind.DECODE in epoch.handles else None
+    if prefill is None or decode is None:
+        raise ManifestError("warm-up needs a prefill_ids and a decode sub-model",
+                            generation=epoch.generation, stage="warmup")
+    want = expected_warmup_tokens(decode.vocab)
+    got: list[int] = []
+    logits = np.empty(decode.vocab, dtype=np.float32)
+    try:
+        tokens = list(WARMUP_PROMPT)
+        kind, past = TaskKind.PREFILL_IDS, 0
+        for step in range(WARMUP_DECODE):
+            _run_direct(driver, epoch, kind, WARMUP_SEQ, tokens, past, logits, timeout_s)
+            tok = int(np.argmax(logits))
+            got.append(tok)
+            past += len(tokens)
+            tokens = [tok]
+            kind = TaskKind.DECODE
+            del step
+        if got != want:
+            raise Internal(f"warm-up golden mismatch: got {got}, reference {want}",
+                           generation=epoch.generation, stage="warmup")
+    except CalfsmError as e:
+        e.with_context(generation=epoch.generation, stage="warmup")
+        raise
+    finally:
+        driver.kv_release(WARMUP_SEQ, 0)
+
+
+def _run_direct(driver: Driver, epoch: Epoch, kind: TaskKind, seq: int, tokens: list[int],
+                past: int, dst: np.ndarray, timeout_s: float) -> None:
+    contract = epoch.contract(kind)
+    n = len(tokens)
+    ctx = {"seq_id": seq, "generation": epoch.generation}
+    if not driver.kv_apply(seq, past + n):
+        raise from_calrt(1, "warmup_kv", message="warm-up could not allocate KV", **ctx)
+    lease = epoch.pool.acquire(kind)
+    clean = False
+    try:
+        lease.bind(seq_id=seq)
+        lease.write_inputs(tokens, range(past, past + n))
+        if contract.token_or_embed.sliceable:
+            size = n * contract.token_or_embed.dtype.itemsize
+            lease.slice(contract.token_or_embed.name, 0, size)
+            lease.slice(contract.position.name, 0, size)
+        lease.set_kv_seq(seq)
+        lease.set_csr(contract.csr_cur_seq, n)
+        lease.set_csr(contract.csr_total_seq, past + n)
+        slot = lease.slot
+        check(driver.infer(epoch.handles[kind], slot.inp, slot.out,
+                           tag=JobTag(0, seq, epoch.generation)), "warmup_infer", **ctx)
+        lease.mark_on_device()
+        check(driver.wait(slot.out, timeout_s), "warmup_wait", **ctx)
+        lease.mark_off_device()
+        status = driver.status(slot.out)
+        if status != OutputStatus.DONE_OK:
+            raise Internal(f"warm-up job ended {status.name}", stage="warmup_status", **ctx)
+        code, produced = driver.output_bytes(slot.out, contract.logits.name)
+        check(code, "warmup_output", **ctx)
+        extract_logits(slot.logits, produced, contract, n, dst)
+        lease.undo_slices()
+        clean = True
+    finally:
+        if clean:
+            epoch.pool.release(lease)
+        else:
+            epoch.pool.quarantine(lease, "warm-up failed")

@@ -1,0 +1,236 @@
+"""Per-job records: the request, its context and timings, its result, and its handle.
+
+Each job carries its own timings (``JobTimings``) and hands them back in its result:
+nothing is kept in a map shared across sequences (defect S11). A :class:`JobHandle` feels
+like a ``concurrent.futures.Future``: ``result(timeout)``, ``done()``, ``cancel()``,
+callbacks run outside the lock, and ``await handle`` from asyncio without blocking the
+event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from calfsm.drivers.base import EngineSlot
+from calfsm.errors import CalfsmError, DeadlineExceeded
+from calfsm.machines.job import JobState
+from calfsm.manifest import TaskKind
+
+if TYPE_CHECKING:
+    from calfsm.buffers import BufferLease
+    from calfsm.kv import KvReservation
+
+__all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request"]
+
+log = logging.getLogger("calfsm.job")
+
+
+def _int_array(values: Any, field: str) -> np.ndarray | None:
+    if values is None:
+        return None
+    return np.asarray(values, dtype=np.int64).reshape(-1)
+
+
+@attrs.frozen
+class Request:
+    """One inference job: a prefill of ``tokens`` or a one-token decode, for one sequence.
+
+    ``positions`` default to ``past_len, past_len+1, ...``; ``past_len`` defaults to the
+    first position. ``deadline_s`` bounds the whole job from enqueue (the executor's
+    admission/queue/execution timeouts apply inside it). ``target``, when given, is the
+    caller's float32 array (at least ``vocab`` long) the logits are written into — no
+    copy, no temporary of the vocabulary.
+    """
+
+    seq_id: int
+    kind: TaskKind
+    tokens: Any = attrs.field(default=None, converter=lambda v: _int_array(v, "tokens"))
+    positions: Any = attrs.field(default=None, converter=lambda v: _int_array(v, "positions"))
+    past_len: int | None = None
+    deadline_s: float | None = None
+    target: np.ndarray | None = attrs.field(default=None, eq=False)
+    seq_count: int = 1
+    engine: EngineSlot = EngineSlot.AUTO
+
+    @classmethod
+    def prefill(cls, seq_id: int, tokens: Sequence[int], *, past_len: int = 0,
+                **kw: Any) -> Request:
+        n = len(tokens)
+        return cls(seq_id, TaskKind.PREFILL_IDS, tokens,
+                   np.arange(past_len, past_len + n), past_len=past_len, **kw)
+
+    @classmethod
+    def decode(cls, seq_id: int, token: int, position: int, **kw: Any) -> Request:
+        return cls(seq_id, TaskKind.DECODE, [token], [position], past_len=position, **kw)
+
+
+@attrs.define(slots=True)
+class JobTimings:
+    """Where one job's time went (spec ``JobTimings``). Clock seconds; durations in ms."""
+
+    accepted: float = 0.0
+    admitted: float = 0.0
+    queued: float = 0.0
+    submitted: float = 0.0
+    completed: float = 0.0
+    h2d_ms: float = 0.0
+    device_wait_ms: float = 0.0
+    d2h_ms: float = 0.0
+    postprocess_ms: float = 0.0
+
+    def snapshot(self) -> JobTimings:
+        return attrs.evolve(self)
+
+    @property
+    def total_ms(self) -> float:
+        return (self.completed - self.accepted) * 1e3
+
+
+@attrs.frozen
+class InferenceResult:
+    """The logits of one job (float32, ``vocab`` long) and where its time went."""
+
+    job_id: int
+    seq_id: int
+    generation: int
+    kind: TaskKind
+    token_count: int
+    logits: np.ndarray = attrs.field(eq=False, repr=False)
+    timings: JobTimings
+
+    def greedy(self) -> int:
+        """Arg-max token (ties to the lowest index)."""
+        return int(np.argmax(self.logits))
+
+
+@attrs.define(slots=True, eq=False)
+class JobContext:
+    """Everything one in-flight job owns. Only the job's current owner mutates it."""
+
+    job_id: int
+    request: Request
+    generation: int
+    seq_id: int
+    kind: TaskKind
+    past_len: int
+    token_count: int
+    deadline: float                      # overall, clock time
+    state: str = JobState.CREATED.value
+    cancel_requested: bool = False
+    engine: EngineSlot = EngineSlot.AUTO
+    lease: BufferLease | None = None
+    kv: KvReservation | None = None
+    submitted: bool = False              # infer() returned success: the device owns buffers
+    queue_deadline: float = float("inf")
+    timings: JobTimings = attrs.field(factory=JobTimings)
+    handle: JobHandle | None = None
+    epoch: Any = None                    # the executor generation record it belongs to
+
+
+class JobHandle:
+    """The caller's view of one job: a future with cancel, deadline and asyncio support."""
+
+    __slots__ = ("_callbacks", "_canceller", "_cond", "_error", "_job", "_result", "job_id")
+
+    def __init__(self, job: JobContext, canceller: Callable[[JobContext], None]) -> None:
+        self.job_id = job.job_id
+        self._job = job
+        self._canceller = canceller
+        self._cond = threading.Condition(threading.Lock())
+        self._result: InferenceResult | None = None
+        self._error: CalfsmError | None = None
+        self._callbacks: list[Callable[[JobHandle], None]] = []
+
+    # ---- caller side ---------------------------------------------------------------
+    @property
+    def state(self) -> str:
+        return self._job.state
+
+    @property
+    def seq_id(self) -> int:
+        return self._job.seq_id
+
+    def done(self) -> bool:
+        return self._result is not None or self._error is not None
+
+    def cancel(self) -> bool:
+        """Ask for the job to stop. Before submit: nothing reaches the device and every
+        resource comes back. After submit: the job is still waited for and its result
+        dropped. Returns False if the job had already finished."""
+        if self.done():
+            return False
+        self._canceller(self._job)
+        return True
+
+    def result(self, timeout: float | None = None) -> InferenceResult:
+        """Block until the job ends; return its result or raise its error."""
+        with self._cond:
+            if not self.done() and not self._cond.wait_for(self.done, timeout):
+                raise DeadlineExceeded(
+                    f"job {self.job_id} not finished within {timeout} s",
+                    job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
+        return self._result
+
+    def exception(self, timeout: float | None = None) -> CalfsmError | None:
+        try:
+            self.result(timeout)
+        except CalfsmError as e:
+            if self._error is e:
+                return e
+            raise
+        return None
+
+    def add_done_callback(self, fn: Callable[[JobHandle], None]) -> None:
+        """Call ``fn(handle)`` when the job ends (at once if it already has)."""
+        with self._cond:
+            if not self.done():
+                self._callbacks.append(fn)
+                return
+        _run_callback(fn, self)
+
+    def __await__(self):
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future = loop.create_future()
+
+        def transfer(handle: JobHandle) -> None:
+            loop.call_soon_threadsafe(_settle, fut, handle)
+
+        self.add_done_callback(transfer)
+        yield from fut.__await__()
+        return self.result(0)
+
+    def __repr__(self) -> str:
+        return f"<JobHandle job={self.job_id} seq={self._job.seq_id} state={self.state}>"
+
+    # ---- executor side -------------------------------------------------------------
+    def _resolve(self, result: InferenceResult | None, error: CalfsmError | None) -> None:
+        with self._cond:
+            if self.done():
+                raise RuntimeError(f"job {self.job_id} resolved twice")
+            self._result, self._error = result, error
+            callbacks, self._callbacks = self._callbacks, []
+            self._cond.notify_all()
+        for fn in callbacks:
+            _run_callback(fn, self)
+
+
+def _settle(fut: asyncio.Future, handle: JobHandle) -> None:
+    if not fut.done():
+        fut.set_result(None)
+
+
+def _run_callback(fn: Callable[[JobHandle], None], handle: JobHandle) -> None:
+    try:
+        fn(handle)
+    except Exception:
+        log.exception("done-callback of job %s raised", handle.job_id)

@@ -1,0 +1,98 @@
+"""Shared helpers for executor tests: building executors in both modes, and a driver
+wrapper that holds ``wait`` on an Event so threaded tests control timing without sleeps."""
+
+from __future__ import annotations
+
+import json
+import threading
+from typing import Any
+
+from calfsm.clock import RealClock
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.drivers.sim import LatencyModel, SimDriver
+from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.manifest import builtin_manifest
+from calfsm.scheduler import StepScheduler
+
+MODES = ("step", "threaded")
+
+TINY = builtin_manifest("tiny")
+
+
+class GatedDriver:
+    """Proxy to a driver whose ``wait`` blocks until the test opens the gate.
+
+    ``submitted`` is set each time ``infer`` succeeds; ``waiting`` when the completion
+    thread is inside ``wait``. Everything else passes through unchanged.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.submitted = threading.Event()
+        self.waiting = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def infer(self, *a: Any, **kw: Any) -> int:
+        rc = self._inner.infer(*a, **kw)
+        if rc == 0:
+            self.submitted.set()
+        return rc
+
+    def infer_fixed(self, *a: Any, **kw: Any) -> int:
+        rc = self._inner.infer_fixed(*a, **kw)
+        if rc == 0:
+            self.submitted.set()
+        return rc
+
+    def wait(self, out: Any, timeout_s: float) -> int:
+        self.waiting.set()
+        if not self.gate.wait(timeout=30):
+            raise AssertionError("test never opened the wait gate")
+        return self._inner.wait(out, timeout_s)
+
+
+def make_sim(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
+             **kw: Any) -> SimDriver:
+    """Step mode: the virtual clock (time moves only when driven). Threaded mode: real
+    time with zero device latency, so deadlines pass while a test holds the device."""
+    if mode == "threaded":
+        kw.setdefault("clock", RealClock())
+        kw.setdefault("latency", LatencyModel.zero())
+    return SimDriver(manifest, seed=0, faults=faults or FaultPlan.none(), **kw)
+
+
+def make_executor(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
+                  driver: Any = None, **config: Any) -> DeviceExecutor:
+    drv = driver or make_sim(mode, faults=faults, manifest=manifest)
+    cfg = ExecutorConfig(threaded=(mode == "threaded"), **config)
+    ex = DeviceExecutor(drv, manifest, cfg)
+    if isinstance(drv, GatedDriver):      # the warm-up's own jobs do not count
+        drv.submitted.clear()
+        drv.waiting.clear()
+    return ex
+
+
+def finish(ex: DeviceExecutor, handle: Any, timeout: float = 30.0) -> Any:
+    """Drive a step-mode executor until ``handle`` is done; threaded: just wait."""
+    if not ex.config.threaded:
+        StepScheduler(ex).run_until(handle.done)
+    return handle.exception(timeout) if handle.exception(timeout) else handle.result(timeout)
+
+
+def calls(driver: Any, name: str) -> list[dict]:
+    """Trace entries of one driver call (SimDriver JSON-lines trace)."""
+    inner = getattr(driver, "_inner", driver)
+    out = []
+    for line in inner.trace_lines():
+        entry = json.loads(line)
+        if entry.get("call") == name:
+            out.append(entry)
+    return out
+
+
+def always(point: str, effect: str, **kw: Any) -> FaultPlan:
+    return FaultPlan.of(FaultRule.always(point, effect, **kw))
