@@ -1,0 +1,109 @@
+"""Where the bundled CalRT emulator library lives, and how a source checkout builds it.
+
+``pip install -e .`` and ``pip wheel .`` compile ``native/*.c`` into
+``calfsm/_native/libcalrt_emu.so`` (``setup.py``) and copy the ABI header next to it. A
+plain source checkout that was never installed (``python -m pytest`` straight from the
+tree) has no library yet: :func:`library_path` then compiles it once with the machine's C
+compiler (``$CC``, else ``cc``/``gcc``/``clang``) into this directory, and again whenever a
+source under ``native/`` is newer than the library. Set ``CALFSM_NO_AUTOBUILD=1`` to
+forbid that (a missing library is then reported, with the command that builds it).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+__all__ = ["HEADER_NAME", "LIBRARY_NAME", "SOURCES", "BuildError", "build_library",
+           "header_path", "library_path", "source_dir"]
+
+LIBRARY_NAME = "libcalrt_emu.so"
+HEADER_NAME = "calrt_c.h"
+#: the emulator's translation units, relative to ``native/``
+SOURCES = ("calrt_emu.c", "emu_calbin.c", "emu_refmodel.c")
+#: flags of every build (setup.py uses the same)
+CFLAGS = ("-std=c11", "-O2", "-g", "-fPIC", "-pthread", "-Wall", "-Wextra",
+          "-fvisibility=default")
+LDFLAGS = ("-shared", "-pthread", "-lm")
+
+_HERE = Path(__file__).resolve().parent
+
+BUILD_HINT = ('build it with `pip install -e ".[dev]"` (or `pip install .`) from the calfsm '
+              "source tree, which needs a C compiler (gcc or clang), or point "
+              "CALFSM_CALRT_LIB at a library implementing native/calrt_c.h")
+
+
+class BuildError(RuntimeError):
+    """The emulator could not be compiled (no compiler, or it failed)."""
+
+
+def source_dir() -> Path | None:
+    """``native/`` of a source checkout, or None in an installed package."""
+    d = _HERE.parent.parent / "native"
+    return d if (d / HEADER_NAME).is_file() and (d / SOURCES[0]).is_file() else None
+
+
+def header_path() -> Path | None:
+    """The ABI header: the source tree's, else the copy installed with the package."""
+    src = source_dir()
+    if src is not None:
+        return src / HEADER_NAME
+    p = _HERE / HEADER_NAME
+    return p if p.is_file() else None
+
+
+def find_compiler() -> str | None:
+    for cand in (os.environ.get("CC"), "cc", "gcc", "clang"):
+        if cand and shutil.which(cand.split()[0]):
+            return cand
+    return None
+
+
+def build_library(out: Path, *, src: Path | None = None, cc: str | None = None,
+                  extra_cflags: tuple[str, ...] = ()) -> Path:
+    """Compile the emulator into ``out`` (atomically: a temporary file, then a rename)."""
+    src = src or source_dir()
+    if src is None:
+        raise BuildError("the native/ sources are not available (installed package)")
+    cc = cc or find_compiler()
+    if cc is None:
+        raise BuildError("no C compiler found (tried $CC, cc, gcc, clang): install gcc or "
+                         "clang to build the CalRT emulator")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    cmd = [*cc.split(), *CFLAGS, *extra_cflags, "-I", str(src), "-o", tmp,
+           *(str(src / s) for s in SOURCES), *LDFLAGS]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        if res.returncode != 0:
+            raise BuildError(f"compiling the CalRT emulator failed ({' '.join(cmd)}):\n"
+                             f"{res.stderr.strip()}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _stale(lib: Path, src: Path) -> bool:
+    if not lib.is_file():
+        return True
+    t = lib.stat().st_mtime
+    return any(p.stat().st_mtime > t for p in src.iterdir() if p.suffix in (".c", ".h"))
+
+
+def library_path() -> Path:
+    """The bundled emulator, built first in a source checkout if missing or outdated.
+
+    Raises :class:`BuildError` (with the way to build it) when it cannot be had."""
+    lib = _HERE / LIBRARY_NAME
+    src = source_dir()
+    if src is not None and os.environ.get("CALFSM_NO_AUTOBUILD") != "1" and _stale(lib, src):
+        build_library(lib, src=src)
+    if not lib.is_file():
+        raise BuildError(f"the bundled CalRT emulator {str(lib)!r} is not built: {BUILD_HINT}")
+    return lib

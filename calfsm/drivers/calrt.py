@@ -1,0 +1,888 @@
+"""CalrtDriver: the Driver protocol over the C ABI of ``native/calrt_c.h`` (cffi, ABI mode).
+
+Theory of operation
+-------------------
+The library behind the driver is either the bundled emulator ``libcalrt_emu.so`` (built
+from ``native/`` by ``pip install``; the default) or a vendor shim over CalRT 0.7.6
+(``library=`` or ``$CALFSM_CALRT_LIB``; see ``docs/vendor-shim.md``). It is loaded with
+``ffi.dlopen`` against the declarations of the header itself, then checked: the file
+exists, exports every ABI function, and reports :data:`ABI_VERSION` — any failure is an
+:class:`~calfsm.errors.Incompatible` (category *compatibility*) naming the path, the symbol
+or both versions, raised at construction, never a crash later.
+
+Every C call goes through one place, :meth:`CalrtDriver._c`, which records the trace and
+returns the CalRT code; the few calls that must succeed for the driver to stay coherent
+(reading model metadata after ``configure``) raise through :func:`calfsm.errors.check`
+with the function name and arguments.
+
+Handles are small Python objects wrapping the library's 64-bit handles (index +
+generation), tagged with their driver and configuration epoch, so a handle of another
+driver, a destroyed buffer or one from before a configuration reset is refused with the
+code ``docs/driver-protocol.md`` gives — in Python where the rule is about Python objects,
+in C otherwise (the library re-checks everything and never trusts a stale handle).
+
+Host memory: ``map_buffer`` hands the library the address of the numpy array and keeps a
+reference to the array in the buffer object, so it stays alive and unmoved while the
+device may read or write it (the device thread touches it when the job *executes*). When
+a buffer object is garbage collected its handle is released; if a job still uses it (a
+STALE job surviving a reset) the arrays are parked until the library reports no pending
+job.
+
+Time: with the default :class:`~calfsm.clock.RealClock` the emulator runs in real time (a
+job finishes on the device thread when its latency has elapsed; ``wait`` blocks without
+the GIL). With a :class:`~calfsm.clock.VirtualClock` the emulator follows that clock:
+device time moves only through ``wait`` (and whoever advances the clock), exactly like
+:class:`~calfsm.drivers.sim.SimDriver` — the jobs still execute on the device thread.
+
+Faults: a :class:`~calfsm.drivers.faults.FaultPlan` is pushed down as rules
+(``calrt_emu_add_rule``); the emulator applies them with the plan's counting rules at the
+points where SimDriver does.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import threading
+import weakref
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import cffi
+import numpy as np
+
+from calfsm import _native
+from calfsm.clock import Clock, RealClock, VirtualClock
+from calfsm.drivers.base import (
+    Calbin,
+    Capabilities,
+    EngineSlot,
+    JobTag,
+    OutputStatus,
+    ResetKind,
+)
+from calfsm.drivers.faults import FaultPlan
+from calfsm.errors import CalrtCode, Incompatible, InvalidArgument, code_name, from_calrt
+from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
+
+__all__ = ["ABI_VERSION", "CalrtDriver", "cdef_from_header", "load_library"]
+
+#: the ABI this module speaks (``CALRT_C_ABI_VERSION`` of native/calrt_c.h)
+ABI_VERSION = 1
+
+_OK = 0
+_NOT_FOUND = int(CalrtCode.NOT_FOUND)
+_INVALID_VALUE = int(CalrtCode.INVALID_VALUE)
+_INVALID_STATE = int(CalrtCode.INVALID_STATE)
+_MISSING_CONFIG = int(CalrtCode.MISSING_CONFIG)
+_DEVICE_BUSY = int(CalrtCode.DEVICE_BUSY)
+_INVALID_CALBIN = int(CalrtCode.INVALID_CALBIN)
+_WRONG_DIRECTION = int(CalrtCode.WRONG_DIRECTION)
+_DTYPE_MISMATCH = int(CalrtCode.DTYPE_MISMATCH)
+
+_I64_MAX = 2**63 - 1
+_U64_MAX = 2**64 - 1
+_U32_MAX = 2**32 - 1
+_SEQ_LIMIT = 2**31
+#: a name no model, tensor or CSR can have (longer than CALRT_NAME_MAX)
+_NO_NAME = b"?" * 300
+
+_KINDS = {0: TaskKind.PREFILL_IDS, 1: TaskKind.PREFILL_EMBEDS, 2: TaskKind.DECODE,
+          3: TaskKind.VISION}
+_RESET_BITS = {ResetKind.CCU: 1, ResetKind.CONFIGURATION: 2, ResetKind.FULL: 4}
+_RESET_FN = {ResetKind.CCU: "calrt_reset_ccu",
+             ResetKind.CONFIGURATION: "calrt_reset_configuration",
+             ResetKind.FULL: "calrt_reset"}
+_POINTS = {"configure": 0, "create_buffers": 1, "map_buffer": 2, "slice_tensor": 3,
+           "set_csr": 4, "set_kv_seq": 5, "infer": 6, "wait": 7, "kv_can_allocate": 8,
+           "kv_apply": 9, "reset": 10, "enable_parallel_mode": 11}
+_EFFECTS = {"code": 0, "refuse": 1, "ccu_exception": 2, "short_output": 3, "nan": 4,
+            "inf": 5, "hang": 6, "stale": 7}
+
+#: functions every library must export; the calrt_emu_* ones only the emulator
+REQUIRED = (
+    "calrt_abi_version", "calrt_runtime_version", "calrt_device_open", "calrt_device_close",
+    "calrt_get_capabilities", "calrt_configure", "calrt_model_count", "calrt_model_at",
+    "calrt_model_lookup", "calrt_model_info", "calrt_model_tensor", "calrt_model_csr",
+    "calrt_create_buffers", "calrt_destroy_buffers", "calrt_release_buffer", "calrt_map_buf",
+    "calrt_slice_tensor", "calrt_undo_slice", "calrt_set_csr", "calrt_set_kv_seq",
+    "calrt_infer", "calrt_infer_fixed", "calrt_wait", "calrt_get_status",
+    "calrt_output_bytes", "calrt_pending_jobs", "calrt_kv_can_allocate", "calrt_kv_apply",
+    "calrt_kv_release", "calrt_reset_ccu", "calrt_reset_configuration", "calrt_reset",
+    "calrt_enable_parallel_mode",
+)
+EMULATOR = (
+    "calrt_emu_set_clock", "calrt_emu_now", "calrt_emu_advance", "calrt_emu_advance_to",
+    "calrt_emu_set_latency", "calrt_emu_set_kv_capacity", "calrt_emu_set_capabilities",
+    "calrt_emu_add_rule", "calrt_emu_clear_rules", "calrt_emu_stats",
+)
+
+
+# ---------------------------------------------------------------------------------------
+# loading
+
+
+def cdef_from_header(text: str) -> str:
+    """The cffi declarations of ``calrt_c.h``: comments, include guards and C++ wrappers
+    dropped, integer ``#define``\\ s kept (cffi understands those)."""
+    text = re.sub(r"/\*.*?\*/", "", text, flags=re.S)
+    out = []
+    for line in text.splitlines():
+        s = line.strip()
+        m = re.match(r"#define\s+(\w+)\s+(\d+)u?$", s)
+        if m:
+            out.append(f"#define {m.group(1)} {m.group(2)}")
+        elif s and not s.startswith("#") and s not in ('extern "C" {', "}"):
+            out.append(line.rstrip())
+    return "\n".join(out) + "\n"
+
+
+_ffi: cffi.FFI | None = None
+_libs: dict[str, Any] = {}
+_load_lock = threading.Lock()
+
+
+def _get_ffi() -> cffi.FFI:
+    global _ffi
+    if _ffi is None:
+        hp = _native.header_path()
+        if hp is None:
+            raise Incompatible("the C ABI header calrt_c.h is not installed with calfsm: "
+                               + _native.BUILD_HINT, stage="driver")
+        ffi = cffi.FFI()
+        ffi.cdef(cdef_from_header(hp.read_text("utf-8")))
+        _ffi = ffi
+    return _ffi
+
+
+def load_library(path: str | os.PathLike | None = None) -> tuple[Any, str, bool]:
+    """``(lib, path, is_emulator)`` for a CalRT ABI library; the bundled emulator when
+    ``path`` and ``$CALFSM_CALRT_LIB`` are unset. Raises :class:`Incompatible`."""
+    with _load_lock:
+        ffi = _get_ffi()
+        if path is None:
+            path = os.environ.get("CALFSM_CALRT_LIB") or None
+        if path is None:
+            try:
+                path = _native.library_path()
+            except _native.BuildError as e:
+                raise Incompatible(str(e), stage="driver") from None
+        path = str(Path(path).resolve()) if Path(path).exists() else str(path)
+        if path in _libs:
+            return _libs[path]
+        if not Path(path).is_file():
+            raise Incompatible(f"CalRT library {path!r} does not exist: "
+                               + _native.BUILD_HINT, stage="driver")
+        try:
+            lib = ffi.dlopen(path)
+        except OSError as e:
+            raise Incompatible(f"CalRT library {path!r} cannot be loaded: {e}",
+                               stage="driver") from None
+        for sym in REQUIRED:
+            try:
+                getattr(lib, sym)
+            except AttributeError:
+                raise Incompatible(f"CalRT library {path!r} lacks the symbol {sym!r}: it "
+                                   f"does not implement calrt_c.h ABI {ABI_VERSION}",
+                                   stage="driver") from None
+        abi = int(lib.calrt_abi_version())
+        if abi != ABI_VERSION:
+            raise Incompatible(f"CalRT library {path!r} implements calrt_c.h ABI version "
+                               f"{abi}, calfsm needs version {ABI_VERSION}: rebuild the "
+                               "library against this calfsm's native/calrt_c.h",
+                               stage="driver")
+        emulator = True
+        for sym in EMULATOR:
+            try:
+                getattr(lib, sym)
+            except AttributeError:
+                emulator = False
+                break
+        _libs[path] = (lib, path, emulator)
+        return _libs[path]
+
+
+# ---------------------------------------------------------------------------------------
+# calbin description
+
+
+def _enc(s: str) -> str:
+    if s == "":
+        return "="
+    out = []
+    for b in s.encode("utf-8"):
+        if b <= 0x20 or b >= 0x7F or b in (0x25, 0x3D):
+            out.append(f"%{b:02X}")
+        else:
+            out.append(chr(b))
+    return "".join(out)
+
+
+def calbin_text(calbin: Calbin) -> bytes:
+    """The line format ``calrt_configure`` takes (documented in calrt_c.h)."""
+    lines = ["calfsm-calbin 1", f"sha256 {_enc(calbin.sha256)}",
+             f"calrt_version {_enc(calbin.calrt_version)}"]
+    for m in calbin.models:
+        kind = m.kind.value if m.kind is not None else "-"
+        d0 = "-" if m.tile_d0 is None else str(int(m.tile_d0))
+        lines.append(f"model {_enc(m.name)} {kind} {d0}")
+        for direction, ts in (("input", m.inputs), ("output", m.outputs)):
+            for t in ts:
+                dims = " ".join(str(int(x)) for x in t.shape)
+                lines.append(f"{direction} {_enc(t.name)} {DType(t.dtype).value} "
+                             f"{int(t.byte_size)} {len(t.shape)}" + (f" {dims}" if dims else ""))
+        lines.extend(f"csr {_enc(c)}" for c in m.csr_names)
+    lines.append("end")
+    return ("\n".join(lines) + "\n").encode("utf-8")
+
+
+# ---------------------------------------------------------------------------------------
+# handles
+
+
+class _Model:
+    __slots__ = ("__weakref__", "driver", "epoch", "handle", "info", "name")
+
+    def __init__(self, driver: CalrtDriver, handle: int, info: ModelInfo, epoch: int) -> None:
+        self.driver = driver
+        self.handle = handle
+        self.info = info
+        self.name = info.name
+        self.epoch = epoch
+
+    def __repr__(self) -> str:
+        return f"<calrt model {self.name!r}>"
+
+
+class _Buf:
+    __slots__ = (
+        "__weakref__",
+        "destroyed",
+        "driver",
+        "epoch",
+        "finalizer",
+        "handle",
+        "is_input",
+        "label",
+        "maps",
+        "model",
+        "status",
+    )
+
+    def __init__(self, driver: CalrtDriver, model: _Model, handle: int, is_input: bool,
+                 label: str) -> None:
+        self.driver = driver
+        self.model = model
+        self.handle = handle
+        self.is_input = is_input
+        self.label = label
+        self.epoch = model.epoch
+        self.destroyed = False
+        #: tensor name -> the mapped host array (kept alive while the device may use it)
+        self.maps: dict[str, np.ndarray] = {}
+        self.status = OutputStatus.IDLE
+        self.finalizer: weakref.finalize | None = None
+
+    def __repr__(self) -> str:
+        return f"<calrt buffer {self.label} of {self.model.name!r}>"
+
+
+class _Device:
+    """What outlives the driver object for cleanup: the library, the device handle and the
+    host arrays parked while a job may still write them."""
+
+    def __init__(self, lib: Any, handle: int) -> None:
+        self.lib = lib
+        self.handle = handle
+        self.lock = threading.Lock()
+        self.closed = False
+        self.parked: list[dict[str, np.ndarray]] = []
+
+    def release(self, buf_handle: int, maps: dict[str, np.ndarray]) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            rc = self.lib.calrt_release_buffer(self.handle, buf_handle)
+            if rc == _DEVICE_BUSY:
+                self.parked.append(maps)
+
+    def close(self) -> None:
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.lib.calrt_device_close(self.handle)
+            self.parked.clear()
+
+
+def _release(dev: _Device, handle: int, maps: dict[str, np.ndarray]) -> None:
+    dev.release(handle, maps)
+
+
+def check(rc: int, fn: str, *args: Any) -> None:
+    """The status check of calls that must succeed: raises the classified CalRT error
+    naming the function, its arguments and the code."""
+    if rc != 0:
+        shown = ", ".join(repr(a) for a in args)
+        raise from_calrt(rc, fn, f"{fn}({shown}) returned {rc} ({code_name(rc)})")
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
+def _clamp(x: int, lo: int, hi: int) -> int:
+    return lo if x < lo else hi if x > hi else int(x)
+
+
+def _cname(name: Any) -> bytes:
+    """A name for C; one that cannot exist when ``name`` is not a plain string."""
+    if not isinstance(name, str) or "\0" in name:
+        return _NO_NAME
+    b = name.encode("utf-8")
+    return b if len(b) < 256 else _NO_NAME
+
+
+# ---------------------------------------------------------------------------------------
+
+
+class CalrtDriver:
+    """The Driver protocol over a CalRT ABI library. See the module docstring."""
+
+    name = "calrt"
+
+    def __init__(self, manifest_or_calbin: Manifest | Calbin | None = None, *,
+                 library: str | os.PathLike | None = None, faults: FaultPlan | None = None,
+                 latency: Any = None, kv_capacity: int = 1 << 20, seed: int = 0,
+                 clock: Clock | None = None, capabilities: Capabilities | None = None,
+                 trace: bool = False, options: str = "") -> None:
+        if isinstance(manifest_or_calbin, Manifest):
+            manifest_or_calbin = Calbin.from_manifest(manifest_or_calbin)
+        if manifest_or_calbin is not None and not isinstance(manifest_or_calbin, Calbin):
+            raise InvalidArgument(f"CalrtDriver takes a Manifest or a Calbin, got "
+                                  f"{type(manifest_or_calbin).__name__}", stage="driver")
+        if not _is_int(kv_capacity) or kv_capacity < 0:
+            raise InvalidArgument(f"kv_capacity must be >= 0, got {kv_capacity!r}",
+                                  stage="driver")
+        self.faults = faults if faults is not None else FaultPlan.none()
+        if not isinstance(self.faults, FaultPlan):
+            raise InvalidArgument("faults must be a FaultPlan", stage="driver")
+        #: the calbin this device is meant to be configured with
+        self.calbin: Calbin | None = manifest_or_calbin
+        self.seed = int(seed)
+        self.clock: Clock = clock if clock is not None else RealClock()
+        self._virtual = bool(getattr(self.clock, "virtual", False))
+        self._kv_capacity = int(kv_capacity)
+        self._lib, self.library_path, self._emulator = load_library(library)
+        self._ffi = _get_ffi()
+        self._lock = threading.RLock()
+        self._trace: list[tuple] | None = [] if trace else None
+        self._closed = False
+        self._epoch = 0
+        self._configured = False
+        self._infos: tuple[ModelInfo, ...] = ()
+        self._models: dict[str, _Model] = {}
+        self._nbufs = 0
+        self._outs: weakref.WeakSet[_Buf] = weakref.WeakSet()
+
+        needs_emu = [why for why, needed in (
+            ("a fault plan", bool(self.faults)),
+            ("a latency model", latency is not None and _nonzero(latency)),
+            ("a virtual clock", self._virtual),
+            ("a KV capacity", kv_capacity != 1 << 20),
+            ("capabilities", capabilities is not None)) if needed]
+        if needs_emu and not self._emulator:
+            raise Incompatible(f"CalRT library {self.library_path!r} has no calrt_emu_* "
+                               f"control functions, needed for {', '.join(needs_emu)}",
+                               stage="driver")
+        out = self._ffi.new("calrt_device_t *")
+        check(self._lib.calrt_device_open(options.encode(), out), "calrt_device_open")
+        self._dev = _Device(self._lib, int(out[0]))
+        self._finalizer = weakref.finalize(self, _Device.close, self._dev)
+        try:
+            self._setup_emulator(latency, capabilities)
+        except BaseException:
+            self.close()
+            raise
+        caps = self._ffi.new("calrt_capabilities_t *")
+        check(self._lib.calrt_get_capabilities(self._h, caps), "calrt_get_capabilities")
+        self._caps = Capabilities(
+            resets=frozenset(k for k, bit in _RESET_BITS.items() if caps.resets & bit),
+            parallel_mode=bool(caps.parallel_mode),
+            fixed_engine_slots=bool(caps.fixed_engine_slots),
+            engine_slots=int(caps.engine_slots))
+
+    @classmethod
+    def virtual(cls, **kw: Any) -> CalrtDriver:
+        """A driver whose device follows a fresh :class:`~calfsm.clock.VirtualClock`
+        (deterministic, nothing sleeps: what the conformance suite runs)."""
+        kw.setdefault("clock", VirtualClock())
+        return cls(**kw)
+
+    def _setup_emulator(self, latency: Any, capabilities: Capabilities | None) -> None:
+        if not self._emulator:
+            return
+        lib, h = self._lib, self._h
+        if self._virtual:
+            check(lib.calrt_emu_set_clock(h, 1), "calrt_emu_set_clock", 1)
+            check(lib.calrt_emu_advance_to(h, _ns(self.clock.now())), "calrt_emu_advance_to")
+        if latency is not None:
+            jitter = float(getattr(latency, "jitter", 0.0) or 0.0)
+            check(lib.calrt_emu_set_latency(
+                h, float(latency.h2d_s_per_byte), float(latency.prefill_per_token_s),
+                float(latency.decode_s), float(latency.d2h_s_per_byte), jitter,
+                self.seed & 0xFFFFFFFF), "calrt_emu_set_latency", latency)
+        check(lib.calrt_emu_set_kv_capacity(h, min(self._kv_capacity, _U64_MAX)),
+              "calrt_emu_set_kv_capacity")
+        if capabilities is not None:
+            c = self._ffi.new("calrt_capabilities_t *")
+            c.resets = sum(_RESET_BITS[k] for k in capabilities.resets)
+            c.parallel_mode = int(capabilities.parallel_mode)
+            c.fixed_engine_slots = int(capabilities.fixed_engine_slots)
+            c.engine_slots = int(capabilities.engine_slots)
+            check(lib.calrt_emu_set_capabilities(h, c), "calrt_emu_set_capabilities")
+        for rule in self.faults.rules:
+            r = self._ffi.new("calrt_emu_rule_t *")
+            r.point = _POINTS[rule.point]
+            r.effect = _EFFECTS[rule.effect]
+            r.nth = rule.nth
+            r.every = rule.every or 0
+            r.limit = -1 if rule.limit is None else rule.limit
+            r.seq_id = -1 if rule.seq_id is None else rule.seq_id
+            r.has_job_id = rule.job_id is not None
+            r.job_id = rule.job_id if rule.job_id is not None else 0
+            r.has_name = rule.name is not None
+            if rule.name is not None:
+                r.name = _cname(rule.name)
+            r.code = rule.effective_code if rule.effect == "code" else 0
+            r.n_bytes = -1 if rule.n_bytes is None else min(rule.n_bytes, _I64_MAX)
+            r.index = min(rule.index, _I64_MAX)
+            check(lib.calrt_emu_add_rule(h, r), "calrt_emu_add_rule")
+
+    # ---- the one call path ------------------------------------------------------------
+    @property
+    def _h(self) -> int:
+        return self._dev.handle
+
+    def _c(self, fn: str, *args: Any) -> int:
+        """Call ``fn(device, *args)``; returns its CalRT code (and traces the call)."""
+        if self._virtual:
+            self._lib.calrt_emu_advance_to(self._h, _ns(self.clock.now()))
+        rc = int(getattr(self._lib, fn)(self._h, *args))
+        if self._trace is not None:
+            self._trace.append((self.clock.now(), fn, args, rc))
+        return rc
+
+    def _sync_clock(self) -> None:
+        if self._virtual:
+            now = self._ffi.new("int64_t *")
+            if self._lib.calrt_emu_now(self._h, now) == 0:
+                self.clock.advance_to(now[0] / 1e9)  # type: ignore[attr-defined]
+
+    def trace_lines(self) -> list[str]:
+        """The calls so far as JSON lines (``trace=True``): time, function, integer
+        arguments, code."""
+        lines = []
+        for t, fn, args, rc in list(self._trace or ()):
+            shown = [a if isinstance(a, int | float | str) else
+                     (a.decode() if isinstance(a, bytes) else type(a).__name__) for a in args]
+            lines.append(json.dumps({"t": t, "call": fn, "args": shown, "rc": rc},
+                                    separators=(",", ":")))
+        return lines
+
+    # ---- identity ---------------------------------------------------------------------
+    def version(self) -> str:
+        buf = self._ffi.new("char[]", 64)
+        check(self._lib.calrt_runtime_version(buf, 64), "calrt_runtime_version")
+        return self._ffi.string(buf).decode()
+
+    def capabilities(self) -> Capabilities:
+        return self._caps
+
+    @property
+    def kv_capacity(self) -> int:
+        return self._kv_capacity
+
+    @property
+    def is_emulator(self) -> bool:
+        return self._emulator
+
+    # ---- handle checks ----------------------------------------------------------------
+    def _model_ok(self, m: Any) -> bool:
+        return isinstance(m, _Model) and m.driver is self and m.epoch == self._epoch \
+            and self._configured
+
+    def _buf_ok(self, b: Any) -> bool:
+        return isinstance(b, _Buf) and b.driver is self and not b.destroyed \
+            and b.epoch == self._epoch and self._configured
+
+    def _tensor(self, buf: _Buf, name: Any) -> tuple[int, TensorInfo | None]:
+        info = buf.model.info
+        if isinstance(name, str):
+            for t in info.inputs:
+                if t.name == name:
+                    return (_OK, t) if buf.is_input else (_WRONG_DIRECTION, None)
+            for t in info.outputs:
+                if t.name == name:
+                    return (_WRONG_DIRECTION, None) if buf.is_input else (_OK, t)
+        return _NOT_FOUND, None
+
+    # ---- configuration ----------------------------------------------------------------
+    def configure(self, calbin: Calbin) -> int:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE
+            text = calbin_text(calbin) if isinstance(calbin, Calbin) and calbin.models \
+                else b"calfsm-calbin 1\nend\n"
+            rc = self._c("calrt_configure", text, len(text))
+            if rc == _OK:
+                self._load_models()
+            return rc
+
+    def _load_models(self) -> None:
+        ffi, lib, h = self._ffi, self._lib, self._h
+        n = ffi.new("uint32_t *")
+        check(lib.calrt_model_count(h, n), "calrt_model_count")
+        infos, models = [], {}
+        mh = ffi.new("calrt_model_t *")
+        mi = ffi.new("calrt_model_info_t *")
+        ti = ffi.new("calrt_tensor_info_t *")
+        csr = ffi.new("char[]", 256)
+        for i in range(n[0]):
+            check(lib.calrt_model_at(h, i, mh), "calrt_model_at", i)
+            check(lib.calrt_model_info(h, mh[0], mi), "calrt_model_info")
+            tensors = []
+            for k in range(mi.n_inputs + mi.n_outputs):
+                check(lib.calrt_model_tensor(h, mh[0], k, ti), "calrt_model_tensor")
+                tensors.append(TensorInfo(
+                    ffi.string(ti.name).decode(), tuple(ti.shape[j] for j in range(ti.ndim)),
+                    DType(ffi.string(ti.dtype).decode()), int(ti.byte_size)))
+            csrs = []
+            for k in range(mi.n_csrs):
+                check(lib.calrt_model_csr(h, mh[0], k, csr, 256), "calrt_model_csr")
+                csrs.append(ffi.string(csr).decode())
+            info = ModelInfo(
+                name=ffi.string(mi.name).decode(), kind=_KINDS.get(mi.kind),
+                inputs=tuple(tensors[:mi.n_inputs]), outputs=tuple(tensors[mi.n_inputs:]),
+                csr_names=tuple(csrs), tile_d0=None if mi.tile_d0 < 0 else int(mi.tile_d0))
+            infos.append(info)
+            models[info.name] = _Model(self, int(mh[0]), info, self._epoch)
+        self._infos = tuple(infos)
+        self._models = models
+        self._configured = True
+
+    def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE, None
+            if not self._configured:
+                return _MISSING_CONFIG, None
+            return _OK, self._infos
+
+    def model(self, exact_name: str) -> tuple[int, _Model | None]:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE, None
+            if not self._configured:
+                return _MISSING_CONFIG, None
+            out = self._ffi.new("calrt_model_t *")
+            rc = self._c("calrt_model_lookup", _cname(exact_name), out)
+            if rc != _OK:
+                return rc, None
+            m = self._models.get(exact_name)
+            if m is None or m.handle != int(out[0]):  # pragma: no cover - library bug
+                return _NOT_FOUND, None
+            return _OK, m
+
+    # ---- buffers ----------------------------------------------------------------------
+    def create_buffers(self, model: _Model, engine: EngineSlot = EngineSlot.AUTO
+                       ) -> tuple[int, tuple[_Buf, _Buf] | None]:
+        with self._lock:
+            if self._closed or not self._model_ok(model):
+                return _INVALID_STATE, None
+            eng = int(engine) if _is_int(engine) and int(engine) in (-1, 0, 1) else 99
+            hi = self._ffi.new("calrt_buf_t *")
+            ho = self._ffi.new("calrt_buf_t *")
+            rc = self._c("calrt_create_buffers", model.handle, eng, hi, ho)
+            if rc != _OK:
+                return rc, None
+            self._nbufs += 1
+            k = self._nbufs
+            bi = _Buf(self, model, int(hi[0]), True, f"in{k}")
+            bo = _Buf(self, model, int(ho[0]), False, f"out{k}")
+            for b in (bi, bo):
+                b.finalizer = weakref.finalize(b, _release, self._dev, b.handle, b.maps)
+            self._outs.add(bo)
+            return _OK, (bi, bo)
+
+    def destroy_buffers(self, inp: _Buf, out: _Buf) -> int:
+        with self._lock:
+            if self._closed or not self._buf_ok(inp) or not self._buf_ok(out):
+                return _INVALID_STATE
+            rc = self._c("calrt_destroy_buffers", inp.handle, out.handle)
+            if rc == _OK:
+                for b in (inp, out):
+                    b.destroyed = True
+                    if b.finalizer is not None:
+                        b.finalizer.detach()
+                    b.maps = {}
+            return rc
+
+    def map_buffer(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
+        with self._lock:
+            if self._closed or not self._buf_ok(buf):
+                return _INVALID_STATE
+            rc, info = self._tensor(buf, tensor)
+            if rc:
+                return rc
+            assert info is not None
+            dtype = info.dtype.value.encode()
+            ptr = self._ffi.NULL
+            nbytes = info.byte_size
+            if not isinstance(host, np.ndarray) or host.dtype != np.dtype(info.dtype.host_dtype):
+                dtype = b"?"
+            elif not host.flags.c_contiguous:
+                nbytes = _U64_MAX
+            else:
+                nbytes = host.nbytes
+                if buf.is_input or host.flags.writeable:
+                    ptr = self._ffi.cast("void *", host.ctypes.data)
+            rc = self._c("calrt_map_buf", buf.handle, _cname(tensor), ptr, nbytes, dtype)
+            if rc == _OK:
+                buf.maps[tensor] = host   # alive and unmoved while the device may use it
+                if not buf.is_input:
+                    buf.status = OutputStatus.IDLE
+            return rc
+
+    def slice_tensor(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
+        with self._lock:
+            if self._closed or not self._buf_ok(buf):
+                return _INVALID_STATE
+            rc, _info = self._tensor(buf, tensor)
+            if rc:
+                return rc
+            if not _is_int(offset) or not _is_int(size):
+                return _INVALID_VALUE
+            return self._c("calrt_slice_tensor", buf.handle, _cname(tensor),
+                           _clamp(offset, -1, 2**62), _clamp(size, -1, 2**62))
+
+    def undo_slice(self, buf: _Buf, tensor: str) -> int:
+        with self._lock:
+            if self._closed or not self._buf_ok(buf):
+                return _INVALID_STATE
+            rc, _info = self._tensor(buf, tensor)
+            if rc:
+                return rc
+            return self._c("calrt_undo_slice", buf.handle, _cname(tensor))
+
+    def set_csr(self, inp: _Buf, name: str, value: int) -> int:
+        with self._lock:
+            if self._closed or not self._buf_ok(inp):
+                return _INVALID_STATE
+            if not inp.is_input:
+                return _WRONG_DIRECTION
+            if not isinstance(name, str) or name not in inp.model.info.csr_names:
+                return _NOT_FOUND
+            if not _is_int(value) or not 0 <= value <= _U32_MAX:
+                return _INVALID_VALUE
+            return self._c("calrt_set_csr", inp.handle, _cname(name), int(value))
+
+    def set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
+        with self._lock:
+            if self._closed or not self._buf_ok(inp):
+                return _INVALID_STATE
+            if not inp.is_input:
+                return _WRONG_DIRECTION
+            if not _is_int(seq_id) or not 0 <= seq_id < _SEQ_LIMIT:
+                return _INVALID_VALUE
+            return self._c("calrt_set_kv_seq", inp.handle, int(seq_id))
+
+    # ---- execution --------------------------------------------------------------------
+    def _handles(self, model: Any, inp: Any, out: Any) -> tuple[int, int, int]:
+        """The library handles; 0 (refused by the library with INVALID_STATE at the point
+        the protocol checks handles) for anything that is not this driver's."""
+        mh = model.handle if isinstance(model, _Model) and model.driver is self else 0
+        ih = inp.handle if isinstance(inp, _Buf) and inp.driver is self \
+            and not inp.destroyed else 0
+        oh = out.handle if isinstance(out, _Buf) and out.driver is self \
+            and not out.destroyed else 0
+        return mh, ih, oh
+
+    def _tag(self, tag: JobTag | None) -> Any:
+        if tag is None:
+            return self._ffi.NULL
+        t = self._ffi.new("calrt_job_tag_t *")
+        t.job_id = _clamp(tag.job_id, -_I64_MAX, _I64_MAX)
+        t.seq_id = _clamp(tag.seq_id, -1, _I64_MAX)
+        t.generation = _clamp(tag.generation, -_I64_MAX, _I64_MAX)
+        return t
+
+    def infer(self, model: _Model, inp: _Buf, out: _Buf, *, tag: JobTag | None = None) -> int:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE
+            rc = self._c("calrt_infer", *self._handles(model, inp, out), self._tag(tag))
+            if rc == _OK:
+                out.status = OutputStatus.PENDING
+            return rc
+
+    def infer_fixed(self, model: _Model, inp: _Buf, out: _Buf, engine: EngineSlot, *,
+                    tag: JobTag | None = None) -> int:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE
+            eng = int(engine) if _is_int(engine) and int(engine) in (0, 1) else 99
+            rc = self._c("calrt_infer_fixed", *self._handles(model, inp, out), eng,
+                         self._tag(tag))
+            if rc == _OK:
+                out.status = OutputStatus.PENDING
+            return rc
+
+    def wait(self, out: _Buf, timeout_s: float) -> int:
+        # not under the driver lock: a wait blocks (real time) and must not stop a reset,
+        # a submit or a close from another thread; the library is thread-safe
+        if self._closed or not self._buf_ok(out) or out.is_input:
+            return _INVALID_STATE
+        try:
+            timeout = max(0.0, float(timeout_s))
+        except (TypeError, ValueError):
+            return _INVALID_VALUE
+        ns = -1 if math.isinf(timeout) else min(round(timeout * 1e9), 2**62)
+        with self._dev.lock:
+            if self._dev.closed:
+                return _INVALID_STATE
+            handle = self._h
+        if self._virtual:
+            with self._lock:
+                rc = self._c("calrt_wait", out.handle, ns)
+                self._sync_clock()
+                return rc
+        rc = int(self._lib.calrt_wait(handle, out.handle, ns))
+        if self._trace is not None:
+            self._trace.append((self.clock.now(), "calrt_wait", (out.handle, ns), rc))
+        return _INVALID_STATE if rc == _INVALID_STATE and self._closed else rc
+
+    def status(self, out: _Buf) -> OutputStatus:
+        if not isinstance(out, _Buf) or out.driver is not self or out.is_input:
+            raise InvalidArgument(f"status() of {out!r}: not an output buffer of this driver",
+                                  stage="status")
+        with self._lock:
+            if self._closed or out.destroyed:
+                return out.status
+            st = self._ffi.new("int32_t *")
+            if self._c("calrt_get_status", out.handle, st) == _OK:
+                out.status = OutputStatus(st[0])
+            return out.status
+
+    def output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
+        with self._lock:
+            if self._closed or not self._buf_ok(out):
+                return _INVALID_STATE, None
+            rc, _info = self._tensor(out, tensor)
+            if rc:
+                return rc, None
+            n = self._ffi.new("uint64_t *")
+            rc = self._c("calrt_output_bytes", out.handle, _cname(tensor), n)
+            return (rc, None) if rc else (_OK, int(n[0]))
+
+    def pending_jobs(self) -> int:
+        """Jobs the device has not finished (ghosts of a reset included)."""
+        with self._lock:
+            if self._closed:
+                return 0
+            n = self._ffi.new("uint32_t *")
+            check(self._c("calrt_pending_jobs", n), "calrt_pending_jobs")
+            if n[0] == 0:
+                with self._dev.lock:
+                    self._dev.parked.clear()
+            return int(n[0])
+
+    # ---- KV manager -------------------------------------------------------------------
+    def kv_can_allocate(self, n: int) -> bool:
+        with self._lock:
+            if self._closed or not _is_int(n):
+                return False
+            ok = self._ffi.new("int32_t *")
+            return self._c("calrt_kv_can_allocate", _clamp(n, 0, _U64_MAX), ok) == 0 \
+                and bool(ok[0])
+
+    def kv_apply(self, seq_id: int, target_len: int) -> bool:
+        with self._lock:
+            if self._closed or not _is_int(seq_id) or not _is_int(target_len) \
+                    or not 0 <= seq_id < _SEQ_LIMIT or target_len < 0:
+                return False
+            ok = self._ffi.new("int32_t *")
+            return self._c("calrt_kv_apply", int(seq_id), _clamp(target_len, 0, _U64_MAX),
+                           ok) == 0 and bool(ok[0])
+
+    def kv_release(self, seq_id: int, keep_len: int = 0) -> int:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE
+            if not _is_int(seq_id) or not _is_int(keep_len) or keep_len < 0:
+                return _INVALID_VALUE
+            if not -_I64_MAX <= seq_id <= _I64_MAX:
+                return _OK  # no such sequence
+            return self._c("calrt_kv_release", int(seq_id), _clamp(keep_len, 0, _U64_MAX))
+
+    # ---- device control ---------------------------------------------------------------
+    def reset(self, kind: ResetKind) -> int:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE
+            try:
+                kind = ResetKind(kind)
+            except ValueError:
+                return _INVALID_VALUE
+            rc = self._c(_RESET_FN[kind])
+            if rc == _OK and kind is not ResetKind.CCU:
+                self._epoch += 1
+                self._configured = False
+                self._models = {}
+                self._infos = ()
+            return rc
+
+    def enable_parallel_mode(self, enabled: bool) -> int:
+        with self._lock:
+            if self._closed:
+                return _INVALID_STATE
+            return self._c("calrt_enable_parallel_mode", int(bool(enabled)))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._closed:
+                return
+            st = self._ffi.new("int32_t *")
+            for out in list(self._outs):   # statuses stay readable after close
+                if not out.destroyed and self._lib.calrt_get_status(self._h, out.handle,
+                                                                    st) == 0:
+                    out.status = OutputStatus(st[0])
+                if out.status is OutputStatus.PENDING:
+                    out.status = OutputStatus.DONE_ABORTED
+            self._closed = True
+            if self._trace is not None:
+                self._trace.append((self.clock.now(), "calrt_device_close", (), 0))
+            self._finalizer()   # closes the device: aborts jobs, joins its thread
+
+    def __enter__(self) -> CalrtDriver:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else (
+            "configured" if self._configured else "unconfigured")
+        return f"<CalrtDriver {state} library={self.library_path!r}>"
+
+
+def _nonzero(latency: Any) -> bool:
+    return any(float(getattr(latency, f, 0.0) or 0.0) for f in
+               ("h2d_s_per_byte", "prefill_per_token_s", "decode_s", "d2h_s_per_byte"))
+
+
+def _ns(t: float) -> int:
+    return _clamp(round(t * 1e9), 0, 2**62) if math.isfinite(t) else 2**62
