@@ -21,6 +21,7 @@ DriverFactory = Callable[..., Driver]
 #: name -> factory(**options) -> a fresh, unconfigured driver
 DRIVER_FACTORIES: dict[str, DriverFactory] = {
     "sim": lambda **kw: SimDriver(**kw),
+    "calrt": lambda **kw: __import__("calfsm.drivers.calrt").drivers.calrt.CalrtDriver.virtual(**kw),  # noqa: E501
 }
 
 
