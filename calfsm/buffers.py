@@ -50,6 +50,7 @@ from __future__ import annotations
 import enum
 import logging
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -85,6 +86,8 @@ log = logging.getLogger(__name__)
 
 _U32_MAX = 2**32 - 1
 _SEQ_LIMIT = 2**31
+#: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
+_MAX_WAIT_S = min(threading.TIMEOUT_MAX, 3600.0)
 
 
 class SlotState(enum.StrEnum):
@@ -506,6 +509,9 @@ class BufferPool:
         Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
         with :meth:`wake_all`) or Unavailable (pool retired)."""
         clock = clock or _REAL
+        # On a virtual clock nobody may advance it: bound the wait in real time too.
+        real_limit = (time.monotonic() + (deadline - clock.now())
+                      if getattr(clock, "virtual", False) else None)
         with self._cond:
             while True:
                 if self._retired:
@@ -517,11 +523,13 @@ class BufferPool:
                 if slot is not None:
                     return self._lend(slot)
                 left = deadline - clock.now()
+                if real_limit is not None:
+                    left = min(left, real_limit - time.monotonic())
                 if left <= 0:
                     raise DeadlineExceeded(f"no {kind.value} buffer slot before the "
                                            "deadline", stage="lease",
                                            generation=self.generation)
-                self._cond.wait(left)
+                self._cond.wait(min(left, _MAX_WAIT_S))  # loop re-checks everything
 
     def wake_all(self) -> None:
         """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
