@@ -522,3 +522,65 @@ class PoolMachine(RuleBasedStateMachine):
 
 TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
+
+
+def test_acquire_wait_on_a_virtual_clock_nobody_advances_is_bounded():
+    _, pool = make_pool()
+    pool.acquire(TaskKind.DECODE)
+    clock = VirtualClock(0.0)
+    with pytest.raises(DeadlineExceeded):
+        pool.acquire_wait(TaskKind.DECODE, 0.05, clock=clock)  # ~50 ms real, then gives up
+
+
+# ---- against the simulated device ----------------------------------------------------
+
+def sim_pool(**kw):
+    from calfsm.drivers.sim import SimDriver
+
+    driver = SimDriver(TINY, **kw)
+    assert driver.configure(driver.calbin) == 0
+    models = {}
+    for kind in (TaskKind.PREFILL_IDS, TaskKind.DECODE):
+        contract = TINY.submodel(kind)
+        code, handle = driver.model(contract.exact_name)
+        assert code == 0
+        models[kind] = (handle, contract)
+    return driver, BufferPool.build(driver, 0, models)
+
+
+def trace_calls(driver) -> list[str]:
+    import json
+
+    return [json.loads(line)["call"] for line in driver.trace_lines()]
+
+
+@pytest.mark.parametrize("tensor", ["input_ids", "position_ids", "logits"])
+def test_fi03_slice_of_bytesize_plus_one_is_rejected_locally_runtime_not_called(tensor):
+    driver, pool = sim_pool()
+    lease = pool.acquire(TaskKind.PREFILL_IDS).bind(job_id=31, seq_id=2)
+    byte_size = lease.slot.tensor(tensor)[0].byte_size
+    with pytest.raises(InvalidArgument) as info:
+        lease.slice(tensor, 0, byte_size + 1)
+    err = info.value
+    assert (err.job_id, err.seq_id, err.generation, err.stage) == (31, 2, 0, "slice")
+    assert err.http_status == 400 and str(byte_size) in err.message
+    assert "slice_tensor" not in trace_calls(driver)
+    assert not lease.slices
+    # the largest legal slice does reach the device, and a clean return follows the undo
+    lease.slice(tensor, 0, byte_size)
+    assert trace_calls(driver).count("slice_tensor") == 1
+    lease.undo_slices()
+    assert pool.release(lease) is True
+
+
+def test_fi15_on_the_simulated_device_dirty_slot_never_comes_back():
+    driver, pool = sim_pool()
+    lease = pool.acquire(TaskKind.PREFILL_IDS)
+    dirty = lease.slot
+    lease.slice_inputs(4)
+    assert pool.release(lease) is False
+    assert dirty.state is SlotState.QUARANTINED
+    with pytest.raises(ResourceExhausted):  # the only prefill slot is out of service
+        pool.acquire(TaskKind.PREFILL_IDS)
+    assert assert_invariant(pool) == PoolStats(0, total=2, free=1, leased=0, quarantined=1)
+    assert "destroy_buffers" not in trace_calls(driver)  # its host arrays stay alive

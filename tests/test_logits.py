@@ -229,3 +229,50 @@ def test_fi10_nonfinite_logit_is_an_unknown_internal_error_naming_the_index(bad)
     assert err.category is ErrorCategory.UNKNOWN
     assert err.stage == "output" and err.job_id == 1
     assert "index 321" in err.message
+
+
+# ---- FI09 end to end on the simulated device ------------------------------------------
+
+def test_fi09_short_output_from_the_simulated_device_is_detected():
+    from calfsm.buffers import BufferPool
+    from calfsm.drivers.base import JobTag
+    from calfsm.drivers.faults import FaultPlan, FaultRule
+    from calfsm.drivers.sim import SimDriver
+
+    driver = SimDriver(TINY, faults=FaultPlan.of(FaultRule("infer", "short_output",
+                                                           n_bytes=100)))
+    assert driver.configure(driver.calbin) == 0
+    code, handle = driver.model(PREFILL.exact_name)
+    assert code == 0
+    pool = BufferPool.build(driver, 0, {TaskKind.PREFILL_IDS: (handle, PREFILL)})
+    dst = np.full(PREFILL.vocab * 2, SENTINEL, np.float32)
+    for job_id, expect_short in ((1, True), (2, False)):
+        lease = pool.acquire(TaskKind.PREFILL_IDS).bind(job_id=job_id, seq_id=job_id)
+        n = 5
+        lease.write_inputs(np.arange(1, n + 1), np.arange(n))
+        lease.slice_inputs(n)
+        lease.set_csr(PREFILL.csr_cur_seq, n)
+        lease.set_csr(PREFILL.csr_total_seq, n)
+        lease.set_kv_seq(job_id)
+        slot = lease.slot
+        assert driver.kv_apply(job_id, n)
+        assert driver.infer(slot.model, slot.inp, slot.out, tag=JobTag(job_id, job_id)) == 0
+        lease.mark_on_device()
+        assert driver.wait(slot.out, 10.0) == 0
+        lease.mark_off_device()
+        code, produced = driver.output_bytes(slot.out, PREFILL.logits.name)
+        assert code == 0
+        if expect_short:
+            assert produced == 100
+            with pytest.raises(Internal) as info:
+                extract_logits(slot.logits, produced, PREFILL, n, dst, job_id=job_id)
+            assert info.value.calrt_code == CalrtCode.SHAPE_MISMATCH
+            assert info.value.job_id == 1
+            assert (dst == SENTINEL).all()
+        else:
+            extract_logits(slot.logits, produced, PREFILL, n, dst, job_id=job_id)
+            np.testing.assert_array_equal(dst[:PREFILL.vocab], reference(slot.logits[0, 4]))
+            assert (dst[PREFILL.vocab:] == SENTINEL).all()
+            assert np.any(dst[:PREFILL.vocab] != 0)
+        lease.undo_slices()
+        assert pool.release(lease)
