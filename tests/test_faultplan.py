@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from calfsm.drivers.faults import (
     DEFAULT_CODES,
     EFFECTS,
+    FILTERS,
     POINTS,
     SWARM_KINDS,
     FaultPlan,
@@ -18,11 +19,18 @@ from calfsm.drivers.faults import (
 )
 from calfsm.errors import InvalidArgument
 
+
+def _filter(point: str, field: str, values):
+    return values if field in FILTERS[point] else st.none()
+
+
 rules = st.sampled_from(POINTS).flatmap(lambda p: st.builds(
     FaultRule, st.just(p), st.sampled_from(EFFECTS[p]),
     nth=st.integers(1, 50), every=st.none() | st.integers(1, 10),
-    count=st.none() | st.integers(1, 5), seq_id=st.none() | st.integers(0, 9),
-    job_id=st.none() | st.integers(0, 9), name=st.none() | st.sampled_from(["cur_seq", "x"]),
+    count=st.none() | st.integers(1, 5),
+    seq_id=_filter(p, "seq_id", st.none() | st.integers(0, 9)),
+    job_id=_filter(p, "job_id", st.none() | st.integers(0, 9)),
+    name=_filter(p, "name", st.none() | st.sampled_from(["cur_seq", "x"])),
     code=st.none() | st.integers(1, 40), n_bytes=st.none() | st.integers(0, 1000),
     index=st.integers(0, 100)))
 
@@ -59,6 +67,7 @@ def test_none_is_empty() -> None:
     ('{"rules": [{"point": "infer", "effect": "code", "colour": 1}]}', "rules[0].colour"),
     ('{"rules": [{"effect": "code"}]}', "rules[0].point"),
     ('{"rules": [3]}', "rules[0]"),
+    ('{"rules": [{"point": "reset", "effect": "code", "seq_id": 1}]}', "rules[0].seq_id"),
     ('{"rules": {}}', "rules"),
     ('{"rulez": []}', "rulez"),
 ])
@@ -129,3 +138,10 @@ def test_rule_validation_errors() -> None:
         FaultRule("kv_apply", "code")
     with pytest.raises(InvalidArgument, match="count"):
         FaultRule("infer", "code", count=0)
+    # a filter the point cannot match is refused, never a rule that silently never fires
+    with pytest.raises(InvalidArgument, match="job_id"):
+        FaultRule("set_csr", "code", job_id=1)
+    with pytest.raises(InvalidArgument, match="seq_id"):
+        FaultRule("kv_can_allocate", "refuse", seq_id=1)
+    with pytest.raises(InvalidArgument, match="name"):
+        FaultRule("infer", "hang", name="x")

@@ -12,12 +12,19 @@ so one plan means the same thing on both:
    ``docs/driver-protocol.md`` passed (``kv_can_allocate``/``kv_apply``: the honest answer
    would be True; ``wait``: the buffer's job is still pending). Calls that fail on their
    own never count and are never replaced.
-2. Each rule has an optional filter: ``seq_id`` and ``job_id`` (matched against the
-   :class:`~calfsm.drivers.base.JobTag` given to ``infer``; ``seq_id`` falls back to the
-   buffer's KV sequence without a tag, and is the ``seq`` argument of ``kv_apply``) and
-   ``name`` (the CSR or tensor name of ``set_csr``/``map_buffer``/``slice_tensor``).
-   A rule's *match ordinal* counts the calls that reached its point and passed its
-   filter: 1, 2, 3, ...
+2. Each rule has an optional filter (:data:`FILTERS` says which point has which):
+
+   - ``seq_id``: at ``infer``/``wait`` the job's :class:`~calfsm.drivers.base.JobTag`
+     ``seq_id`` (without a tag: the input buffer's KV sequence); at ``kv_apply`` and
+     ``set_kv_seq`` the ``seq`` argument; at ``set_csr``/``slice_tensor``/``map_buffer``
+     the KV sequence the input buffer is set to at that moment (none on an output buffer
+     or before ``set_kv_seq``: the rule does not match);
+   - ``job_id``: the JobTag's ``job_id`` at ``infer``/``wait`` (no tag: no match);
+   - ``name``: the CSR or tensor name of ``set_csr``/``map_buffer``/``slice_tensor``.
+
+   A filter at a point that has nothing to match is refused when the rule is built, so a
+   rule can never silently not fire. A rule's *match ordinal* counts the calls that
+   reached its point and passed its filter: 1, 2, 3, ...
 3. A rule fires at match ordinals ``nth, nth + every, nth + 2*every, ...`` (only ``nth``
    when ``every`` is None), at most ``count`` times (None: once without ``every``,
    unlimited with it). :meth:`FaultRule.always` fires on every match.
@@ -58,6 +65,7 @@ from calfsm.errors import CalrtCode, InvalidArgument
 __all__ = [
     "DEFAULT_CODES",
     "EFFECTS",
+    "FILTERS",
     "JOB_EFFECTS",
     "POINTS",
     "SWARM_KINDS",
@@ -84,6 +92,18 @@ EFFECTS: dict[str, tuple[str, ...]] = {
     "enable_parallel_mode": ("code",),
 }
 POINTS = tuple(EFFECTS)
+
+#: point -> the filters a rule at that point may use
+FILTERS: dict[str, frozenset[str]] = {p: frozenset() for p in POINTS}
+FILTERS.update({
+    "infer": frozenset({"seq_id", "job_id"}),
+    "wait": frozenset({"seq_id", "job_id"}),
+    "kv_apply": frozenset({"seq_id"}),
+    "set_kv_seq": frozenset({"seq_id"}),
+    "set_csr": frozenset({"seq_id", "name"}),
+    "slice_tensor": frozenset({"seq_id", "name"}),
+    "map_buffer": frozenset({"seq_id", "name"}),
+})
 
 #: the code an effect ``code`` returns when the rule does not name one
 DEFAULT_CODES: dict[str, int] = {
@@ -152,6 +172,11 @@ class FaultRule:
         if self.name is not None and not isinstance(self.name, str):
             raise InvalidArgument(f"name: must be a string or null, got {self.name!r}",
                                   stage="faults")
+        for f in ("seq_id", "job_id", "name"):
+            if getattr(self, f) is not None and f not in FILTERS[self.point]:
+                have = ", ".join(sorted(FILTERS[self.point])) or "none"
+                raise InvalidArgument(f"{f}: point {self.point!r} has no {f} to match "
+                                      f"(its filters: {have})", stage="faults")
         if self.nth is None:
             raise InvalidArgument("nth: must be a positive integer", stage="faults")
 

@@ -474,7 +474,7 @@ class SimDriver:
         self._pump()
         if buf.job is not None:
             return _DEVICE_BUSY
-        rule = self._fault("map_buffer", name=tensor)
+        rule = self._fault("map_buffer", seq=buf.kv_seq, name=tensor)
         if rule is not None:
             return rule.effective_code
         buf.maps[tensor] = host.reshape(-1)
@@ -508,7 +508,7 @@ class SimDriver:
         self._pump()
         if buf.job is not None:
             return _DEVICE_BUSY
-        rule = self._fault("slice_tensor", name=tensor)
+        rule = self._fault("slice_tensor", seq=buf.kv_seq, name=tensor)
         if rule is not None:
             return rule.effective_code
         buf.slices[tensor] = (int(offset), int(size))
@@ -553,7 +553,7 @@ class SimDriver:
         self._pump()
         if inp.job is not None:
             return _DEVICE_BUSY
-        rule = self._fault("set_csr", name=name)
+        rule = self._fault("set_csr", seq=inp.kv_seq, name=name)
         if rule is not None:
             return rule.effective_code
         inp.csrs[name] = int(value)

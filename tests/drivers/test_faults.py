@@ -37,6 +37,16 @@ def test_set_csr_code_by_name(make_driver) -> None:
     assert d.set_csr(dec.inp, "bogus", 1) == C.NOT_FOUND      # honest failure, not counted
 
 
+def test_buffer_point_matches_the_buffer_kv_seq(make_driver) -> None:
+    d, dec = _dev(make_driver, FaultRule.always("set_csr", "code", seq_id=4))
+    assert d.set_csr(dec.inp, "cur_seq", 1) == 0              # no KV sequence yet
+    assert d.set_kv_seq(dec.inp, 3) == 0
+    assert d.set_csr(dec.inp, "cur_seq", 1) == 0
+    assert d.set_kv_seq(dec.inp, 4) == 0
+    assert d.set_csr(dec.inp, "cur_seq", 1) == C.NOT_FOUND
+    assert d.set_csr(dec.inp, "total_seq", 1) == C.NOT_FOUND
+
+
 @pytest.mark.parametrize("code", [C.DEVICE_BUSY, C.DEVICE_UNAVAILABLE, C.DEVICE_CRASHED, 99])
 def test_submit_code_on_nth_infer(make_driver, code) -> None:
     d, dec = _dev(make_driver, FaultRule("infer", "code", nth=2, code=int(code)))
