@@ -19,13 +19,16 @@ The bound check is written exactly as the spec (section 10.1) asks,
 ``base <= size and dict_len <= size - base``, so it cannot overflow even where the
 indices are fixed-width.
 
-The finite check after conversion uses two reductions (``min``/``max``; NaN propagates
-through both, an Inf shows as one of them), which allocate nothing; only when they find
-something does :func:`find_nonfinite` locate the first offending index.
+The finite check after conversion is one BLAS pass, ``dst.dot(dst)``: a sum of squares is
+finite only if every value is (NaN and Inf propagate, squares cannot cancel), it
+allocates nothing and costs less than the copy. Only when it is not finite (a NaN/Inf,
+or a finite value above ~1.8e19 overflowing the square) does :func:`find_nonfinite`
+run the exact ``isfinite`` scan that names the first offending index.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import ml_dtypes
@@ -50,6 +53,7 @@ __all__ = [
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)
 _STAGE = "output"
 
 
@@ -102,11 +106,17 @@ def find_nonfinite(values: np.ndarray) -> int | None:
         values = values.view(_BF16)
     if values.size == 0:
         return None
-    with np.errstate(invalid="ignore"):  # a NaN in a reduction is what we look for
-        lo = values.min()
-        hi = values.max()
-    if np.isfinite(lo) and np.isfinite(hi):
-        return None
+    with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf is what we look for
+        if values.ndim == 1 and values.dtype in (_F32, _F64):
+            # One BLAS pass: a sum of squares is finite only if every value is (a huge
+            # finite value may overflow it: then the exact check below decides).
+            if math.isfinite(float(values.dot(values))):
+                return None
+        else:
+            lo = values.min()
+            hi = values.max()
+            if np.isfinite(lo) and np.isfinite(hi):
+                return None
     bad = np.flatnonzero(~np.isfinite(values.astype(np.float32, copy=False)))
     return int(bad[0]) if bad.size else None
 

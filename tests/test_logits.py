@@ -276,3 +276,14 @@ def test_fi09_short_output_from_the_simulated_device_is_detected():
             assert np.any(dst[:PREFILL.vocab] != 0)
         lease.undo_slices()
         assert pool.release(lease)
+
+
+def test_find_nonfinite_is_exact_when_huge_finite_values_overflow_the_fast_path():
+    x = np.full(1000, 3.0e38, np.float32)  # x.dot(x) overflows, yet all finite
+    assert find_nonfinite(x) is None
+    x[999] = np.inf
+    assert find_nonfinite(x) == 999
+    y = np.zeros((4, 5), np.float32)  # not 1-D: the min/max path
+    y[2, 3] = np.nan
+    assert find_nonfinite(y) == 13
+    assert find_nonfinite(np.array([1.0, np.nan])) == 1
