@@ -173,17 +173,23 @@ class BufferLease:
     and raised with the lease's context (``bind(job_id=..., seq_id=...)``, generation).
     """
 
-    __slots__ = ("_core", "_dead")
+    __slots__ = ("_core", "_dead", "_last")
 
     def __init__(self, core: _LeaseCore) -> None:
         self._core: _LeaseCore | None = core
         self._dead = ""
+        self._last: _LeaseCore | None = None  # kept for the context of misuse errors
 
     # ---- ownership --------------------------------------------------------------------
     def _live(self) -> _LeaseCore:
         core = self._core
         if core is None:
-            raise LeaseError(f"buffer lease used after it was {self._dead}", stage="lease")
+            last = self._last
+            ctx = ({} if last is None else
+                   {"job_id": last.job_id, "seq_id": last.seq_id,
+                    "generation": last.slot.generation})
+            raise LeaseError(f"buffer lease used after it was {self._dead}", stage="lease",
+                             **ctx)
         return core
 
     @property
@@ -194,11 +200,11 @@ class BufferLease:
     def move(self) -> BufferLease:
         """Transfer ownership to a new lease object; this one becomes unusable."""
         core = self._live()
-        self._core = None
-        self._dead = "moved"
+        self._consume("moved")
         return BufferLease(core)
 
     def _consume(self, why: str) -> None:
+        self._last = self._core
         self._core = None
         self._dead = why
 
@@ -507,7 +513,8 @@ class BufferPool:
         """Lease a slot, waiting on the pool's condition (never polling) until one is
         returned. ``deadline`` is in ``clock`` time (default: a :class:`RealClock`).
         Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
-        with :meth:`wake_all`) or Unavailable (pool retired)."""
+        with :meth:`wake_all`) or Unavailable (pool retired). ``cancelled`` is called with
+        the pool lock held: it must be a cheap flag read that takes no lock."""
         clock = clock or _REAL
         # On a virtual clock nobody may advance it: bound the wait in real time too.
         real_limit = (time.monotonic() + (deadline - clock.now())

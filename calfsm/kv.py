@@ -302,7 +302,11 @@ class KvCoordinator:
                 job_id: int | None = None,
                 cancelled: Callable[[], bool] | None = None) -> KvReservation:
         """Reserve KV for ``token_count`` tokens after ``past_len``, waiting (FIFO, on a
-        condition variable) until the device has room or ``deadline`` (clock time)."""
+        condition variable) until the device has room or ``deadline`` (clock time).
+
+        ``cancelled`` is polled at every wake-up (wake waiters with :meth:`wake_all` after
+        setting the flag); it is called with the admission lock held, so it must be a
+        cheap flag read that takes no lock."""
         target = self._validate(seq_id, past_len, token_count, job_id)
         ctx = self._ctx(seq_id, job_id)
         if deadline <= self.clock.now():

@@ -175,8 +175,9 @@ def test_lease_used_after_move_raises_and_the_new_owner_works():
     for use in (lambda: old.slot, lambda: old.slice("input_ids", 0, 4),
                 lambda: old.set_csr("cur_seq", 1), lambda: old.write_inputs([1], [0]),
                 lambda: old.move(), lambda: pool.release(old)):
-        with pytest.raises(LeaseError, match="moved"):
+        with pytest.raises(LeaseError, match="moved") as info:
             use()
+        assert (info.value.job_id, info.value.seq_id, info.value.generation) == (7, 1, 0)
     assert len(drv.calls) == n_calls
     assert pool.release(new)
 
