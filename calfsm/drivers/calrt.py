@@ -388,16 +388,16 @@ class CalrtDriver:
         self._nbufs = 0
         self._outs: weakref.WeakSet[_Buf] = weakref.WeakSet()
 
-        needs_emu = [why for why, needed in (
-            ("a fault plan", bool(self.faults)),
-            ("a latency model", latency is not None and _nonzero(latency)),
-            ("a virtual clock", self._virtual),
-            ("a KV capacity", kv_capacity != 1 << 20),
-            ("capabilities", capabilities is not None)) if needed]
-        if needs_emu and not self._emulator:
-            raise Incompatible(f"CalRT library {self.library_path!r} has no calrt_emu_* "
-                               f"control functions, needed for {', '.join(needs_emu)}",
-                               stage="driver")
+        if not self._emulator:
+            # a vendor library drives a real device: its latency, KV capacity and
+            # capabilities are the device's own, and only the emulator can inject faults
+            # or follow a virtual clock
+            if self.faults or self._virtual:
+                raise Incompatible(
+                    f"CalRT library {self.library_path!r} has no calrt_emu_* control "
+                    f"functions, needed for {'a fault plan' if self.faults else 'a virtual clock'}",
+                    stage="driver")
+            latency = capabilities = None
         out = self._ffi.new("calrt_device_t *")
         check(self._lib.calrt_device_open(options.encode(), out), "calrt_device_open")
         self._dev = _Device(self._lib, int(out[0]))
@@ -418,8 +418,11 @@ class CalrtDriver:
     @classmethod
     def virtual(cls, **kw: Any) -> CalrtDriver:
         """A driver whose device follows a fresh :class:`~calfsm.clock.VirtualClock`
-        (deterministic, nothing sleeps: what the conformance suite runs)."""
-        kw.setdefault("clock", VirtualClock())
+        (deterministic, nothing sleeps: what the conformance suite runs) — on the
+        emulator; a vendor library (no ``calrt_emu_*``) keeps its real clock."""
+        _lib, _path, emulator = load_library(kw.get("library"))
+        if emulator:  # a vendor library runs in real time (the device is real)
+            kw.setdefault("clock", VirtualClock())
         return cls(**kw)
 
     def _setup_emulator(self, latency: Any, capabilities: Capabilities | None) -> None:
@@ -877,11 +880,6 @@ class CalrtDriver:
         state = "closed" if self._closed else (
             "configured" if self._configured else "unconfigured")
         return f"<CalrtDriver {state} library={self.library_path!r}>"
-
-
-def _nonzero(latency: Any) -> bool:
-    return any(float(getattr(latency, f, 0.0) or 0.0) for f in
-               ("h2d_s_per_byte", "prefill_per_token_s", "decode_s", "d2h_s_per_byte"))
 
 
 def _ns(t: float) -> int:

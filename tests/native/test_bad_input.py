@@ -10,14 +10,15 @@ import numpy as np
 import pytest
 
 from calfsm import _native
+from calfsm.clock import VirtualClock
 from calfsm.drivers import calrt
-from calfsm.drivers.base import ResetKind
+from calfsm.drivers.base import OutputStatus, ResetKind
 from calfsm.drivers.calrt import REQUIRED, CalrtDriver, load_library
 from calfsm.errors import CalrtCode as C
 from calfsm.errors import ErrorCategory, Incompatible
 from calfsm.manifest import TaskKind
-from tests.drivers.util import prepare, setup, small_calbin
-from tests.native.util import compile_c
+from tests.drivers.util import prepare, run, setup, small_calbin
+from tests.native.util import EMU_SOURCES, compile_c
 
 CB = small_calbin(vocab=64, max_seq=64)
 
@@ -70,13 +71,23 @@ def test_abi_version_mismatch(tmp_path: Path) -> None:
 
 
 def test_vendor_library_without_emulator_controls(tmp_path: Path) -> None:
-    # every ABI function, none of calrt_emu_*: usable, but not with a fault plan
-    lib = _stub_library(tmp_path, "shim", REQUIRED, 1)
+    # the emulator with only the ABI exported (no calrt_emu_*): what a vendor shim offers
+    script = tmp_path / "abi.map"
+    script.write_text("{ global: " + " ".join(f"{s};" for s in REQUIRED) + " local: *; };\n")
+    lib = tmp_path / "libshim.so"
+    compile_c(lib, EMU_SOURCES, "-O1", f"-Wl,--version-script={script}", shared=True)
     _lib, _path, emulator = load_library(lib)
     assert emulator is False
     from calfsm.drivers.faults import FaultPlan, FaultRule
     with pytest.raises(Incompatible, match="calrt_emu"):
         CalrtDriver(library=lib, faults=FaultPlan.of(FaultRule("infer", "hang")))
+    with pytest.raises(Incompatible, match="virtual clock"):
+        CalrtDriver(library=lib, clock=VirtualClock())
+    with CalrtDriver.virtual(library=lib, latency=object(), kv_capacity=5) as d:
+        assert not d.clock.virtual and not d.is_emulator     # a real device: real time
+        d.configure(CB)
+        dec = setup(d, CB, TaskKind.DECODE)
+        assert run(d, dec, 0, [1], 0) == OutputStatus.DONE_OK
 
 
 def test_unbuilt_bundled_library_says_how_to_build(tmp_path: Path, monkeypatch) -> None:
