@@ -365,9 +365,6 @@ def test_empty_device() -> None:
     assert f"missing on device: {DECODE!r}" in message
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError,
-                   reason="Calbin.replace_model's own first parameter is called `name`, "
-                          "so replace_model(old, name=new) collides; see the report")
 def test_calbin_replace_model_can_rename() -> None:
     calbin = device().replace_model(DECODE, name="qwen3_b1_dec0de")
     assert "qwen3_b1_dec0de" in {m.name for m in calbin.models}

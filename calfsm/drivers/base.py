@@ -147,7 +147,7 @@ class Calbin:
                 tile_d0=sub.logits_tile_d0 if sub.kind.is_prefill else None))
         return cls(tuple(models), manifest.calbin_sha256, manifest.calrt_version)
 
-    def replace_model(self, name: str, **changes: Any) -> Calbin:
+    def replace_model(self, name: str, /, **changes: Any) -> Calbin:
         """A copy with one model changed (e.g. ``name="..."`` for FI01)."""
         found = False
         models = []

@@ -91,14 +91,14 @@ class DeclaredMachine:
 
     def on_enter(self, state: str, callback: Callable[[EventData], None]) -> None:
         """Run ``callback(event_data)`` whenever a model enters ``state``."""
-        self.machine.get_state(state).add_callback("enter", callback)
+        self.machine.get_state(str(state)).add_callback("enter", callback)
 
     def on_exit(self, state: str, callback: Callable[[EventData], None]) -> None:
-        self.machine.get_state(state).add_callback("exit", callback)
+        self.machine.get_state(str(state)).add_callback("exit", callback)
 
     def remove_state_callback(self, state: str, when: str,
                               callback: Callable[[EventData], None]) -> None:
-        getattr(self.machine.get_state(state), f"on_{when}").remove(callback)
+        getattr(self.machine.get_state(str(state)), f"on_{when}").remove(callback)
 
     def _notify(self, event: EventData) -> None:
         if not self._listeners:
