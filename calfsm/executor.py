@@ -195,7 +195,7 @@ class DeviceExecutor:
         try:
             if self.config.max_inflight > 1:
                 check(self.driver.enable_parallel_mode(True), "enable_parallel_mode")
-            self.epoch = self._configure(self._manifest, self._calbin, generation=1)
+            self._install(self._configure(self._manifest, self._calbin, generation=1))
             self._fire_life("configured")
             if self.config.warmup:
                 warm_up(self.driver, self.epoch, self.config.execution_timeout_s)
@@ -212,13 +212,17 @@ class DeviceExecutor:
                 self._threads.append(t)
 
     def _configure(self, manifest: Manifest, calbin: Calbin, generation: int) -> Epoch:
-        epoch = build_epoch(
+        return build_epoch(
             self.driver, manifest, calbin, generation,
             max_inflight=self.config.max_inflight,
             slots_per_engine=self.config.slots_per_engine,
             token_budget=self.config.token_budget, engines=self._engines, clock=self.clock)
-        self._life.generation = generation
-        return epoch
+
+    def _install(self, epoch: Epoch) -> None:
+        """Make ``epoch`` the current generation (the only place the number moves)."""
+        with self._life_lock:
+            self.epoch = epoch
+            self._life.generation = epoch.generation
 
     def __enter__(self) -> DeviceExecutor:
         return self
@@ -292,18 +296,39 @@ class DeviceExecutor:
     # lifecycle helpers
     # ------------------------------------------------------------------------------
     def _fire_life(self, trigger: str) -> bool:
+        """Every lifecycle transition goes through here, so waiters are always woken."""
         with self._life_lock:
-            return LIFECYCLE_MACHINE.fire(self._life, trigger)
+            fired = LIFECYCLE_MACHINE.fire(self._life, trigger)
+        with self._cond:
+            self._cond.notify_all()
+        return fired
 
     def _fail_lifecycle(self, reason: str) -> None:
         with self._life_lock:
             self._life.reason = reason
             if LIFECYCLE_MACHINE.may(self._life, "fail"):
-                LIFECYCLE_MACHINE.fire(self._life, "fail")
+                self._fire_life("fail")
         log.error("executor failed: %s", reason,
                   extra={"generation": self._life.generation, "stage": "lifecycle"})
         with self._cond:
             self._cond.notify_all()
+
+    def wait_lifecycle(self, *states: str, timeout: float | None = None) -> str:
+        """Block until the lifecycle is in one of ``states`` (e.g. ``"Ready"`` after a
+        recovery, or ``"Failed"``); returns the state. Raises DeadlineExceeded on timeout.
+        Step mode: drive the scheduler instead."""
+        with self._cond:
+            if not self._cond.wait_for(lambda: self._life.state in states, timeout):
+                raise DeadlineExceeded(
+                    f"lifecycle still {self._life.state} after {timeout} s, wanted "
+                    f"{' or '.join(states)}", stage="lifecycle",
+                    generation=self._life.generation)
+            return self._life.state
+
+    def recover(self, reason: str = "recovery requested") -> bool:
+        """Drain and reset the device now, as after a device fault (an operator's
+        "restart the accelerator"). False if the executor is not Ready."""
+        return self.faults.begin_drain(reason)
 
     @property
     def lifecycle_state(self) -> str:

@@ -44,7 +44,7 @@ from calfsm.errors import (
     Unavailable,
     Unsupported,
 )
-from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
+from calfsm.machines.lifecycle import LifecycleState
 from calfsm.manifest import Manifest
 
 if TYPE_CHECKING:
@@ -153,7 +153,7 @@ class FaultController:
                 return False
             ex._life.reason = reason
             ex._life.retry_after_s = self.policy.retry_after_s
-            LIFECYCLE_MACHINE.fire(ex._life, "drain")
+            ex._fire_life("drain")
             self._note(reason)
             self._drain_started = ex.clock.now()
             self.recovery_pending = True
@@ -188,16 +188,19 @@ class FaultController:
 
     def drained(self) -> bool:
         """No job on the device, or the grace period is over."""
+        with self.ex._cond:
+            return self._drained_locked()
+
+    def _drained_locked(self) -> bool:
         ex = self.ex
-        with ex._cond:
-            busy = bool(ex._on_device) or ex._inflight > len(ex._on_device)
+        busy = bool(ex._on_device) or ex._inflight > len(ex._on_device)
         return not busy or ex.clock.now() - self._drain_started >= self.policy.grace_period_s
 
     def _recover_when_drained(self) -> None:
         ex = self.ex
         deadline_real = None
         with ex._cond:
-            while not self.drained():
+            while not self._drained_locked():
                 if ex.clock.virtual:
                     ex._cond.wait(0.01)
                 else:
@@ -223,19 +226,19 @@ class FaultController:
         with ex._life_lock:
             if ex._life.state != LifecycleState.DRAINING or ex._closing:
                 return False
-            LIFECYCLE_MACHINE.fire(ex._life, "reset")
+            ex._fire_life("reset")
         old = ex.epoch
         known = self._sequences(old)
+        old.retire()                      # destroy free buffers while handles are valid
         rc = ex.driver.reset(kind)
         if rc != 0:
             self._give_up(f"reset {kind.value} failed with CalRT code {rc}")
             return False
-        old.retire()
         if kind is not ResetKind.FULL:
             for seq in known:                    # the device kept them; nobody will
                 ex.driver.kv_release(seq, 0)
         with ex._life_lock:
-            LIFECYCLE_MACHINE.fire(ex._life, "reconfigure")
+            ex._fire_life("reconfigure")
         manifest, calbin = old.manifest, old.calbin
         if not self._configure_and_warm(manifest, calbin, ex.generation + 1,
                                         configure=kind is not ResetKind.CCU):
@@ -251,9 +254,9 @@ class FaultController:
         ex = self.ex
         try:
             epoch = _build(ex, manifest, calbin, generation, configure=configure)
-            ex.epoch = epoch
+            ex._install(epoch)
             with ex._life_lock:
-                LIFECYCLE_MACHINE.fire(ex._life, "configured")
+                ex._fire_life("configured")
             if ex.config.warmup:
                 from calfsm.epoch import warm_up
                 warm_up(ex.driver, epoch, ex.config.execution_timeout_s)
@@ -263,7 +266,7 @@ class FaultController:
         with ex._life_lock:
             ex._life.known_good = (manifest, calbin)
             ex._life.reason = None
-            LIFECYCLE_MACHINE.fire(ex._life, "warmed")
+            ex._fire_life("warmed")
             self._note("ready")
         self._tokens = self.policy.error_budget
         self._streak = 0
@@ -304,7 +307,7 @@ class FaultController:
                     raise FailedPrecondition(f"cannot switch model while {ex._life.state}",
                                              stage="switch", generation=ex.generation)
                 ex._life.reason = f"switching to {manifest.name or manifest.calbin_sha256}"
-                LIFECYCLE_MACHINE.fire(ex._life, "drain")
+                ex._fire_life("drain")
                 self._drain_started = ex.clock.now()
                 self._note(ex._life.reason)
             self._fail_waiting(Unavailable("device is switching models", stage="admission",
@@ -313,21 +316,21 @@ class FaultController:
             kind = ResetKind.CONFIGURATION if caps.can_reset(ResetKind.CONFIGURATION) \
                 else ResetKind.FULL
             with ex._life_lock:
-                LIFECYCLE_MACHINE.fire(ex._life, "reconfigure")
+                ex._fire_life("reconfigure")
             old = ex.epoch
+            old.retire()
             rc = ex.driver.reset(kind)
             if rc != 0:
                 self._give_up(f"reset {kind.value} for model switch failed with code {rc}")
                 raise Unavailable(ex.failure_reason or "model switch failed", stage="switch")
-            old.retire()
             for seq in self._sequences(old):
                 ex.driver.kv_release(seq, 0)
             generation = ex.generation + 1
             try:
                 epoch = _build(ex, manifest, calbin, generation, configure=True)
-                ex.epoch = epoch
+                ex._install(epoch)
                 with ex._life_lock:
-                    LIFECYCLE_MACHINE.fire(ex._life, "configured")
+                    ex._fire_life("configured")
                 if ex.config.warmup:
                     from calfsm.epoch import warm_up
                     warm_up(ex.driver, epoch, ex.config.execution_timeout_s)
@@ -340,7 +343,7 @@ class FaultController:
             with ex._life_lock:
                 ex._life.known_good = (manifest, calbin)
                 ex._life.reason = None
-                LIFECYCLE_MACHINE.fire(ex._life, "warmed")
+                ex._fire_life("warmed")
                 self._note("ready after switch")
             with ex._cond:
                 ex._cond.notify_all()
@@ -349,7 +352,7 @@ class FaultController:
         ex = self.ex
         log.error("model switch failed, rolling back: %s", err, extra=err.context())
         with ex._life_lock:
-            if not LIFECYCLE_MACHINE.fire(ex._life, "rollback"):
+            if not ex._fire_life("rollback"):
                 self._give_up(f"model switch failed and nothing to roll back to: {err}")
                 return
         if ex.epoch is not None and not ex.epoch.retired:
@@ -372,7 +375,7 @@ class FaultController:
                     break
             return
         with ex._cond:
-            ex._cond.wait_for(self.drained, timeout)
+            ex._cond.wait_for(self._drained_locked, timeout)
 
 
 def _build(ex: DeviceExecutor, manifest: Manifest, calbin: Calbin, generation: int, *,

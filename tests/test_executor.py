@@ -119,7 +119,7 @@ def test_fi02_unknown_csr_name_fails_prepare_nothing_submitted(mode):
         infers = len(calls(ex.driver, "infer"))
         h = ex.enqueue(_prefill())
         err = finish(ex, h)
-        assert err.calrt_code == CalrtCode.NOT_FOUND and err.stage == "set_csr"
+        assert err.calrt_code == CalrtCode.NOT_FOUND and err.stage == "csr"
         assert h.state == JobState.FAILED
         assert len(calls(ex.driver, "infer")) == infers       # nothing submitted
         _assert_clean(ex)

@@ -1,0 +1,337 @@
+"""Fault control and recovery, end to end: FI06, FI07, FI08, FI10 and FI14 in step and
+threaded mode, the error budget, no-reset and failed-reset escalation, model switches."""
+
+from __future__ import annotations
+
+import json
+
+import attrs
+import numpy as np
+import pytest
+
+from calfsm.drivers.base import Calbin, Capabilities, ResetKind
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.epoch import WARMUP_SEQ
+from calfsm.errors import (
+    CalrtCode,
+    DeadlineExceeded,
+    ErrorCategory,
+    Internal,
+    ManifestError,
+    Unavailable,
+)
+from calfsm.job import Request
+from calfsm.machines.job import JobState
+from calfsm.recovery import RecoveryPolicy
+from calfsm.scheduler import StepScheduler
+from tests.executor_helpers import MODES, TINY, GatedDriver, make_executor, make_sim
+
+SEQ = 5
+
+
+@pytest.fixture(params=MODES)
+def mode(request):
+    return request.param
+
+
+def _job(seq=SEQ, tokens=(1, 2, 3)):
+    return Request.prefill(seq, list(tokens))
+
+
+def settle(ex, predicate=None, timeout=20.0):
+    """Step mode: run the scheduler until idle and Ready/Failed; threaded: wait for it."""
+    if not ex.config.threaded:
+        sched = StepScheduler(ex, seed=1)
+        sched.run_until(lambda: ex.lifecycle_state in ("Ready", "Failed")
+                        and not (ex._parked or ex._submit_q or ex._complete_q)
+                        and (predicate is None or predicate()))
+        return
+    ex.wait_lifecycle("Ready", "Failed", timeout=timeout)
+    if predicate is not None:
+        with ex._cond:
+            assert ex._cond.wait_for(predicate, timeout)
+
+
+def outcome(ex, handle):
+    if not ex.config.threaded:
+        StepScheduler(ex, seed=2).run_until(handle.done)
+    return handle.exception(20)
+
+
+def _recovered_and_serving(ex, generation=2):
+    settle(ex, lambda: ex.generation >= generation)
+    assert ex.lifecycle_state == "Ready", ex.failure_reason
+    assert ex.generation == generation
+    r = outcome(ex, ex.enqueue(_job(seq=SEQ + 1)))
+    assert r is None, r                         # new jobs succeed on the new generation
+    assert ex.stats().recoveries == generation - 1
+
+
+def _warmups(ex):
+    """Warm-up jobs the device ran (infer on the warm-up sequence), from the trace."""
+    n = 0
+    for line in ex.driver.trace_lines() if hasattr(ex.driver, "trace_lines") else \
+            ex.driver._inner.trace_lines():
+        e = json.loads(line)
+        if e.get("call") == "infer" and WARMUP_SEQ in (e.get("tag") or [None, None])[1:2]:
+            n += 1
+    return n
+
+
+def test_fi06_submit_unavailable_stops_admission_and_recovers(mode):
+    plan = FaultPlan.of(FaultRule("infer", "code", seq_id=SEQ,
+                                  code=int(CalrtCode.DEVICE_UNAVAILABLE)))
+    with make_executor(mode, faults=plan,
+                       recovery=RecoveryPolicy(grace_period_s=0.05)) as ex:
+        h = ex.enqueue(_job())
+        if mode == "step":
+            sched = StepScheduler(ex)
+            sched.run_until(h.done)
+            assert ex.lifecycle_state == "Draining"       # admission stopped at once
+            with pytest.raises(Unavailable) as e:
+                ex.enqueue(_job(seq=9))
+            assert e.value.retry_after_s is not None and e.value.http_status == 503
+        err = h.exception(20)
+        assert err.calrt_code == CalrtCode.DEVICE_UNAVAILABLE
+        assert err.category is ErrorCategory.DEVICE
+        _recovered_and_serving(ex)
+        assert h.state == JobState.FAILED
+        assert _warmups(ex) == 4                         # golden re-run on generation 2
+
+
+def test_fi07_wait_timeout_quarantines_no_logits_and_recovers(mode):
+    plan = FaultPlan.of(FaultRule("infer", "hang", seq_id=SEQ))
+    with make_executor(mode, faults=plan, execution_timeout_s=0.2,
+                       recovery=RecoveryPolicy(grace_period_s=0.2, zombie_wait_s=0.05)) as ex:
+        h = ex.enqueue(_job())
+        err = outcome(ex, h)
+        assert isinstance(err, DeadlineExceeded) and err.stage == "wait"
+        assert h.state == JobState.QUARANTINED
+        old = h._job.epoch
+        assert h._job.kv.state == "Unknown"
+        _recovered_and_serving(ex)
+        assert old.retired and old is not ex.epoch
+        assert old.pool.stats().quarantined >= 1        # its slot never came back
+        assert ex.stats().inflight == 0                  # the reset released the device
+
+
+def test_fi08_ccu_exception_although_wait_succeeded_fails_and_recovers(mode):
+    plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=SEQ))
+    with make_executor(mode, faults=plan,
+                       recovery=RecoveryPolicy(grace_period_s=0.05)) as ex:
+        h = ex.enqueue(_job())
+        err = outcome(ex, h)
+        assert isinstance(err, Unavailable) and err.stage == "status"
+        assert "DONE_CCU_EXCEPTION" in str(err)
+        assert h.state == JobState.QUARANTINED
+        _recovered_and_serving(ex)
+
+
+@pytest.mark.parametrize("effect", ["nan", "inf"])
+def test_fi10_non_finite_logits_isolate_generation_and_rerun_golden(mode, effect):
+    plan = FaultPlan.of(FaultRule("infer", effect, seq_id=SEQ, index=17))
+    with make_executor(mode, faults=plan,
+                       recovery=RecoveryPolicy(grace_period_s=0.05)) as ex:
+        warm_before = _warmups(ex)
+        h = ex.enqueue(_job())
+        err = outcome(ex, h)
+        assert isinstance(err, Internal) and err.category is ErrorCategory.UNKNOWN
+        assert "17" in str(err)                          # says where
+        _recovered_and_serving(ex)
+        assert _warmups(ex) == warm_before + 2           # the golden ran again
+
+
+def test_fi14_stale_completion_after_reset_touches_nothing_new(mode):
+    plan = FaultPlan.of(FaultRule("infer", "stale", seq_id=SEQ))
+    inner = make_sim(mode, faults=plan)
+    # step mode: the test thread runs every step, so it simply does not run the
+    # completion step until after the reset; threaded: hold the completion thread
+    gated = GatedDriver(inner) if mode == "threaded" else inner
+    ex = make_executor(mode, driver=gated, recovery=RecoveryPolicy(grace_period_s=0.0))
+    try:
+        h = ex.enqueue(_job()) if mode == "step" else None
+        if mode == "step":
+            sched = StepScheduler(ex)
+            sched.run_until(lambda: h.state == JobState.SUBMITTED)
+            assert ex.recover("test: reset under a running job")
+            ex.faults.recover()                        # grace 0: reset now, job pending
+        else:
+            gated.gate.clear()
+            h = ex.enqueue(_job())
+            assert gated.submitted.wait(5)
+            assert ex.recover("test: reset under a running job")
+            ex.wait_lifecycle("Ready", "Failed", timeout=20)
+        assert ex.lifecycle_state == "Ready" and ex.generation == 2
+        new = ex.epoch
+        kv_before, pool_before = new.kv.stats(), new.pool.stats()
+        if mode == "threaded":
+            gated.gate.set()
+        err = outcome(ex, h)
+        assert isinstance(err, Unavailable) and "after a reset" in str(err)
+        assert ex.stats().stale_completions == 1
+        # nothing of generation 2 moved: no KV, no pool slot
+        assert new.kv.stats() == kv_before and new.pool.stats() == pool_before
+        assert new.kv.sequence_length(SEQ) == 0
+        assert h._job.epoch is not new and h._job.generation == 1
+        r = outcome(ex, ex.enqueue(_job(seq=SEQ)))
+        assert r is None                                 # the sequence works again
+    finally:
+        if mode == "threaded":
+            gated.gate.set()
+        ex.close()
+
+
+def test_transient_errors_back_off_within_budget_then_drain(mode):
+    busy = FaultPlan.of(FaultRule("infer", "code", seq_id=SEQ, nth=1, every=1,
+                                  code=int(CalrtCode.DEVICE_BUSY)))
+    policy = RecoveryPolicy(error_budget=3, budget_refill_per_s=0.0, grace_period_s=0.01)
+    with make_executor(mode, faults=busy, recovery=policy) as ex:
+        for i in range(3):
+            err = outcome(ex, ex.enqueue(_job()))
+            assert err.calrt_code == CalrtCode.DEVICE_BUSY, i
+            assert ex.lifecycle_state == "Ready"          # budget lasts: back off only
+        assert ex.faults.backoff_until > 0
+        err = outcome(ex, ex.enqueue(_job()))
+        assert err.calrt_code == CalrtCode.DEVICE_BUSY
+        settle(ex, lambda: ex.generation == 2)
+        assert ex.generation == 2                         # budget gone: drained and reset
+
+
+def test_no_reset_capability_ends_failed_with_reason(mode):
+    plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=SEQ))
+    drv = make_sim(mode, faults=plan, capabilities=Capabilities())
+    with make_executor(mode, driver=drv, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        outcome(ex, ex.enqueue(_job()))
+        settle(ex)
+        assert ex.lifecycle_state == "Failed"
+        assert "no reset" in ex.failure_reason
+        with pytest.raises(Unavailable) as e:
+            ex.enqueue(_job(seq=1))
+        assert e.value.retry_after_s is None              # do not retry here: restart
+        assert ex.health().ready is False
+
+
+def test_failed_reset_ends_failed(mode):
+    plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=SEQ),
+                        FaultRule.always("reset", "code"))
+    with make_executor(mode, faults=plan, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        outcome(ex, ex.enqueue(_job()))
+        settle(ex)
+        assert ex.lifecycle_state == "Failed"
+        assert "reset" in ex.failure_reason and "failed" in ex.failure_reason
+
+
+def test_health_reports_state_generation_and_heartbeats(mode):
+    with make_executor(mode) as ex:
+        h = ex.health()
+        assert h.ready and h.state == "Ready" and h.generation == 1
+        assert h.inflight == 0 and h.queue_depth == 0
+        assert h.submitter_heartbeat <= ex.clock.now()
+
+
+def test_wedged_device_never_looks_healthy():
+    """A job on the device and no completion progress past the threshold: health() turns
+    the executor into a drain (a device fault), it does not keep saying ready."""
+    inner = make_sim("threaded")
+    gated = GatedDriver(inner)
+    ex = make_executor("threaded", driver=gated, execution_timeout_s=60,
+                       recovery=RecoveryPolicy(progress_timeout_s=0.05, grace_period_s=0.01))
+    try:
+        gated.gate.clear()
+        ex.enqueue(_job())
+        assert gated.waiting.wait(5)
+        ex._heartbeat["completion"] -= 1.0       # as if the wait had hung for a second
+        assert ex.health().ready is False
+    finally:
+        gated.gate.set()
+        ex.close()
+
+
+# ---- model switch --------------------------------------------------------------------
+
+def _renamed(manifest, suffix):
+    data = manifest.to_dict()
+    for sub in data["submodels"]:
+        sub["exact_name"] += suffix
+    data["name"] = manifest.name + suffix
+    return type(manifest).from_dict(data)
+
+
+def test_model_switch_to_a_good_artifact(mode):
+    with make_executor(mode, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        new = _renamed(TINY, "_v2")
+        ex.driver.add_calbin(Calbin.from_manifest(new)) if hasattr(
+            ex.driver, "add_calbin") else None
+        ex.switch_model(new)
+        assert ex.lifecycle_state == "Ready" and ex.generation == 2
+        assert ex.epoch.manifest is new
+        assert outcome(ex, ex.enqueue(_job())) is None
+
+
+def test_model_switch_host_side_mismatch_keeps_old_serving(mode):
+    with make_executor(mode) as ex:
+        new = _renamed(TINY, "_v2")
+        broken = Calbin.from_manifest(new).replace_model(
+            new.submodels[1].exact_name, name=new.submodels[1].exact_name + "x")
+        with pytest.raises(ManifestError) as e:
+            ex.switch_model(new, broken)
+        assert "missing" in str(e.value) and "unexpected" in str(e.value)
+        assert ex.lifecycle_state == "Ready" and ex.generation == 1   # untouched
+        assert outcome(ex, ex.enqueue(_job())) is None
+
+
+def test_model_switch_broken_artifact_rolls_back_and_names_problem(mode):
+    # the device refuses the new calbin when configuring it (2nd configure call)
+    plan = FaultPlan.of(FaultRule("configure", "code", nth=2,
+                                  code=int(CalrtCode.INVALID_CALBIN)))
+    with make_executor(mode, faults=plan, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        new = _renamed(TINY, "_v2")
+        with pytest.raises(ManifestError) as e:
+            ex.switch_model(new)
+        msg = str(e.value)
+        assert "INVALID_CALBIN" in msg and "rolled back" in msg
+        assert e.value.category is ErrorCategory.ARTIFACT
+        assert ex.lifecycle_state == "Ready"
+        assert ex.epoch.manifest is TINY                  # the last known-good model
+        assert outcome(ex, ex.enqueue(_job())) is None    # ... keeps serving
+
+
+def test_switch_needs_configuration_reset(mode):
+    caps = Capabilities(resets=frozenset({ResetKind.CCU}))
+    drv = make_sim(mode, capabilities=caps)
+    with make_executor(mode, driver=drv) as ex:
+        with pytest.raises(Exception, match="configuration or full reset"):
+            ex.switch_model(_renamed(TINY, "_v2"))
+        assert ex.lifecycle_state == "Ready"
+
+
+def test_unknown_kv_sequence_refused_until_reset_others_keep_working():
+    """A failure after submit leaves that sequence Unknown; it is refused with a clear
+    error until the caller resets it, and other sequences are unaffected (no drain:
+    a request-category output error)."""
+    plan = FaultPlan.of(FaultRule("infer", "short_output", seq_id=SEQ, n_bytes=64))
+    with make_executor("step", faults=plan) as ex:
+        err = outcome(ex, ex.enqueue(_job()))
+        assert err.calrt_code == CalrtCode.SHAPE_MISMATCH
+        assert ex.lifecycle_state == "Ready"
+        again = outcome(ex, ex.enqueue(_job()))
+        assert again is not None and "reset" in str(again)
+        assert outcome(ex, ex.enqueue(_job(seq=SEQ + 1))) is None
+        ex.reset_sequence(SEQ)
+        assert outcome(ex, ex.enqueue(_job())) is None
+
+
+def test_fi09_short_output_written_nowhere_past_target(mode):
+    plan = FaultPlan.of(FaultRule("infer", "short_output", seq_id=SEQ, n_bytes=100))
+    target = np.full(1500, 3.0, dtype=np.float32)
+    with make_executor(mode, faults=plan) as ex:
+        h = ex.enqueue(Request.prefill(SEQ, [1, 2, 3], target=target))
+        err = outcome(ex, h)
+        assert err.calrt_code == CalrtCode.SHAPE_MISMATCH
+        assert np.all(target[1024:] == 3.0)
+
+
+def test_recovery_policy_is_frozen_data():
+    p = RecoveryPolicy()
+    with pytest.raises(attrs.exceptions.FrozenInstanceError):
+        p.grace_period_s = 3
