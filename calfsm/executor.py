@@ -670,7 +670,7 @@ class DeviceExecutor:
                             ErrorCategory.PROGRAMMING, ErrorCategory.LIFECYCLE):
             self._fail_before_submit(job, err)
         else:
-            self._finish_unknown(job, err, quarantine_lease=False)
+            self._finish_unknown(job, err)
         self.faults.observe(err)
 
     def _release_inflight(self) -> None:
@@ -848,8 +848,7 @@ class DeviceExecutor:
             _fire(job, "fail")
         self._finish(job, err, "cancelled" if isinstance(err, Cancelled) else "failed")
 
-    def _finish_unknown(self, job: JobContext, err: CalfsmError, *,
-                        quarantine_lease: bool) -> None:
+    def _finish_unknown(self, job: JobContext, err: CalfsmError) -> None:
         """Fail a job whose submit outcome is ambiguous: KV Unknown, slot quarantined."""
         epoch = job.epoch
         if job.kv is not None and job.kv.state == "Reserved":
@@ -859,7 +858,6 @@ class DeviceExecutor:
             job.lease = None
         _fire(job, "fail")
         self._finish(job, err, "failed")
-        del quarantine_lease
 
     def _release_lease(self, job: JobContext) -> None:
         lease, job.lease = job.lease, None

@@ -73,7 +73,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
@@ -509,6 +509,21 @@ class KvCoordinator:
         with self._lock:
             seq = self._seqs.get(seq_id)
             return seq.committed if seq else 0
+
+    def sequences(self) -> tuple[int, ...]:
+        """Sequences whose KV this coordinator accounts for (held, open or Unknown)."""
+        with self._lock:
+            return tuple(k for k, v in self._seqs.items()
+                         if v.committed or v.alloc or v.open is not None
+                         or v.state is SeqState.UNKNOWN)
+
+    def mark_lost(self, seq_ids: Iterable[int], reason: str) -> None:
+        """Sequences whose KV the device lost (a reset of an earlier generation): Unknown
+        here, so their next job is refused with ``reason`` until the caller resets them,
+        instead of silently continuing from an empty cache. No device call."""
+        with self._cond:
+            for seq_id in seq_ids:
+                self._to_unknown_locked(self._seqs.setdefault(seq_id, _Seq()), reason)
 
     def sequence_state(self, seq_id: int) -> SeqState:
         with self._lock:

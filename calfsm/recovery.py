@@ -241,7 +241,8 @@ class FaultController:
             ex._fire_life("reconfigure")
         manifest, calbin = old.manifest, old.calbin
         if not self._configure_and_warm(manifest, calbin, ex.generation + 1,
-                                        configure=kind is not ResetKind.CCU):
+                                        configure=kind is not ResetKind.CCU,
+                                        lost=(known, old.generation)):
             return False
         with ex._life_lock:
             ex._counts["recoveries"] += 1
@@ -250,10 +251,15 @@ class FaultController:
         return True
 
     def _configure_and_warm(self, manifest: Manifest, calbin: Calbin, generation: int, *,
-                            configure: bool = True) -> bool:
+                            configure: bool = True,
+                            lost: tuple[list[int], int] | None = None) -> bool:
         ex = self.ex
         try:
             epoch = _build(ex, manifest, calbin, generation, configure=configure)
+            if lost is not None:
+                seqs, old_generation = lost
+                epoch.kv.mark_lost(seqs, f"its KV was lost in the reset of generation "
+                                         f"{old_generation}")
             ex._install(epoch)
             with ex._life_lock:
                 ex._fire_life("configured")
@@ -285,8 +291,7 @@ class FaultController:
 
     @staticmethod
     def _sequences(epoch: Any) -> list[int]:
-        seqs = getattr(epoch.kv, "sequences", None)
-        return list(seqs()) if callable(seqs) else []
+        return list(epoch.kv.sequences())
 
     # ---- model switch --------------------------------------------------------------
     def switch_model(self, manifest: Manifest, calbin: Calbin | None = None,
@@ -318,16 +323,19 @@ class FaultController:
             with ex._life_lock:
                 ex._fire_life("reconfigure")
             old = ex.epoch
+            lost = (self._sequences(old), old.generation)
             old.retire()
             rc = ex.driver.reset(kind)
             if rc != 0:
                 self._give_up(f"reset {kind.value} for model switch failed with code {rc}")
                 raise Unavailable(ex.failure_reason or "model switch failed", stage="switch")
-            for seq in self._sequences(old):
+            for seq in lost[0]:
                 ex.driver.kv_release(seq, 0)
             generation = ex.generation + 1
             try:
                 epoch = _build(ex, manifest, calbin, generation, configure=True)
+                epoch.kv.mark_lost(lost[0], f"its KV was lost in the switch away from "
+                                            f"generation {lost[1]}")
                 ex._install(epoch)
                 with ex._life_lock:
                     ex._fire_life("configured")

@@ -173,6 +173,9 @@ def test_fi14_stale_completion_after_reset_touches_nothing_new(mode):
         assert new.kv.stats() == kv_before and new.pool.stats() == pool_before
         assert new.kv.sequence_length(SEQ) == 0
         assert h._job.epoch is not new and h._job.generation == 1
+        refused = outcome(ex, ex.enqueue(_job(seq=SEQ)))
+        assert refused is not None and "lost in the reset" in str(refused)
+        ex.reset_sequence(SEQ)
         r = outcome(ex, ex.enqueue(_job(seq=SEQ)))
         assert r is None                                 # the sequence works again
     finally:
@@ -335,3 +338,17 @@ def test_recovery_policy_is_frozen_data():
     p = RecoveryPolicy()
     with pytest.raises(attrs.exceptions.FrozenInstanceError):
         p.grace_period_s = 3
+
+
+def test_sequences_with_kv_are_refused_after_a_reset_until_reset(mode):
+    """The device lost every KV word in the reset: continuing a sequence would silently
+    read an empty cache, so the new generation refuses it with the reason."""
+    with make_executor(mode, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        assert outcome(ex, ex.enqueue(_job(seq=3))) is None
+        assert ex.recover("operator asked")
+        settle(ex, lambda: ex.generation == 2)
+        err = outcome(ex, ex.enqueue(Request.decode(3, 7, 3)))
+        assert err is not None and "lost in the reset of generation 1" in str(err)
+        assert err.http_status == 400
+        ex.reset_sequence(3)
+        assert outcome(ex, ex.enqueue(_job(seq=3))) is None
