@@ -297,7 +297,8 @@ class _Device:
     def __init__(self, lib: Any, handle: int) -> None:
         self.lib = lib
         self.handle = handle
-        self.lock = threading.Lock()
+        # re-entrant: a buffer finalizer may run (GC) in a thread that holds it
+        self.lock = threading.RLock()
         self.closed = False
         self.parked: list[dict[str, np.ndarray]] = []
 
