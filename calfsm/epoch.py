@@ -57,7 +57,7 @@ class Epoch:
         if self.retired:
             return
         self.retired = True
-        self.kv.shutdown()
+        self.kv.fence()
         self.pool.retire()
 
 

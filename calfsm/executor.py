@@ -27,8 +27,10 @@ completion or recovery path touches them, and a failure leaves the KV ``Unknown`
 slot quarantined (the device may have written them).
 
 Lock order: lifecycle (``_life_lock``) -> admission (inside the KV coordinator) -> pool
--> submit (``_cond``). No runtime call is made holding the lifecycle or submit lock;
-``wait`` is called holding no lock at all.
+-> device (``_device_lock``) -> submit (``_cond``). No runtime call is made holding the
+lifecycle or submit lock; ``wait`` is called holding no lock at all. The device lock is
+held only around one ``infer`` (and its generation check): recovery passes through it
+once after leaving Ready, so no submit can race a reset.
 """
 
 from __future__ import annotations
@@ -159,6 +161,7 @@ class DeviceExecutor:
         self._life = _Lifecycle()
         self._life_lock = threading.RLock()
         self._cond = threading.Condition(threading.Lock())     # submit/completion queues
+        self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
         self._parked: deque[JobContext] = deque()               # step mode: awaiting KV/buffer
@@ -202,14 +205,35 @@ class DeviceExecutor:
             self._life.known_good = (self._manifest, self._calbin)
             self._fire_life("warmed")
         except CalfsmError as e:
-            self._fail_lifecycle(f"start-up failed: {e}")
-            raise
+            if not self._retry_startup(e):
+                self._fail_lifecycle(f"start-up failed: {e}")
+                raise
+            if self._life.state != LifecycleState.READY:
+                raise Unavailable(f"start-up failed: {self._life.reason}",
+                                  category=e.category, stage="startup") from e
         if self.config.threaded:
             for name, target in (("submitter", self._submitter_loop),
                                  ("completion", self._completion_loop)):
                 t = threading.Thread(target=target, name=f"calfsm-{name}", daemon=True)
                 t.start()
                 self._threads.append(t)
+
+    def _retry_startup(self, err: CalfsmError) -> bool:
+        """A device-side failure while first configuring or warming: go through the
+        recovery path (reset, new generation, warm-up) for the remaining attempts. An
+        artifact or compatibility problem (FI01) is final at once. False: not retried."""
+        attempts = self.config.recovery.max_attempts - 1
+        kind = self.faults.reset_kind()
+        if err.category in (ErrorCategory.ARTIFACT, ErrorCategory.COMPATIBILITY) \
+                or attempts < 1 or kind is None or self._life.state not in (
+                    LifecycleState.CONFIGURING, LifecycleState.WARMING):
+            return False
+        log.warning("start-up attempt failed, resetting: %s", err, extra=err.context())
+        if self.epoch is not None:
+            self.epoch.retire()
+        self._fire_life("retry")
+        self.faults.bring_up(self._manifest, self._calbin, kind, attempts=attempts)
+        return True
 
     def _configure(self, manifest: Manifest, calbin: Calbin, generation: int) -> Epoch:
         return build_epoch(
@@ -644,24 +668,40 @@ class DeviceExecutor:
         slot = job.lease.slot
         tag = JobTag(job.job_id, job.seq_id, job.generation)
         handle = epoch.handles[job.kind]
-        if slot.engine is EngineSlot.AUTO:
-            rc = self.driver.infer(handle, slot.inp, slot.out, tag=tag)
-        else:
-            rc = self.driver.infer_fixed(handle, slot.inp, slot.out, slot.engine, tag=tag)
-        if rc != 0:
-            self._release_inflight()
-            err = from_calrt(rc, "submit", **_ctx(job, None))
-            self._submit_failed(job, err)
+        with self._device_lock:     # no reset between this check and the job on the device
+            if epoch is not self.epoch or epoch.retired \
+                    or self._life.state != LifecycleState.READY:
+                rc = None
+            elif slot.engine is EngineSlot.AUTO:
+                rc = self.driver.infer(handle, slot.inp, slot.out, tag=tag)
+            else:
+                rc = self.driver.infer_fixed(handle, slot.inp, slot.out, slot.engine,
+                                             tag=tag)
+            if rc == 0:
+                job.submitted = True
+                job.timings.submitted = self.clock.now()
+                job.lease.mark_on_device()
+                epoch.kv.mark_submitted(job.kv)
+                with self._cond:
+                    _fire(job, "submit")
+                    self._on_device.append(job)
+                    self._complete_q.append(job)
+                    self._cond.notify_all()
+                return
+        self._release_inflight()
+        if rc is None:
+            self._fail_before_submit(job, Unavailable(
+                f"device left Ready ({self._life.state}) before the job was submitted",
+                retry_after_s=self._life.retry_after_s, **_ctx(job, "submit")))
             return
-        job.submitted = True
-        job.timings.submitted = self.clock.now()
-        job.lease.mark_on_device()
-        epoch.kv.mark_submitted(job.kv)
-        with self._cond:
-            _fire(job, "submit")
-            self._on_device.append(job)
-            self._complete_q.append(job)
-            self._cond.notify_all()
+        self._submit_failed(job, from_calrt(rc, "submit", **_ctx(job, None)))
+
+    def device_barrier(self) -> None:
+        """Wait for a submit in progress to finish. Called by recovery after the
+        lifecycle left Ready: from then on no ``infer`` can reach the device until the
+        new generation is Ready, so a reset never races a submit."""
+        with self._device_lock:
+            pass
 
     def _submit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """``infer`` returned an error. Busy and request errors prove the graph did not
@@ -739,16 +779,22 @@ class DeviceExecutor:
         if zombie or job.epoch is not self.epoch or job.epoch.retired:
             self._late_completion(job, rc)
             return
+        contract = job.epoch.model.submodel(job.kind)
+        with self._device_lock:             # no reset between the fence check and reads
+            current = job.epoch is self.epoch and not job.epoch.retired
+            if current and rc == 0:
+                status = self.driver.status(slot.out)
+                code, produced = self.driver.output_bytes(slot.out, contract.logits.name)
+        if not current:
+            self._late_completion(job, rc)
+            return
         _fire(job, "complete")
         try:
             if rc != 0:
                 raise from_calrt(rc, "wait", **_ctx(job, None))
-            status = self.driver.status(slot.out)
             if status != OutputStatus.DONE_OK:
                 raise Unavailable(f"device reported {status.name} although Wait succeeded",
                                   category=ErrorCategory.DEVICE, **_ctx(job, "status"))
-            contract = job.epoch.model.submodel(job.kind)
-            code, produced = self.driver.output_bytes(slot.out, contract.logits.name)
             if code != 0:
                 raise from_calrt(code, "output", **_ctx(job, None))
             target = job.request.target

@@ -192,6 +192,7 @@ class KvCoordinator:
         self._version = 0
         self._budget_used = 0
         self._shutdown = False
+        self._fenced = False                 #: retired by a reset: never touch the device
         self._n_reserved = 0
         self._n_committed = 0
         self._n_rolled_back = 0
@@ -424,7 +425,7 @@ class KvCoordinator:
                 self._n_committed += 1
                 self._end_locked(r, seq)
                 return
-        code = self.driver.kv_release(r.seq_id, r.target_len)
+        code = self._release(r.seq_id, r.target_len)
         with self._cond:
             seq.busy = False
             seq.alloc = r.target_len
@@ -444,7 +445,7 @@ class KvCoordinator:
             seq = self._fire_locked(r, "rollback")
             seq.busy = True
         keep = r.prev_len
-        code = self.driver.kv_release(r.seq_id, keep)
+        code = self._release(r.seq_id, keep)
         with self._cond:
             seq.busy = False
             seq.alloc = keep
@@ -485,7 +486,7 @@ class KvCoordinator:
             if seq is None:
                 seq = self._seqs[seq_id] = _Seq()
             seq.busy = True
-        code = self.driver.kv_release(seq_id, 0)
+        code = self._release(seq_id, 0)
         with self._cond:
             seq.busy = False
             if code == 0:
@@ -494,6 +495,21 @@ class KvCoordinator:
             self._cond.notify_all()
         if code != 0:
             raise from_calrt(code, "kv_reset", **ctx)
+
+    def _release(self, seq_id: int, keep_len: int) -> int:
+        """``kv_release`` unless fenced: after a reset the device's KV belongs to the new
+        generation, so an old reservation's books close without a device call."""
+        if self._fenced:
+            return 0
+        return self.driver.kv_release(seq_id, keep_len)
+
+    def fence(self) -> None:
+        """The generation was retired by a reset: shut down, and from now on commit,
+        rollback and reset close the books only — no call reaches the device, whose KV
+        belongs to the new generation (the FI14 fence for KV)."""
+        with self._cond:
+            self._fenced = True
+        self.shutdown()
 
     def shutdown(self) -> None:
         """Refuse new reservations and wake every waiter with Unavailable. Open

@@ -73,6 +73,7 @@ class RecoveryPolicy:
     progress_timeout_s: float = 30.0     # no completion progress with work on the device
     retry_after_s: float = 1.0           # hint in Unavailable errors while recovering
     auto_recover: bool = True
+    max_attempts: int = 3                # resets tried before giving up (Failed)
 
 
 class FaultController:
@@ -218,8 +219,7 @@ class FaultController:
         if not self.recovery_pending:
             return False
         self.recovery_pending = False
-        caps = ex.driver.capabilities()
-        kind = next((k for k in _RESET_PREFERENCE if caps.can_reset(k)), None)
+        kind = self.reset_kind()
         if kind is None:
             self._give_up("the driver offers no reset: restart the process")
             return False
@@ -227,22 +227,11 @@ class FaultController:
             if ex._life.state != LifecycleState.DRAINING or ex._closing:
                 return False
             ex._fire_life("reset")
+        ex.device_barrier()               # no submit in flight from here on
         old = ex.epoch
         known = self._sequences(old)
         old.retire()                      # destroy free buffers while handles are valid
-        rc = ex.driver.reset(kind)
-        if rc != 0:
-            self._give_up(f"reset {kind.value} failed with CalRT code {rc}")
-            return False
-        if kind is not ResetKind.FULL:
-            for seq in known:                    # the device kept them; nobody will
-                ex.driver.kv_release(seq, 0)
-        with ex._life_lock:
-            ex._fire_life("reconfigure")
-        manifest, calbin = old.manifest, old.calbin
-        if not self._configure_and_warm(manifest, calbin, ex.generation + 1,
-                                        configure=kind is not ResetKind.CCU,
-                                        lost=(known, old.generation)):
+        if not self.bring_up(old.manifest, old.calbin, kind, lost=(known, old.generation)):
             return False
         with ex._life_lock:
             ex._counts["recoveries"] += 1
@@ -250,9 +239,53 @@ class FaultController:
                     extra={"generation": ex.generation, "stage": "recovery"})
         return True
 
+    def reset_kind(self) -> ResetKind | None:
+        """The strongest reset the driver declares, or None."""
+        caps = self.ex.driver.capabilities()
+        return next((k for k in _RESET_PREFERENCE if caps.can_reset(k)), None)
+
+    def bring_up(self, manifest: Manifest, calbin: Calbin, kind: ResetKind, *,
+                 lost: tuple[list[int], int] | None = None,
+                 attempts: int | None = None) -> bool:
+        """From Recovering: reset, configure a new generation, run the warm-up golden.
+
+        A failure for a device reason goes back to Recovering (``retry``) for another
+        reset, at most ``attempts`` (default ``policy.max_attempts``) times in all; an
+        artifact or compatibility error, a failed reset or the last attempt end Failed.
+        """
+        ex = self.ex
+        attempts = self.policy.max_attempts if attempts is None else attempts
+        for attempt in range(1, attempts + 1):
+            rc = ex.driver.reset(kind)
+            if rc != 0:
+                self._give_up(f"reset {kind.value} failed with CalRT code {rc}")
+                return False
+            if kind is not ResetKind.FULL and lost is not None:
+                for seq in lost[0]:               # the device kept them; nobody will
+                    ex.driver.kv_release(seq, 0)
+            ex._fire_life("reconfigure")
+            generation = ex.generation + 1
+            err = self._configure_and_warm(manifest, calbin, generation,
+                                           configure=kind is not ResetKind.CCU, lost=lost)
+            if err is None:
+                return True
+            final = err.category in (ErrorCategory.ARTIFACT, ErrorCategory.COMPATIBILITY)
+            if final or attempt == attempts:
+                self._give_up(f"generation {generation} did not come up "
+                              f"(attempt {attempt} of {attempts}): {err}")
+                return False
+            log.warning("bring-up attempt %s of %s failed, resetting again: %s", attempt,
+                        attempts, err, extra=err.context())
+            if ex.epoch is not None and not ex.epoch.retired:
+                ex.epoch.retire()
+            ex._fire_life("retry")
+        return False
+
     def _configure_and_warm(self, manifest: Manifest, calbin: Calbin, generation: int, *,
                             configure: bool = True,
-                            lost: tuple[list[int], int] | None = None) -> bool:
+                            lost: tuple[list[int], int] | None = None
+                            ) -> CalfsmError | None:
+        """Configuring -> Warming -> Ready with a new epoch; the error if it did not."""
         ex = self.ex
         try:
             epoch = _build(ex, manifest, calbin, generation, configure=configure)
@@ -261,14 +294,12 @@ class FaultController:
                 epoch.kv.mark_lost(seqs, f"its KV was lost in the reset of generation "
                                          f"{old_generation}")
             ex._install(epoch)
-            with ex._life_lock:
-                ex._fire_life("configured")
+            ex._fire_life("configured")
             if ex.config.warmup:
                 from calfsm.epoch import warm_up
                 warm_up(ex.driver, epoch, ex.config.execution_timeout_s)
         except CalfsmError as e:
-            self._give_up(f"generation {generation} did not come up: {e}")
-            return False
+            return e
         with ex._life_lock:
             ex._life.known_good = (manifest, calbin)
             ex._life.reason = None
@@ -276,9 +307,7 @@ class FaultController:
             self._note("ready")
         self._tokens = self.policy.error_budget
         self._streak = 0
-        with ex._cond:
-            ex._cond.notify_all()
-        return True
+        return None
 
     def _give_up(self, reason: str) -> None:
         self.ex._fail_lifecycle(reason)
@@ -317,6 +346,7 @@ class FaultController:
                 self._note(ex._life.reason)
             self._fail_waiting(Unavailable("device is switching models", stage="admission",
                                            retry_after_s=self.policy.retry_after_s))
+            ex.device_barrier()
             self._wait_drained(timeout)
             kind = ResetKind.CONFIGURATION if caps.can_reset(ResetKind.CONFIGURATION) \
                 else ResetKind.FULL
@@ -373,7 +403,9 @@ class FaultController:
             self._give_up(f"reset for rollback failed with code {rc}")
             return
         manifest, calbin = ex._life.known_good
-        self._configure_and_warm(manifest, calbin, generation)
+        err = self._configure_and_warm(manifest, calbin, generation)
+        if err is not None:
+            self._give_up(f"rollback to the known-good model failed: {err}")
 
     def _wait_drained(self, timeout: float) -> None:
         ex = self.ex

@@ -364,6 +364,23 @@ class FaultPlan:
             rules.append(_SWARM[k](rng, r))
         return cls(tuple(rules), f"swarm-{seed}")
 
+    def targeting(self, seq_ids: Sequence[int], seed: int = 0) -> FaultPlan:
+        """The same plan with each rule that can filter by sequence pointed at one of
+        ``seq_ids`` (chosen with ``random.Random(seed)``). A workload's faults then hit
+        the workload, not the executor's own warm-up golden; rules of points without a
+        sequence (KV admission, reset, configure) stay global."""
+        if not seq_ids:
+            raise InvalidArgument("targeting needs at least one sequence id",
+                                  stage="faults")
+        rng = random.Random(seed)
+        rules = []
+        for r in self.rules:
+            try:
+                rules.append(attrs.evolve(r, seq_id=int(rng.choice(list(seq_ids)))))
+            except InvalidArgument:
+                rules.append(r)
+        return FaultPlan(tuple(rules), self.name)
+
     def describe(self) -> str:
         return "; ".join(r.describe() for r in self.rules) or "no faults"
 

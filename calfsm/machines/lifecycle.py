@@ -5,7 +5,9 @@ fault: ``Ready -> Draining -> Recovering -> Configuring -> Warming -> Ready``; r
 bumps the generation and runs a golden prefill+decode in Warming before taking traffic.
 A model switch drains and reconfigures without a reset (``Draining -> Configuring``); if
 the new artifact fails to configure or warm, ``rollback`` returns to Configuring with the
-last known-good model (guard ``has_known_good``). Any non-terminal state may go to
+last known-good model (guard ``has_known_good``). A bring-up that fails for a device
+reason goes back to Recovering (``retry``) for another reset, a bounded number of times
+(``RecoveryPolicy.max_attempts``). Any non-terminal state may go to
 ``Failed`` (with a reason; a supervisor restarts the process) or, on shutdown, ``Closed``.
 Only ``Ready`` admits new work.
 """
@@ -49,6 +51,7 @@ TRANSITIONS = [
     {"trigger": "reconfigure", "source": [L.DRAINING, L.RECOVERING], "dest": L.CONFIGURING},
     {"trigger": "rollback", "source": [L.CONFIGURING, L.WARMING], "dest": L.CONFIGURING,
      "conditions": [has_known_good]},
+    {"trigger": "retry", "source": [L.CONFIGURING, L.WARMING], "dest": L.RECOVERING},
     {"trigger": "fail", "source": LIVE, "dest": L.FAILED},
     {"trigger": "close", "source": LIVE, "dest": L.CLOSED},
 ]
