@@ -816,7 +816,7 @@ class DeviceExecutor:
             self._counts["succeeded"] += 1
             result = InferenceResult(job.job_id, job.seq_id, job.generation, job.kind,
                                      job.token_count, target[:contract.vocab],
-                                     job.timings.snapshot())
+                                     job.timings)     # the job is over: no more writes
             self._release_lease(job)
             job.handle._resolve(result, None)
         else:                                   # cancelled after submit (FI12)

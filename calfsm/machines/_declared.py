@@ -57,6 +57,8 @@ class DeclaredMachine:
             after_state_change=[self._notify], name=name)
         self._events = self.machine.events
         self.triggers: tuple[str, ...] = tuple(self._events)
+        self._direct: dict[tuple[str, str], tuple[str, tuple]] = {}
+        self.refresh()
 
     # ---- firing --------------------------------------------------------------------
     def fire(self, model: StateModel, trigger: str, *args: Any, **kwargs: Any) -> bool:
@@ -64,11 +66,57 @@ class DeclaredMachine:
 
         Returns False when a guard vetoed it (state unchanged); raises
         :class:`IllegalTransition` when the trigger is not declared from this state.
+
+        A declared transition with no callback that ``transitions`` would have to run is
+        *direct*: its guards are checked with the same ``EventData`` the Machine would
+        pass, then it is applied from the precomputed table (listeners still called),
+        instead of through the Machine's event processing (~9 µs and eight debug log
+        calls, eight times per job on the executor's hot path). Anything with a callback
+        goes through the shared Machine as declared.
         """
+        state = model.state
+        direct = self._direct.get((state, trigger))
+        if direct is not None and not args and not kwargs:
+            dest, guards = direct
+            if guards:
+                event = EventData(guards[0], guards[1], self.machine, model, (), {})
+                for cond in guards[2]:
+                    if not cond.check(event):
+                        return False
+            model.state = dest
+            if self._listeners:
+                for listener in tuple(self._listeners):
+                    listener(model, state, dest, trigger)
+            return True
         event = self._events.get(trigger)
-        if event is None or not event.transitions.get(model.state):
-            raise IllegalTransition(self.name, model.state, trigger, **_context(model))
+        if event is None or not event.transitions.get(state):
+            raise IllegalTransition(self.name, state, trigger, **_context(model))
         return event.trigger(model, *args, **kwargs)
+
+    def refresh(self) -> None:
+        """Recompute which transitions are direct (see :meth:`fire`). The callback methods
+        of this class call it; call it yourself after changing ``self.machine`` directly
+        (adding transitions, callbacks or machine-wide hooks)."""
+        m = self.machine
+        direct: dict[tuple[str, str], tuple[str, tuple]] = {}
+        global_hooks = (m.prepare_event or m.finalize_event or m.before_state_change
+                        or m.on_exception or m.on_final
+                        or [c for c in m.after_state_change if c != self._notify])
+        if not global_hooks:
+            for trigger, event in m.events.items():
+                for source, candidates in event.transitions.items():
+                    if len(candidates) != 1:
+                        continue
+                    t = candidates[0]
+                    if t.dest is None or t.prepare or t.before or t.after:
+                        continue
+                    src, dst = m.get_state(source), m.get_state(t.dest)
+                    if src.on_exit or dst.on_enter or getattr(dst, "final", False):
+                        continue
+                    # guards are checked with the same EventData transitions would pass
+                    guards = (src, event, tuple(t.conditions)) if t.conditions else ()
+                    direct[(source, trigger)] = (t.dest, guards)
+        self._direct = direct
 
     def may(self, model: StateModel, trigger: str) -> bool:
         """Whether ``trigger`` is declared from the model's current state (guards unchecked)."""
@@ -92,13 +140,16 @@ class DeclaredMachine:
     def on_enter(self, state: str, callback: Callable[[EventData], None]) -> None:
         """Run ``callback(event_data)`` whenever a model enters ``state``."""
         self.machine.get_state(str(state)).add_callback("enter", callback)
+        self.refresh()
 
     def on_exit(self, state: str, callback: Callable[[EventData], None]) -> None:
         self.machine.get_state(str(state)).add_callback("exit", callback)
+        self.refresh()
 
     def remove_state_callback(self, state: str, when: str,
                               callback: Callable[[EventData], None]) -> None:
         getattr(self.machine.get_state(str(state)), f"on_{when}").remove(callback)
+        self.refresh()
 
     def _notify(self, event: EventData) -> None:
         if not self._listeners:
