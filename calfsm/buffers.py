@@ -430,6 +430,8 @@ class BufferPool:
             if s.engine not in engines:
                 engines.append(s.engine)
         self._n_free = len(self._slots)
+        #: blocked acquirers per (kind, engine), served first-come-first-served
+        self._waiting: dict[tuple[TaskKind, EngineSlot], deque[object]] = {}
         self._n_leased = 0
         self._n_quarantined = 0
         self._retired = False
@@ -499,7 +501,7 @@ class BufferPool:
         with self._lock:
             if self._retired:
                 self._refuse_retired()
-            slot = self._take(kind, engine)
+            slot = None if self._waiting.get((kind, engine)) else self._take(kind, engine)
             if slot is None:
                 raise ResourceExhausted(f"no free {kind.value} buffer slot "
                                         f"(engine {engine.name})", stage="lease",
@@ -519,24 +521,35 @@ class BufferPool:
         # On a virtual clock nobody may advance it: bound the wait in real time too.
         real_limit = (time.monotonic() + (deadline - clock.now())
                       if getattr(clock, "virtual", False) else None)
+        ticket = object()
         with self._cond:
-            while True:
-                if self._retired:
-                    self._refuse_retired()
-                if cancelled is not None and cancelled():
-                    raise Cancelled("cancelled while waiting for a buffer slot",
-                                    stage="lease", generation=self.generation)
-                slot = self._take(kind, engine)
-                if slot is not None:
-                    return self._lend(slot)
-                left = deadline - clock.now()
-                if real_limit is not None:
-                    left = min(left, real_limit - time.monotonic())
-                if left <= 0:
-                    raise DeadlineExceeded(f"no {kind.value} buffer slot before the "
-                                           "deadline", stage="lease",
-                                           generation=self.generation)
-                self._cond.wait(min(left, _MAX_WAIT_S))  # loop re-checks everything
+            queue = self._waiting.setdefault((kind, engine), deque())
+            queue.append(ticket)
+            try:
+                while True:
+                    if self._retired:
+                        self._refuse_retired()
+                    if cancelled is not None and cancelled():
+                        raise Cancelled("cancelled while waiting for a buffer slot",
+                                        stage="lease", generation=self.generation)
+                    # first come, first served: a returned slot goes to the oldest
+                    # waiter, never to a thread that arrived later (no starvation)
+                    if queue[0] is ticket:
+                        slot = self._take(kind, engine)
+                        if slot is not None:
+                            return self._lend(slot)
+                    left = deadline - clock.now()
+                    if real_limit is not None:
+                        left = min(left, real_limit - time.monotonic())
+                    if left <= 0:
+                        raise DeadlineExceeded(f"no {kind.value} buffer slot before the "
+                                               "deadline", stage="lease",
+                                               generation=self.generation)
+                    self._cond.wait(min(left, _MAX_WAIT_S))  # loop re-checks everything
+            finally:
+                queue.remove(ticket)
+                if queue:
+                    self._cond.notify_all()       # the next waiter is now the head
 
     def wake_all(self) -> None:
         """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
@@ -596,7 +609,9 @@ class BufferPool:
                     self._free[(slot.kind, slot.engine)].append(slot)
                     self._n_leased -= 1
                     self._n_free += 1
-                    self._cond.notify()
+                    if self._waiting.get((slot.kind, slot.engine)) or \
+                            self._waiting.get((slot.kind, EngineSlot.AUTO)):
+                        self._cond.notify_all()   # FIFO: only the head may take it
                     return True
         if on_device:
             err = LeaseError(f"{slot!r} returned while its job may still be on the device; "

@@ -585,3 +585,44 @@ def test_fi15_on_the_simulated_device_dirty_slot_never_comes_back():
         pool.acquire(TaskKind.PREFILL_IDS)
     assert assert_invariant(pool) == PoolStats(0, total=2, free=1, leased=0, quarantined=1)
     assert "destroy_buffers" not in trace_calls(driver)  # its host arrays stay alive
+
+
+def test_blocking_acquire_is_first_come_first_served() -> None:
+    """A returned slot goes to the oldest waiter; a later thread (or a non-blocking
+    acquire) cannot barge in front of it, so no caller starves under contention."""
+    import threading
+    import time as _time
+
+    _, pool = make_pool(slots_per_engine=1)
+    held = pool.acquire(TaskKind.DECODE)
+    key = (TaskKind.DECODE, EngineSlot.AUTO)
+    order: list[str] = []
+    leases: dict[str, object] = {}
+
+    def waiter(name: str) -> None:
+        lease = pool.acquire_wait(TaskKind.DECODE, _time.monotonic() + 30)
+        order.append(name)
+        leases[name] = lease
+
+    def queued(n: int) -> None:
+        limit = _time.monotonic() + 10
+        while len(pool._waiting.get(key, ())) < n:
+            assert _time.monotonic() < limit, "waiter never queued"
+            _time.sleep(0.001)
+
+    a = threading.Thread(target=waiter, args=("A",))
+    a.start()
+    queued(1)
+    b = threading.Thread(target=waiter, args=("B",))
+    b.start()
+    queued(2)
+    pool.release(held)
+    with pytest.raises(ResourceExhausted):
+        pool.acquire(TaskKind.DECODE)          # cannot jump the queue
+    a.join(10)
+    assert order == ["A"]
+    pool.release(leases["A"])
+    b.join(10)
+    assert order == ["A", "B"]
+    pool.release(leases["B"])
+    assert_invariant(pool)
