@@ -268,7 +268,6 @@ class DeviceExecutor:
                 return
             self._closing = True
             self._close_deadline = time.monotonic() + timeout
-        stopped = Unavailable("executor is shutting down", stage="shutdown")
         with self._cond:
             queued = list(self._submit_q)
             self._submit_q.clear()
@@ -290,7 +289,6 @@ class DeviceExecutor:
             self._closed = True
         if self.epoch is not None:
             self.epoch.kv.shutdown()
-        del stopped
         if undrained or alive:
             raise Unavailable(
                 f"shutdown did not drain within {timeout} s: {len(undrained)} job(s) still "
@@ -614,10 +612,15 @@ class DeviceExecutor:
                     self._cond.wait(wait)
             if job is None:
                 for j in expired:
-                    self._fail_before_submit(j, DeadlineExceeded(
-                        "queue deadline passed before submit", **_ctx(j, "queue")))
+                    self._fail_queue_deadline(j)
                 continue
             self._submit(job)
+
+    def _fail_queue_deadline(self, job: JobContext) -> None:
+        """The queue deadline passed before ``infer`` succeeded: not submitted, so the
+        KV reservation rolls back and the lease returns (spec 9.1)."""
+        self._fail_before_submit(job, DeadlineExceeded(
+            "queue deadline passed before submit", **_ctx(job, "queue")))
 
     def _take_expired_locked(self) -> list[JobContext]:
         if not self._submit_q:
@@ -646,8 +649,7 @@ class DeviceExecutor:
                 job = self._submit_q.popleft()
                 self._inflight += 1
         for j in expired:
-            self._fail_before_submit(j, DeadlineExceeded(
-                "queue deadline passed before submit", **_ctx(j, "queue")))
+            self._fail_queue_deadline(j)
         if job is not None:
             self._submit(job)
         return bool(expired) or job is not None
@@ -661,8 +663,7 @@ class DeviceExecutor:
             return
         if self.clock.now() >= job.queue_deadline:
             self._release_inflight()
-            self._fail_before_submit(job, DeadlineExceeded(
-                "queue deadline passed before submit", **_ctx(job, "queue")))
+            self._fail_queue_deadline(job)
             return
         epoch = job.epoch
         slot = job.lease.slot
@@ -678,7 +679,6 @@ class DeviceExecutor:
                 rc = self.driver.infer_fixed(handle, slot.inp, slot.out, slot.engine,
                                              tag=tag)
             if rc == 0:
-                job.submitted = True
                 job.timings.submitted = self.clock.now()
                 job.lease.mark_on_device()
                 epoch.kv.mark_submitted(job.kv)
@@ -959,8 +959,7 @@ class DeviceExecutor:
             self._fail_before_submit(j, DeadlineExceeded(
                 "admission deadline passed", **_ctx(j, "admission")))
         for j in expired:
-            self._fail_before_submit(j, DeadlineExceeded(
-                "queue deadline passed before submit", **_ctx(j, "queue")))
+            self._fail_queue_deadline(j)
 
     def _next_deadline(self) -> float:
         """Earliest deadline a parked or queued job waits for (step mode time jumps)."""

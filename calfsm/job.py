@@ -32,7 +32,7 @@ __all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request"
 log = logging.getLogger("calfsm.job")
 
 
-def _int_array(values: Any, field: str) -> np.ndarray | None:
+def _int_array(values: Any) -> np.ndarray | None:
     if values is None:
         return None
     return np.asarray(values, dtype=np.int64).reshape(-1)
@@ -51,8 +51,8 @@ class Request:
 
     seq_id: int
     kind: TaskKind
-    tokens: Any = attrs.field(default=None, converter=lambda v: _int_array(v, "tokens"))
-    positions: Any = attrs.field(default=None, converter=lambda v: _int_array(v, "positions"))
+    tokens: Any = attrs.field(default=None, converter=_int_array)
+    positions: Any = attrs.field(default=None, converter=_int_array)
     past_len: int | None = None
     deadline_s: float | None = None
     target: np.ndarray | None = attrs.field(default=None, eq=False)
@@ -84,9 +84,6 @@ class JobTimings:
     device_wait_ms: float = 0.0
     d2h_ms: float = 0.0
     postprocess_ms: float = 0.0
-
-    def snapshot(self) -> JobTimings:
-        return attrs.evolve(self)
 
     @property
     def total_ms(self) -> float:
@@ -127,7 +124,6 @@ class JobContext:
     engine: EngineSlot = EngineSlot.AUTO
     lease: BufferLease | None = None
     kv: KvReservation | None = None
-    submitted: bool = False              # infer() returned success: the device owns buffers
     queue_deadline: float = float("inf")
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
