@@ -279,6 +279,7 @@ class DeviceExecutor:
             self._fail_before_submit(job, Cancelled("cancelled by shutdown", stage="shutdown"))
         if self.epoch is not None:
             self.epoch.kv.wake_all()
+        self.faults.join(timeout)          # a recovery in progress stops at its next step
         undrained = self._drain(timeout)
         for t in self._threads:
             t.join(timeout=max(0.1, timeout))

@@ -76,6 +76,10 @@ class RecoveryPolicy:
     max_attempts: int = 3                # resets tried before giving up (Failed)
 
 
+class _ShuttingDown(Exception):
+    """Raised inside a recovery when ``close()`` began: close() owns the lifecycle now."""
+
+
 class FaultController:
     """Consumes classified errors and drives recovery for one executor."""
 
@@ -199,18 +203,24 @@ class FaultController:
 
     def _recover_when_drained(self) -> None:
         ex = self.ex
-        deadline_real = None
         with ex._cond:
-            while not self._drained_locked():
+            while not self._drained_locked() and not ex._closing:
                 if ex.clock.virtual:
                     ex._cond.wait(0.01)
                 else:
                     remaining = self._drain_started + self.policy.grace_period_s \
                         - ex.clock.now()
                     ex._cond.wait(max(0.001, remaining))
-                if ex._closing and deadline_real is None:
-                    break
-        self.recover()
+        if not ex._closing:
+            self.recover()
+
+    def join(self, timeout: float) -> bool:
+        """Wait for a recovery in progress to end (shutdown); False if it did not."""
+        t = self._recovery_thread
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout)
+            return not t.is_alive()
+        return True
 
     # ---- recovery ------------------------------------------------------------------
     def recover(self) -> bool:
@@ -231,7 +241,12 @@ class FaultController:
         old = ex.epoch
         known = self._sequences(old)
         old.retire()                      # destroy free buffers while handles are valid
-        if not self.bring_up(old.manifest, old.calbin, kind, lost=(known, old.generation)):
+        try:
+            if not self.bring_up(old.manifest, old.calbin, kind,
+                                 lost=(known, old.generation)):
+                return False
+        except _ShuttingDown:
+            log.warning("recovery stopped: the executor is shutting down")
             return False
         with ex._life_lock:
             ex._counts["recoveries"] += 1
@@ -263,12 +278,14 @@ class FaultController:
             if kind is not ResetKind.FULL and lost is not None:
                 for seq in lost[0]:               # the device kept them; nobody will
                     ex.driver.kv_release(seq, 0)
-            ex._fire_life("reconfigure")
+            self._step("reconfigure")
             generation = ex.generation + 1
             err = self._configure_and_warm(manifest, calbin, generation,
                                            configure=kind is not ResetKind.CCU, lost=lost)
             if err is None:
                 return True
+            if ex._closing:
+                raise _ShuttingDown
             final = err.category in (ErrorCategory.ARTIFACT, ErrorCategory.COMPATIBILITY)
             if final or attempt == attempts:
                 self._give_up(f"generation {generation} did not come up "
@@ -278,7 +295,7 @@ class FaultController:
                         attempts, err, extra=err.context())
             if ex.epoch is not None and not ex.epoch.retired:
                 ex.epoch.retire()
-            ex._fire_life("retry")
+            self._step("retry")
         return False
 
     def _configure_and_warm(self, manifest: Manifest, calbin: Calbin, generation: int, *,
@@ -294,20 +311,29 @@ class FaultController:
                 epoch.kv.mark_lost(seqs, f"its KV was lost in the reset of generation "
                                          f"{old_generation}")
             ex._install(epoch)
-            ex._fire_life("configured")
+            self._step("configured")
             if ex.config.warmup:
                 from calfsm.epoch import warm_up
                 warm_up(ex.driver, epoch, ex.config.execution_timeout_s)
         except CalfsmError as e:
             return e
         with ex._life_lock:
+            self._step("warmed")
             ex._life.known_good = (manifest, calbin)
             ex._life.reason = None
-            ex._fire_life("warmed")
             self._note("ready")
         self._tokens = self.policy.error_budget
         self._streak = 0
         return None
+
+    def _step(self, trigger: str) -> None:
+        """Advance the lifecycle on the recovery path, unless shutdown began: then stop
+        quietly (a shutdown during recovery is a shutdown, not a device failure)."""
+        ex = self.ex
+        with ex._life_lock:
+            if ex._closing:
+                raise _ShuttingDown
+            ex._fire_life(trigger)
 
     def _give_up(self, reason: str) -> None:
         self.ex._fail_lifecycle(reason)

@@ -352,3 +352,39 @@ def test_sequences_with_kv_are_refused_after_a_reset_until_reset(mode):
         assert err.http_status == 400
         ex.reset_sequence(3)
         assert outcome(ex, ex.enqueue(_job(seq=3))) is None
+
+
+def test_close_during_recovery_stops_it_cleanly():
+    """close() while the recovery thread is inside its warm-up: the recovery stops at its
+    next step (no IllegalTransition in a thread, no Failed), the lifecycle ends Closed and
+    no lease stays out."""
+    import threading
+
+    class WarmupGate(GatedDriver):
+        def wait(self, out, timeout_s):
+            if threading.current_thread().name == "calfsm-recovery":
+                self.waiting.set()
+                assert self.gate.wait(30)
+            return self._inner.wait(out, timeout_s)
+
+    gated = WarmupGate(make_sim("threaded"))
+    ex = make_executor("threaded", driver=gated, recovery=RecoveryPolicy(grace_period_s=0.0))
+    errors = []
+    old_hook = threading.excepthook
+    threading.excepthook = lambda args: errors.append(args.exc_value)
+    try:
+        gated.gate.clear()
+        gated.waiting.clear()
+        assert ex.recover("test")
+        assert gated.waiting.wait(10)             # the recovery is inside its warm-up
+        closer = threading.Thread(target=ex.close, kwargs={"timeout": 10})
+        closer.start()
+        gated.gate.set()
+        closer.join(20)
+        assert not closer.is_alive()
+        assert not errors, errors
+        assert ex.lifecycle_state == "Closed"
+        assert ex.epoch.pool.stats().leased == 0
+    finally:
+        gated.gate.set()
+        threading.excepthook = old_hook
