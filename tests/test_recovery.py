@@ -388,3 +388,20 @@ def test_close_during_recovery_stops_it_cleanly():
     finally:
         gated.gate.set()
         threading.excepthook = old_hook
+
+
+def test_calfsm_run_exits_3_when_the_device_cannot_be_recovered(monkeypatch, capsys):
+    """A supervisor restarts the process on exit status 3: the executor ended Failed."""
+    from calfsm import cli
+
+    def no_reset_driver(name, manifest, *, faults, seed, latency):
+        plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=0))
+        return make_sim("threaded", faults=plan, manifest=manifest,
+                        capabilities=Capabilities())
+
+    monkeypatch.setattr(cli, "build_driver", no_reset_driver)
+    rc = cli.main(["run", "--manifest", "tiny", "--prompts", "2", "--sequences", "1",
+                   "--tokens", "2", "--quiet"])
+    out = capsys.readouterr().out
+    assert rc == cli.EXIT_DEVICE_FAILED == 3
+    assert "no reset" in out
