@@ -55,6 +55,7 @@ from calfsm.errors import (
     Cancelled,
     DeadlineExceeded,
     ErrorCategory,
+    Internal,
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
@@ -601,6 +602,7 @@ class DeviceExecutor:
                             and self._life.state == LifecycleState.READY and backoff <= 0:
                         job = self._submit_q.popleft()
                         self._inflight += 1
+                        job.holds_inflight = True
                         break
                     if self._closing and not self._submit_q:
                         return
@@ -615,7 +617,10 @@ class DeviceExecutor:
                 for j in expired:
                     self._fail_queue_deadline(j)
                 continue
-            self._submit(job)
+            try:
+                self._submit(job)
+            except Exception as e:      # a bug must never stop the submitter thread
+                self._step_crashed(job, "submit", e)
 
     def _fail_queue_deadline(self, job: JobContext) -> None:
         """The queue deadline passed before ``infer`` succeeded: not submitted, so the
@@ -649,6 +654,7 @@ class DeviceExecutor:
                     self.clock.advance_to(self.faults.backoff_until)
                 job = self._submit_q.popleft()
                 self._inflight += 1
+                job.holds_inflight = True
         for j in expired:
             self._fail_queue_deadline(j)
         if job is not None:
@@ -658,12 +664,12 @@ class DeviceExecutor:
     def _submit(self, job: JobContext) -> None:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
         if job.cancel_requested or self._closing:
-            self._release_inflight()
+            self._release_inflight(job)
             self._fail_before_submit(job, Cancelled("cancelled before submit",
                                                     **_ctx(job, "submit")))
             return
         if self.clock.now() >= job.queue_deadline:
-            self._release_inflight()
+            self._release_inflight(job)
             self._fail_queue_deadline(job)
             return
         epoch = job.epoch
@@ -689,7 +695,7 @@ class DeviceExecutor:
                     self._complete_q.append(job)
                     self._cond.notify_all()
                 return
-        self._release_inflight()
+        self._release_inflight(job)
         if rc is None:
             self._fail_before_submit(job, Unavailable(
                 f"device left Ready ({self._life.state}) before the job was submitted",
@@ -704,6 +710,38 @@ class DeviceExecutor:
         with self._device_lock:
             pass
 
+    def _step_crashed(self, job: JobContext, stage: str, exc: Exception) -> None:
+        """An unexpected exception in a submit or completion step (a bug, or a driver
+        raising where it must return a code). Never stuck: the job fails with Internal,
+        its in-flight slot comes back if it still held one, its slot and KV are treated
+        as suspect, and the generation is recovered like after an unknown error."""
+        log.exception("unexpected error in the %s step of job %s", stage, job.job_id,
+                      extra=_ctx(job, stage))
+        with self._cond:
+            if job in self._on_device:
+                self._on_device.remove(job)
+            if job.holds_inflight:
+                job.holds_inflight = False
+                self._inflight -= 1
+            self._cond.notify_all()
+        err = Internal(f"unexpected {type(exc).__name__} in {stage}: {exc}",
+                       category=ErrorCategory.UNKNOWN, **_ctx(job, stage))
+        try:
+            if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
+                job.epoch.kv.mark_unknown(job.kv, str(err))
+            if job.lease is not None:
+                job.epoch.pool.quarantine(job.lease, str(err))
+                job.lease = None
+        except Exception:
+            log.exception("cleaning up after the crashed step of job %s", job.job_id)
+        if job.handle is not None and not job.handle.done():
+            for trigger in ("quarantine", "fail"):
+                if JOB_MACHINE.may(job, trigger):
+                    _fire(job, trigger)
+                    break
+            self._finish(job, err, "failed")
+        self.faults.observe(err)
+
     def _submit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """``infer`` returned an error. Busy and request errors prove the graph did not
         run: roll back (FI05). Device or unknown errors leave the KV Unknown (FI06)."""
@@ -714,9 +752,12 @@ class DeviceExecutor:
             self._finish_unknown(job, err)
         self.faults.observe(err)
 
-    def _release_inflight(self) -> None:
+    def _release_inflight(self, job: JobContext) -> None:
+        """Give back the job's in-flight slot (idempotent: a slot is returned once)."""
         with self._cond:
-            self._inflight -= 1
+            if job.holds_inflight:
+                job.holds_inflight = False
+                self._inflight -= 1
             self._cond.notify_all()
 
     # ------------------------------------------------------------------------------
@@ -735,7 +776,10 @@ class DeviceExecutor:
                 if self._closing and time.monotonic() > self._close_deadline \
                         and job.handle.done():
                     return              # abandon a zombie: the device never let it go
-            self._complete(job)
+            try:
+                self._complete(job)
+            except Exception as e:      # a bug must never stop the completion thread
+                self._step_crashed(job, "complete", e)
 
     def _complete_next(self) -> bool:
         with self._cond:
@@ -774,18 +818,25 @@ class DeviceExecutor:
         with self._cond:
             if job in self._on_device:
                 self._on_device.remove(job)
-            self._inflight -= 1
+            if job.holds_inflight:          # the device is free: let the next job go
+                job.holds_inflight = False
+                self._inflight -= 1
             self._cond.notify_all()
         job.lease.mark_off_device()
         if zombie or job.epoch is not self.epoch or job.epoch.retired:
             self._late_completion(job, rc)
             return
         contract = job.epoch.model.submodel(job.kind)
-        with self._device_lock:             # no reset between the fence check and reads
+        with self._device_lock:     # no reset between the fence check and device calls
             current = job.epoch is self.epoch and not job.epoch.retired
             if current and rc == 0:
                 status = self.driver.status(slot.out)
                 code, produced = self.driver.output_bytes(slot.out, contract.logits.name)
+                try:                        # input slices are done with: the job ran
+                    job.lease.undo_slices()
+                except CalfsmError as e:    # the slot goes to quarantine on return (FI15)
+                    log.warning("undo_slices failed after the job ran: %s", e,
+                                extra=e.context())
         if not current:
             self._late_completion(job, rc)
             return
@@ -809,7 +860,6 @@ class DeviceExecutor:
             return
         t3 = self.clock.now()
         job.epoch.kv.commit(job.kv)
-        job.lease.undo_slices()
         now = self.clock.now()
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3

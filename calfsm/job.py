@@ -125,6 +125,7 @@ class JobContext:
     lease: BufferLease | None = None
     kv: KvReservation | None = None
     queue_deadline: float = float("inf")
+    holds_inflight: bool = False         # popped for submit, device not yet released
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
     epoch: Any = None                    # the executor generation record it belongs to

@@ -405,3 +405,29 @@ def test_calfsm_run_exits_3_when_the_device_cannot_be_recovered(monkeypatch, cap
     out = capsys.readouterr().out
     assert rc == cli.EXIT_DEVICE_FAILED == 3
     assert "no reset" in out
+
+
+def test_a_driver_that_raises_cannot_stop_the_pipeline():
+    """Drivers must return codes, but one that raises (a bug, a binding error) must not
+    kill the completion thread: the job fails with a classified error, the generation is
+    recovered, later jobs succeed."""
+
+    class Raising(GatedDriver):
+        armed = False                     # armed after start-up (the warm-up calls it)
+
+        def status(self, out):
+            if self.armed:
+                self.armed = False
+                raise RuntimeError("binding bug")
+            return self._inner.status(out)
+
+    drv = Raising(make_sim("threaded"))
+    with make_executor("threaded", driver=drv,
+                       recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        drv.armed = True
+        err = ex.enqueue(_job()).exception(10)
+        assert isinstance(err, Internal) and "binding bug" in str(err)
+        assert err.category is ErrorCategory.UNKNOWN
+        ex.wait_lifecycle("Ready", timeout=10)
+        assert ex.enqueue(_job(seq=SEQ + 1)).result(10).token_count == 3
+        assert ex.stats().inflight == 0
