@@ -407,6 +407,11 @@ class DeviceExecutor:
             else:
                 self._prepare(job)
         except CalfsmError as e:
+            if job.epoch is not None and job.epoch.retired and not isinstance(e, Cancelled):
+                # the device was reset under this preparation: say so, not "bad state"
+                e = Unavailable(f"the device was reset while the job was prepared ({e})",
+                                retry_after_s=self._life.retry_after_s,
+                                calrt_code=e.calrt_code, **_ctx(job, e.stage or "prepare"))
             self._fail_before_submit(job, e)
         return handle
 
