@@ -366,20 +366,19 @@ class DeviceExecutor:
     def failure_reason(self) -> str | None:
         return self._life.reason
 
-    def _admission_gate(self, job: JobContext | None = None) -> None:
+    def _admission_gate(self) -> None:
+        """Only Ready admits. Recovering: 503 with a retry-after hint; Failed: 503 without
+        one (this process will not recover; a supervisor restarts it)."""
         life = self._life
         if self._closing:
             raise Unavailable("executor is closed", stage="admission",
                               generation=life.generation)
         if life.state != LifecycleState.READY:
-            err = Unavailable(
+            raise Unavailable(
                 f"device is {life.state}" + (f": {life.reason}" if life.reason else ""),
                 stage="admission", generation=life.generation,
                 retry_after_s=None if life.state == LifecycleState.FAILED
                 else life.retry_after_s)
-            if life.state == LifecycleState.FAILED:
-                err.category = ErrorCategory.DEVICE
-            raise err
 
     # ------------------------------------------------------------------------------
     # request side: enqueue -> admit -> prepare

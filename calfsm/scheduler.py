@@ -62,6 +62,9 @@ class StepScheduler:
         return acts
 
     def _progress_key(self) -> tuple[int, int]:
+        """A fingerprint of what could let a blocked admission proceed (KV books, pool,
+        generation): ``admit`` is re-enabled only when it changed, so a parked job that
+        cannot move does not spin the scheduler."""
         ex = self.ex
         stats = ex.epoch.kv.stats() if ex.epoch is not None else None
         return (len(ex._parked), hash((stats, ex.epoch.pool.stats() if ex.epoch else None,
