@@ -2,10 +2,10 @@
 
 Run from the repository root::
 
-    PYTHONPATH=. /tmp/venv/bin/python bench/bench_executor.py            # ~1-2 minutes
-    PYTHONPATH=. /tmp/venv/bin/python bench/bench_executor.py --quick    # ~20 s
-    PYTHONPATH=. /tmp/venv/bin/python bench/bench_executor.py --manifest qwen3-b1
-    PYTHONPATH=. /tmp/venv/bin/python bench/bench_executor.py --profile  # + where it goes
+    python bench/bench_executor.py            # ~1-2 minutes
+    python bench/bench_executor.py --quick    # ~20 s
+    python bench/bench_executor.py --manifest qwen3-b1
+    python bench/bench_executor.py --profile  # + where it goes
 
 Both paths drive their own ``SimDriver(clock=RealClock(), latency=LatencyModel.fixed(
 decode_s=...))`` of the same manifest; the runs are interleaved in ABAB/BABA blocks so

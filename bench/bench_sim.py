@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    /tmp/venv/bin/python bench/bench_sim.py            # default 2000 steps
-    /tmp/venv/bin/python bench/bench_sim.py --steps 500
+    python bench/bench_sim.py            # default 2000 steps
+    python bench/bench_sim.py --steps 500
 
 Reports CPU time per step (``time.process_time``; target <= 2 ms) for
 
