@@ -330,9 +330,16 @@ class Manifest:
             problems.extend(_model_problems(at, sub, dev))
             resolved[sub.kind] = dev
         kinds = set(self.kinds)
+        missing = len(resolved) < len(self.submodels)
         for m in listed:
-            if m.name not in wanted and m.kind in kinds:
+            if m.name in wanted:
+                continue
+            if m.kind in kinds:
                 problems.append(f"device: unexpected {m.kind.value} model {m.name!r}")
+            elif m.kind is None and missing:
+                # an untagged graph cannot be classified, but beside a missing name it is
+                # the likely other half of a typo: show it
+                problems.append(f"device: unexpected untagged model {m.name!r}")
         if problems:
             raise ManifestError("manifest does not match device: " + "; ".join(problems),
                                 stage="resolve")

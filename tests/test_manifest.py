@@ -293,6 +293,17 @@ def test_fi01_one_character_wrong_on_the_device_side_too() -> None:
     assert "unexpected decode model 'qwen3_b1_dec0de'" in message
 
 
+def test_fi01_names_an_untagged_device_model_beside_the_missing_name() -> None:
+    models = tuple(attrs.evolve(m, kind=None) for m in
+                   renamed(device(), DECODE, "qwen3_b1_dec0de"))
+    message = resolve_error(QWEN, models)
+    assert f"missing on device: {DECODE!r}" in message
+    assert "unexpected untagged model 'qwen3_b1_dec0de'" in message
+    # with nothing missing, extra untagged graphs (other workloads) are not an error
+    extra = ModelInfo("vision_tower", None, (), (), ())
+    assert QWEN.resolve((*device().models, extra))
+
+
 def test_never_a_substring_match() -> None:
     message = resolve_error(QWEN, renamed(device(), DECODE, "qwen3_b1_decode_v2"))
     assert f"missing on device: {DECODE!r}" in message
