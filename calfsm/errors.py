@@ -363,12 +363,12 @@ class IllegalTransition(Internal):
         self.trigger = trigger
 
     def __reduce__(self):
-        return (_rebuild_transition, (self.machine, self.state, self.trigger,
+        return (_rebuild_transition, (self.machine, self.state, self.trigger, self.category,
                                       {k: getattr(self, k) for k in self._CONTEXT_FIELDS}))
 
 
-def _rebuild_transition(machine, state, trigger, context):
-    return IllegalTransition(machine, state, trigger, **context)
+def _rebuild_transition(machine, state, trigger, category, context):
+    return IllegalTransition(machine, state, trigger, category=category, **context)
 
 
 class LeaseError(Internal):

@@ -214,3 +214,15 @@ def test_hierarchy() -> None:
     assert issubclass(ResourceExhausted, CalfsmError)
     assert ManifestError("x").category is ErrorCategory.ARTIFACT
     assert IllegalTransition("m", "s", "t").category is ErrorCategory.PROGRAMMING
+
+
+def test_illegal_transition_pickles_with_its_category() -> None:
+    import pickle
+
+    from calfsm.errors import ErrorCategory, IllegalTransition
+
+    err = IllegalTransition("job", "Succeeded", "admit", category=ErrorCategory.DEVICE,
+                            job_id=3)
+    back = pickle.loads(pickle.dumps(err))
+    assert (back.machine, back.state, back.trigger) == ("job", "Succeeded", "admit")
+    assert back.category is ErrorCategory.DEVICE and back.job_id == 3
