@@ -48,7 +48,7 @@ import attrs
 import numpy as np
 
 from calfsm.drivers.base import Calbin, Driver, EngineSlot, JobTag, OutputStatus
-from calfsm.epoch import WARMUP_SEQ, Epoch, build_epoch, warm_up
+from calfsm.epoch import WARMUP_SEQ, Epoch, build_epoch
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -195,23 +195,22 @@ class DeviceExecutor:
     # start-up and shutdown
     # ------------------------------------------------------------------------------
     def _start(self) -> None:
+        """Bring generation 1 up through the same bring-up recovery uses."""
         self._fire_life("start")
         try:
             if self.config.max_inflight > 1:
                 check(self.driver.enable_parallel_mode(True), "enable_parallel_mode")
-            self._install(self._configure(self._manifest, self._calbin, generation=1))
-            self._fire_life("configured")
-            if self.config.warmup:
-                warm_up(self.driver, self.epoch, self.config.execution_timeout_s)
-            self._life.known_good = (self._manifest, self._calbin)
-            self._fire_life("warmed")
         except CalfsmError as e:
-            if not self._retry_startup(e):
-                self._fail_lifecycle(f"start-up failed: {e}")
-                raise
+            self._fail_lifecycle(f"start-up failed: {e}")
+            raise
+        err = self.faults.configure_and_warm(self._manifest, self._calbin, generation=1)
+        if err is not None:
+            if not self._retry_startup(err):
+                self._fail_lifecycle(f"start-up failed: {err}")
+                raise err
             if self._life.state != LifecycleState.READY:
                 raise Unavailable(f"start-up failed: {self._life.reason}",
-                                  category=e.category, stage="startup") from e
+                                  category=err.category, stage="startup") from err
         if self.config.threaded:
             for name, target in (("submitter", self._submitter_loop),
                                  ("completion", self._completion_loop)):
@@ -236,9 +235,11 @@ class DeviceExecutor:
         self.faults.bring_up(self._manifest, self._calbin, kind, attempts=attempts)
         return True
 
-    def _configure(self, manifest: Manifest, calbin: Calbin, generation: int) -> Epoch:
+    def _build_epoch(self, manifest: Manifest, calbin: Calbin, generation: int, *,
+                     configure: bool = True) -> Epoch:
+        """Configure and build one generation with this executor's settings."""
         return build_epoch(
-            self.driver, manifest, calbin, generation,
+            self.driver, manifest, calbin, generation, configure=configure,
             max_inflight=self.config.max_inflight,
             slots_per_engine=self.config.slots_per_engine,
             token_budget=self.config.token_budget, engines=self._engines, clock=self.clock)

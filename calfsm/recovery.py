@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -239,11 +239,11 @@ class FaultController:
             ex._fire_life("reset")
         ex.device_barrier()               # no submit in flight from here on
         old = ex.epoch
-        known = self._sequences(old)
+        lost = (list(old.kv.sequences()),
+                f"its KV was lost in the reset of generation {old.generation}")
         old.retire()                      # destroy free buffers while handles are valid
         try:
-            if not self.bring_up(old.manifest, old.calbin, kind,
-                                 lost=(known, old.generation)):
+            if not self.bring_up(old.manifest, old.calbin, kind, lost=lost):
                 return False
         except _ShuttingDown:
             log.warning("recovery stopped: the executor is shutting down")
@@ -260,7 +260,7 @@ class FaultController:
         return next((k for k in _RESET_PREFERENCE if caps.can_reset(k)), None)
 
     def bring_up(self, manifest: Manifest, calbin: Calbin, kind: ResetKind, *,
-                 lost: tuple[list[int], int] | None = None,
+                 lost: tuple[list[int], str] | None = None,
                  attempts: int | None = None) -> bool:
         """From Recovering: reset, configure a new generation, run the warm-up golden.
 
@@ -280,8 +280,8 @@ class FaultController:
                     ex.driver.kv_release(seq, 0)
             self._step("reconfigure")
             generation = ex.generation + 1
-            err = self._configure_and_warm(manifest, calbin, generation,
-                                           configure=kind is not ResetKind.CCU, lost=lost)
+            err = self.configure_and_warm(manifest, calbin, generation,
+                                          configure=kind is not ResetKind.CCU, lost=lost)
             if err is None:
                 return True
             if ex._closing:
@@ -298,18 +298,19 @@ class FaultController:
             self._step("retry")
         return False
 
-    def _configure_and_warm(self, manifest: Manifest, calbin: Calbin, generation: int, *,
-                            configure: bool = True,
-                            lost: tuple[list[int], int] | None = None
-                            ) -> CalfsmError | None:
-        """Configuring -> Warming -> Ready with a new epoch; the error if it did not."""
+    def configure_and_warm(self, manifest: Manifest, calbin: Calbin, generation: int, *,
+                           configure: bool = True,
+                           lost: tuple[list[int], str] | None = None
+                           ) -> CalfsmError | None:
+        """Configuring -> Warming -> Ready with a new epoch: the one bring-up used by
+        start-up, recovery, model switch and rollback. Returns the error if it did not
+        come up. ``lost``: sequences whose KV the device no longer holds, and why; the
+        new generation refuses them until reset."""
         ex = self.ex
         try:
-            epoch = _build(ex, manifest, calbin, generation, configure=configure)
+            epoch = ex._build_epoch(manifest, calbin, generation, configure=configure)
             if lost is not None:
-                seqs, old_generation = lost
-                epoch.kv.mark_lost(seqs, f"its KV was lost in the reset of generation "
-                                         f"{old_generation}")
+                epoch.kv.mark_lost(*lost)
             ex._install(epoch)
             self._step("configured")
             if ex.config.warmup:
@@ -344,10 +345,6 @@ class FaultController:
     def _note(self, reason: str) -> None:
         self.history.append((self.ex.clock.now(), self.ex.lifecycle_state, reason))
 
-    @staticmethod
-    def _sequences(epoch: Any) -> list[int]:
-        return list(epoch.kv.sequences())
-
     # ---- model switch --------------------------------------------------------------
     def switch_model(self, manifest: Manifest, calbin: Calbin | None = None,
                      timeout: float = 10.0) -> None:
@@ -374,43 +371,40 @@ class FaultController:
                                            retry_after_s=self.policy.retry_after_s))
             ex.device_barrier()
             self._wait_drained(timeout)
-            kind = ResetKind.CONFIGURATION if caps.can_reset(ResetKind.CONFIGURATION) \
-                else ResetKind.FULL
-            with ex._life_lock:
-                ex._fire_life("reconfigure")
-            old = ex.epoch
-            lost = (self._sequences(old), old.generation)
-            old.retire()
-            rc = ex.driver.reset(kind)
-            if rc != 0:
-                self._give_up(f"reset {kind.value} for model switch failed with code {rc}")
-                raise Unavailable(ex.failure_reason or "model switch failed", stage="switch")
-            for seq in lost[0]:
-                ex.driver.kv_release(seq, 0)
-            generation = ex.generation + 1
             try:
-                epoch = _build(ex, manifest, calbin, generation, configure=True)
-                epoch.kv.mark_lost(lost[0], f"its KV was lost in the switch away from "
-                                            f"generation {lost[1]}")
-                ex._install(epoch)
-                with ex._life_lock:
-                    ex._fire_life("configured")
-                if ex.config.warmup:
-                    from calfsm.epoch import warm_up
-                    warm_up(ex.driver, epoch, ex.config.execution_timeout_s)
-            except CalfsmError as err:
-                self._rollback(err, generation + 1)
-                raise ManifestError(f"model switch rejected, rolled back to the last "
-                                    f"known-good model: {err}", category=err.category,
-                                    stage="switch", generation=ex.generation,
-                                    calrt_code=err.calrt_code) from err
-            with ex._life_lock:
-                ex._life.known_good = (manifest, calbin)
-                ex._life.reason = None
-                ex._fire_life("warmed")
-                self._note("ready after switch")
-            with ex._cond:
-                ex._cond.notify_all()
+                self._step("reconfigure")
+                old = ex.epoch
+                lost = (list(old.kv.sequences()),
+                        f"its KV was lost in the switch away from generation "
+                        f"{old.generation}")
+                old.retire()
+                kind = self._reconfigure_kind()
+                rc = ex.driver.reset(kind)
+                if rc != 0:
+                    self._give_up(f"reset {kind.value} for model switch failed with code {rc}")
+                    raise Unavailable(ex.failure_reason or "model switch failed",
+                                      stage="switch")
+                for seq in lost[0]:
+                    ex.driver.kv_release(seq, 0)
+                generation = ex.generation + 1
+                err = self.configure_and_warm(manifest, calbin, generation, lost=lost)
+                if err is not None:
+                    self._rollback(err, generation + 1)
+                    raise ManifestError(f"model switch rejected, rolled back to the last "
+                                        f"known-good model: {err}", category=err.category,
+                                        stage="switch", generation=ex.generation,
+                                        calrt_code=err.calrt_code) from err
+            except _ShuttingDown:
+                raise Unavailable("the executor was closed during the model switch",
+                                  stage="switch") from None
+            self._note("ready after switch")
+
+    def _reconfigure_kind(self) -> ResetKind:
+        """The reset that drops a configuration: CONFIGURATION, else FULL (a switch
+        checks one of them is offered before it starts)."""
+        caps = self.ex.driver.capabilities()
+        return ResetKind.CONFIGURATION if caps.can_reset(ResetKind.CONFIGURATION) \
+            else ResetKind.FULL
 
     def _rollback(self, err: CalfsmError, generation: int) -> None:
         ex = self.ex
@@ -421,15 +415,13 @@ class FaultController:
                 return
         if ex.epoch is not None and not ex.epoch.retired:
             ex.epoch.retire()
-        caps = ex.driver.capabilities()
-        kind = ResetKind.CONFIGURATION if caps.can_reset(ResetKind.CONFIGURATION) \
-            else ResetKind.FULL
+        kind = self._reconfigure_kind()
         rc = ex.driver.reset(kind)
         if rc != 0:
             self._give_up(f"reset for rollback failed with code {rc}")
             return
         manifest, calbin = ex._life.known_good
-        err = self._configure_and_warm(manifest, calbin, generation)
+        err = self.configure_and_warm(manifest, calbin, generation)
         if err is not None:
             self._give_up(f"rollback to the known-good model failed: {err}")
 
@@ -443,12 +435,3 @@ class FaultController:
         with ex._cond:
             ex._cond.wait_for(self._drained_locked, timeout)
 
-
-def _build(ex: DeviceExecutor, manifest: Manifest, calbin: Calbin, generation: int, *,
-           configure: bool):
-    from calfsm.epoch import build_epoch
-    return build_epoch(ex.driver, manifest, calbin, generation, configure=configure,
-                       max_inflight=ex.config.max_inflight,
-                       slots_per_engine=ex.config.slots_per_engine,
-                       token_budget=ex.config.token_budget, engines=ex._engines,
-                       clock=ex.clock)
