@@ -348,6 +348,26 @@ class BufferLease:
         self.slice(c.token_or_embed.name, 0, n_tokens * per_token)
         self.slice(c.position.name, 0, n_tokens * c.position.dtype.itemsize)
 
+    def load(self, seq_id: int, tokens: Any, positions: Any) -> int:
+        """Program the slot for one job; returns the token count ``n``.
+
+        Copies ``tokens`` and ``positions``, slices the sliceable input tensors to them,
+        binds the KV sequence and sets both CSRs: ``cur_seq = n`` and ``total_seq`` =
+        last position + 1 (what the device checks). Each step checks and raises as the
+        method it calls does (nothing reaches the runtime after a local failure)."""
+        n = self.write_inputs(tokens, positions)
+        slot = self._live().slot
+        c = slot.contract
+        if c.token_or_embed.sliceable:
+            per_token = c.token_or_embed.byte_size // c.max_tokens
+            self.slice(c.token_or_embed.name, 0, n * per_token)
+        if c.position.sliceable:
+            self.slice(c.position.name, 0, n * c.position.dtype.itemsize)
+        self.set_kv_seq(seq_id)
+        self.set_csr(c.csr_cur_seq, n)
+        self.set_csr(c.csr_total_seq, int(slot.positions[n - 1]) + 1)
+        return n
+
     def undo_slices(self) -> None:
         """Restore every tensor sliced through this lease. Tries all of them; a slice whose
         undo failed stays tracked (the slot will be quarantined on return) and the first

@@ -157,14 +157,7 @@ def _run_direct(driver: Driver, epoch: Epoch, kind: TaskKind, seq: int, tokens: 
     clean = False
     try:
         lease.bind(seq_id=seq)
-        lease.write_inputs(tokens, range(past, past + n))
-        if contract.token_or_embed.sliceable:
-            size = n * contract.token_or_embed.dtype.itemsize
-            lease.slice(contract.token_or_embed.name, 0, size)
-            lease.slice(contract.position.name, 0, size)
-        lease.set_kv_seq(seq)
-        lease.set_csr(contract.csr_cur_seq, n)
-        lease.set_csr(contract.csr_total_seq, past + n)
+        lease.load(seq, tokens, range(past, past + n))
         slot = lease.slot
         check(driver.infer(epoch.handles[kind], slot.inp, slot.out,
                            tag=JobTag(0, seq, epoch.generation)), "warmup_infer", **ctx)

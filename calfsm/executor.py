@@ -539,28 +539,16 @@ class DeviceExecutor:
     def _prepare(self, job: JobContext) -> None:
         """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""
         _fire(job, "prepare")
-        contract = job.epoch.model.submodel(job.kind)
         lease = job.lease
-        n, past = job.token_count, job.past_len
         lease.bind(job_id=job.job_id, seq_id=job.seq_id)
         t0 = self.clock.now()
-        lease.write_inputs(job.request.tokens, job.request.positions)
-        tok, pos = contract.token_or_embed, contract.position
-        if tok.sliceable:
-            lease.slice(tok.name, 0, n * tok.dtype.itemsize)
-        if pos.sliceable:
-            lease.slice(pos.name, 0, n * pos.dtype.itemsize)
-        lease.set_kv_seq(job.seq_id)
-        lease.set_csr(contract.csr_cur_seq, n)
-        lease.set_csr(contract.csr_total_seq, past + n)
+        lease.load(job.seq_id, job.request.tokens, job.request.positions)
         now = self.clock.now()
         job.timings.h2d_ms = (now - t0) * 1e3
         job.timings.queued = now
         job.queue_deadline = min(job.deadline, now + self.config.queue_timeout_s)
         with self._cond:
-            if job.cancel_requested or self._closing:
-                pass                       # handled below, outside the lock
-            else:
+            if not (job.cancel_requested or self._closing):
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
                 self._cond.notify_all()

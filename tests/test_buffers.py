@@ -626,3 +626,29 @@ def test_blocking_acquire_is_first_come_first_served() -> None:
     assert order == ["A", "B"]
     pool.release(leases["B"])
     assert_invariant(pool)
+
+
+def test_load_programs_the_slot_for_one_job() -> None:
+    """load(): inputs copied, only sliceable tensors sliced, KV sequence bound, and the
+    CSRs the device checks: cur_seq = n, total_seq = last position + 1."""
+    driver, pool = make_pool()
+    lease = pool.acquire(TaskKind.PREFILL_IDS)
+    driver.calls.clear()
+    assert lease.load(4, [7, 8, 9], [5, 6, 7]) == 3
+    assert list(lease.slot.tokens[:3]) == [7, 8, 9]
+    got = [(name, args[1:]) for name, args in driver.calls]
+    item = PREFILL.position.dtype.itemsize
+    assert got == [
+        ("slice_tensor", (PREFILL.token_or_embed.name, 0, 3 * item)),
+        ("slice_tensor", (PREFILL.position.name, 0, 3 * item)),
+        ("set_kv_seq", (4,)),
+        ("set_csr", (PREFILL.csr_cur_seq, 3)),
+        ("set_csr", (PREFILL.csr_total_seq, 8)),
+    ]
+    lease.undo_slices()
+    pool.release(lease)
+    decode = pool.acquire(TaskKind.DECODE)
+    driver.calls.clear()
+    decode.load(4, [1], [8])
+    assert ("slice_tensor" in driver.names()) == DECODE.token_or_embed.sliceable
+    pool.release(decode)
