@@ -311,11 +311,8 @@ class DeviceExecutor:
                 self._cond.wait_for(lambda: not self._complete_q and not self._on_device
                                     and not self._submit_q,
                                     timeout=timeout)
-                self._cond.notify_all()
         with self._cond:
-            left = list(self._on_device)
-            self._cond.notify_all()
-        return left
+            return list(self._on_device)
 
     # ------------------------------------------------------------------------------
     # lifecycle helpers
@@ -335,8 +332,6 @@ class DeviceExecutor:
                 self._fire_life("fail")
         log.error("executor failed: %s", reason,
                   extra={"generation": self._life.generation, "stage": "lifecycle"})
-        with self._cond:
-            self._cond.notify_all()
 
     def wait_lifecycle(self, *states: str, timeout: float | None = None) -> str:
         """Block until the lifecycle is in one of ``states`` (e.g. ``"Ready"`` after a
@@ -528,9 +523,10 @@ class DeviceExecutor:
         return True
 
     def _engine_for(self, job: JobContext) -> EngineSlot:
-        if job.engine is not EngineSlot.AUTO or len(self._engines) == 1:
-            return job.engine if job.engine is not EngineSlot.AUTO else self._engines[0]
-        # ping/pong: alternate by job id so consecutive jobs use different engines
+        """The engine a job's buffers come from: the request's own choice, else (ping/
+        pong) alternating by job id so consecutive jobs use different engines."""
+        if job.engine is not EngineSlot.AUTO:
+            return job.engine
         return self._engines[job.job_id % len(self._engines)]
 
     def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
@@ -591,11 +587,8 @@ class DeviceExecutor:
                     if expired:
                         break
                     backoff = self.faults.backoff_until - self.clock.now()
-                    if self._submit_q and self._inflight < self.config.max_inflight \
-                            and self._life.state == LifecycleState.READY and backoff <= 0:
-                        job = self._submit_q.popleft()
-                        self._inflight += 1
-                        job.holds_inflight = True
+                    if self._submittable_locked() and backoff <= 0:
+                        job = self._claim_head_locked()
                         break
                     if self._closing and not self._submit_q:
                         return
@@ -614,6 +607,18 @@ class DeviceExecutor:
                 self._submit(job)
             except Exception as e:      # a bug must never stop the submitter thread
                 self._step_crashed(job, "submit", e)
+
+    def _submittable_locked(self) -> bool:
+        """A job is queued, an in-flight slot is free and the device takes work."""
+        return bool(self._submit_q) and self._inflight < self.config.max_inflight \
+            and self._life.state == LifecycleState.READY
+
+    def _claim_head_locked(self) -> JobContext:
+        """Pop the head of the submit queue and give it an in-flight slot."""
+        job = self._submit_q.popleft()
+        self._inflight += 1
+        job.holds_inflight = True
+        return job
 
     def _fail_queue_deadline(self, job: JobContext) -> None:
         """The queue deadline passed before ``infer`` succeeded: not submitted, so the
@@ -640,14 +645,10 @@ class DeviceExecutor:
         with self._cond:
             expired = self._take_expired_locked()
             job = None
-            if not expired and self._submit_q and \
-                    self._inflight < self.config.max_inflight and \
-                    self._life.state == LifecycleState.READY:
+            if not expired and self._submittable_locked():
                 if self.faults.backoff_until > self.clock.now():
                     self.clock.advance_to(self.faults.backoff_until)
-                job = self._submit_q.popleft()
-                self._inflight += 1
-                job.holds_inflight = True
+                job = self._claim_head_locked()
         for j in expired:
             self._fail_queue_deadline(j)
         if job is not None:
@@ -710,21 +711,11 @@ class DeviceExecutor:
         as suspect, and the generation is recovered like after an unknown error."""
         log.exception("unexpected error in the %s step of job %s", stage, job.job_id,
                       extra=_ctx(job, stage))
-        with self._cond:
-            if job in self._on_device:
-                self._on_device.remove(job)
-            if job.holds_inflight:
-                job.holds_inflight = False
-                self._inflight -= 1
-            self._cond.notify_all()
+        self._release_inflight(job)
         err = Internal(f"unexpected {type(exc).__name__} in {stage}: {exc}",
                        category=ErrorCategory.UNKNOWN, **_ctx(job, stage))
         try:
-            if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
-                job.epoch.kv.mark_unknown(job.kv, str(err))
-            if job.lease is not None:
-                job.epoch.pool.quarantine(job.lease, str(err))
-                job.lease = None
+            self._withhold(job, str(err))
         except Exception:
             log.exception("cleaning up after the crashed step of job %s", job.job_id)
         if job.handle is not None and not job.handle.done():
@@ -746,8 +737,11 @@ class DeviceExecutor:
         self.faults.observe(err)
 
     def _release_inflight(self, job: JobContext) -> None:
-        """Give back the job's in-flight slot (idempotent: a slot is returned once)."""
+        """The job no longer occupies the device: off the on-device list, its in-flight
+        slot given back (idempotent: a slot is returned once), the submitter woken."""
         with self._cond:
+            if job in self._on_device:
+                self._on_device.remove(job)
             if job.holds_inflight:
                 job.holds_inflight = False
                 self._inflight -= 1
@@ -808,15 +802,9 @@ class DeviceExecutor:
                 self._complete_q.append(job)
                 self._cond.notify_all()
             return
-        with self._cond:
-            if job in self._on_device:
-                self._on_device.remove(job)
-            if job.holds_inflight:          # the device is free: let the next job go
-                job.holds_inflight = False
-                self._inflight -= 1
-            self._cond.notify_all()
+        self._release_inflight(job)         # the device is free: let the next job go
         job.lease.mark_off_device()
-        if zombie or job.epoch is not self.epoch or job.epoch.retired:
+        if zombie:
             self._late_completion(job, rc)
             return
         contract = job.epoch.model.submodel(job.kind)
@@ -875,9 +863,7 @@ class DeviceExecutor:
     def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
         Unknown (the device ran), the slot is quarantined, the fault controller decides."""
-        job.epoch.kv.mark_unknown(job.kv, str(err))
-        job.epoch.pool.quarantine(job.lease, str(err))
-        job.lease = None
+        self._withhold(job, str(err))
         _fire(job, "quarantine")
         self._finish(job, err, "quarantined")
         self.faults.observe(err)
@@ -905,11 +891,7 @@ class DeviceExecutor:
             log.warning("stale completion of generation %s fenced", job.generation, extra={
                 "job_id": job.job_id, "seq_id": job.seq_id, "generation": job.generation,
                 "calrt_code": rc, "stage": "stale_completion"})
-        if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
-            old.kv.mark_unknown(job.kv, "stale completion after reset")
-        if job.lease is not None:
-            old.pool.quarantine(job.lease, "stale completion after reset")
-            job.lease = None
+        self._withhold(job, "completion after the job was given up or its generation reset")
         if not job.handle.done():
             if JOB_MACHINE.may(job, "quarantine"):
                 _fire(job, "quarantine")
@@ -940,14 +922,19 @@ class DeviceExecutor:
 
     def _finish_unknown(self, job: JobContext, err: CalfsmError) -> None:
         """Fail a job whose submit outcome is ambiguous: KV Unknown, slot quarantined."""
-        epoch = job.epoch
-        if job.kv is not None and job.kv.state == "Reserved":
-            epoch.kv.mark_unknown(job.kv, str(err))
-        if job.lease is not None:
-            epoch.pool.quarantine(job.lease, str(err))
-            job.lease = None
+        self._withhold(job, str(err))
         _fire(job, "fail")
         self._finish(job, err, "failed")
+
+    def _withhold(self, job: JobContext, reason: str) -> None:
+        """The device may have run (or may still run) the job: never claim a rollback.
+        An open KV reservation becomes Unknown and the slot is quarantined, both in the
+        job's own generation (a retired one is fenced: no device call)."""
+        if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
+            job.epoch.kv.mark_unknown(job.kv, reason)
+        if job.lease is not None:
+            job.epoch.pool.quarantine(job.lease, reason)
+            job.lease = None
 
     def _release_lease(self, job: JobContext) -> None:
         lease, job.lease = job.lease, None
@@ -955,7 +942,7 @@ class DeviceExecutor:
             job.epoch.pool.release(lease)
 
     def _finish(self, job: JobContext, err: CalfsmError, outcome: str) -> None:
-        err.with_context(**{k: v for k, v in _ctx(job, None).items()})
+        err.with_context(**_ctx(job, None))
         job.timings.completed = self.clock.now()
         self._counts[outcome] += 1
         cat = err.category.value

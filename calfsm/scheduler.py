@@ -51,8 +51,7 @@ class StepScheduler:
             acts.append("expire")
         if ex._parked and self._admit_blocked_at != self._progress_key():
             acts.append("admit")
-        if ex._submit_q and ex._inflight < ex.config.max_inflight \
-                and ex.lifecycle_state == LifecycleState.READY:
+        if ex._submittable_locked():       # step mode: no other thread holds it
             acts.append("submit")
         if ex._complete_q:
             acts.append("complete")
