@@ -524,6 +524,10 @@ class CalrtDriver:
             and b.epoch == self._epoch and self._configured
 
     def _tensor(self, buf: _Buf, name: Any) -> tuple[int, TensorInfo | None]:
+        """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
+        driver or a stale/foreign buffer is INVALID_STATE before any name check."""
+        if self._closed or not self._buf_ok(buf):
+            return _INVALID_STATE, None
         info = buf.model.info
         if isinstance(name, str):
             for t in info.inputs:
@@ -637,8 +641,6 @@ class CalrtDriver:
 
     def map_buffer(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
         with self._lock:
-            if self._closed or not self._buf_ok(buf):
-                return _INVALID_STATE
             rc, info = self._tensor(buf, tensor)
             if rc:
                 return rc
@@ -663,8 +665,6 @@ class CalrtDriver:
 
     def slice_tensor(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
         with self._lock:
-            if self._closed or not self._buf_ok(buf):
-                return _INVALID_STATE
             rc, _info = self._tensor(buf, tensor)
             if rc:
                 return rc
@@ -675,8 +675,6 @@ class CalrtDriver:
 
     def undo_slice(self, buf: _Buf, tensor: str) -> int:
         with self._lock:
-            if self._closed or not self._buf_ok(buf):
-                return _INVALID_STATE
             rc, _info = self._tensor(buf, tensor)
             if rc:
                 return rc
@@ -783,8 +781,6 @@ class CalrtDriver:
 
     def output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
         with self._lock:
-            if self._closed or not self._buf_ok(out):
-                return _INVALID_STATE, None
             rc, _info = self._tensor(out, tensor)
             if rc:
                 return rc, None

@@ -455,7 +455,10 @@ class SimDriver:
             return rc
 
     def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
-        """(0, TensorInfo) of a tensor of the buffer's direction, or the code."""
+        """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
+        driver or a stale/foreign buffer is INVALID_STATE before any name check."""
+        if self._closed or not self._buf_ok(buf):
+            return _INVALID_STATE, None
         entry = buf.model.tensors.get(tensor) if isinstance(tensor, str) else None
         if entry is None:
             return _NOT_FOUND, None
@@ -465,8 +468,6 @@ class SimDriver:
         return _OK, info
 
     def _map(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
-        if self._closed or not self._buf_ok(buf):
-            return _INVALID_STATE
         rc, info = self._tensor(buf, tensor)
         if rc:
             return rc
@@ -498,8 +499,6 @@ class SimDriver:
             return rc
 
     def _slice(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
-        if self._closed or not self._buf_ok(buf):
-            return _INVALID_STATE
         rc, info = self._tensor(buf, tensor)
         if rc:
             return rc
@@ -527,8 +526,6 @@ class SimDriver:
             return rc
 
     def _undo_slice(self, buf: _Buf, tensor: str) -> int:
-        if self._closed or not self._buf_ok(buf):
-            return _INVALID_STATE
         rc, _info = self._tensor(buf, tensor)
         if rc:
             return rc
@@ -858,8 +855,6 @@ class SimDriver:
             return rc, val
 
     def _output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
-        if self._closed or not self._buf_ok(out):
-            return _INVALID_STATE, None
         rc, _info = self._tensor(out, tensor)
         if rc:
             return rc, None
