@@ -59,6 +59,8 @@ import attrs
 import numpy as np
 
 from calfsm.clock import Clock, RealClock
+from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
+from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver, EngineSlot
 from calfsm.errors import (
     CalfsmError,
@@ -84,8 +86,6 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-_U32_MAX = 2**32 - 1
-_SEQ_LIMIT = 2**31
 #: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
 _MAX_WAIT_S = min(threading.TIMEOUT_MAX, 3600.0)
 

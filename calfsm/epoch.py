@@ -19,7 +19,7 @@ import numpy as np
 
 from calfsm import refmodel
 from calfsm.buffers import BufferPool
-from calfsm.drivers.base import Calbin, Driver, EngineSlot, JobTag, OutputStatus
+from calfsm.drivers.base import SEQ_LIMIT, Calbin, Driver, EngineSlot, JobTag, OutputStatus
 from calfsm.errors import CalfsmError, Internal, ManifestError, check, from_calrt
 from calfsm.kv import KvCoordinator
 from calfsm.logits import extract_logits
@@ -30,7 +30,7 @@ __all__ = ["WARMUP_PROMPT", "WARMUP_SEQ", "Epoch", "build_epoch", "warm_up"]
 log = logging.getLogger("calfsm.epoch")
 
 #: The sequence id the warm-up golden uses; requests may not use it.
-WARMUP_SEQ = 2**31 - 1
+WARMUP_SEQ = SEQ_LIMIT - 1
 #: The fixed prompt of the warm-up golden and how many tokens it decodes.
 WARMUP_PROMPT = (1, 2, 3)
 WARMUP_DECODE = 2

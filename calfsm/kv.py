@@ -79,6 +79,8 @@ from typing import Any
 import attrs
 
 from calfsm.clock import Clock, RealClock
+from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
+from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver
 from calfsm.errors import (
     Cancelled,
@@ -95,8 +97,6 @@ __all__ = ["KvCoordinator", "KvReservation", "KvState", "KvStats", "SeqState"]
 
 log = logging.getLogger(__name__)
 
-_U32_MAX = 2**32 - 1
-_SEQ_LIMIT = 2**31
 _STAGE = "admission"
 #: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
 _MAX_WAIT_S = min(threading.TIMEOUT_MAX, 3600.0)

@@ -61,6 +61,8 @@ from calfsm.errors import ManifestError
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
 
 __all__ = [
+    "SEQ_LIMIT",
+    "U32_MAX",
     "Calbin",
     "Capabilities",
     "Driver",
@@ -69,7 +71,19 @@ __all__ = [
     "ModelHandle",
     "OutputStatus",
     "ResetKind",
+    "is_int",
 ]
+
+
+#: Largest CSR value (CalRT CSRs are 32-bit unsigned).
+U32_MAX = 2**32 - 1
+#: KV sequence ids are ``0 <= seq_id < SEQ_LIMIT`` (a signed 32-bit ``KvSeqId``).
+SEQ_LIMIT = 2**31
+
+
+def is_int(x: Any) -> bool:
+    """An integer argument as the protocol accepts it (numpy integers yes, bools no)."""
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 class OutputStatus(enum.IntEnum):

@@ -56,6 +56,8 @@ import numpy as np
 
 from calfsm import _native
 from calfsm.clock import Clock, RealClock, VirtualClock
+from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
+from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import (
     Calbin,
     Capabilities,
@@ -64,6 +66,7 @@ from calfsm.drivers.base import (
     OutputStatus,
     ResetKind,
 )
+from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan
 from calfsm.errors import CalrtCode, Incompatible, InvalidArgument, code_name, from_calrt
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
@@ -85,8 +88,6 @@ _DTYPE_MISMATCH = int(CalrtCode.DTYPE_MISMATCH)
 
 _I64_MAX = 2**63 - 1
 _U64_MAX = 2**64 - 1
-_U32_MAX = 2**32 - 1
-_SEQ_LIMIT = 2**31
 #: a name no model, tensor or CSR can have (longer than CALRT_NAME_MAX)
 _NO_NAME = b"?" * 300
 
@@ -330,9 +331,6 @@ def check(rc: int, fn: str, *args: Any) -> None:
         shown = ", ".join(repr(a) for a in args)
         raise from_calrt(rc, fn, f"{fn}({shown}) returned {rc} ({code_name(rc)})")
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def _clamp(x: int, lo: int, hi: int) -> int:

@@ -48,6 +48,8 @@ import numpy as np
 
 from calfsm import refmodel
 from calfsm.clock import Clock, VirtualClock
+from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
+from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import (
     Calbin,
     Capabilities,
@@ -56,6 +58,7 @@ from calfsm.drivers.base import (
     OutputStatus,
     ResetKind,
 )
+from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.errors import CalrtCode, InvalidArgument
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind
@@ -79,8 +82,6 @@ _WRONG_DIRECTION = int(CalrtCode.WRONG_DIRECTION)
 
 _BF16_NAN = 0x7FC0
 _BF16_INF = 0x7F80
-_U32_MAX = 2**32 - 1
-_SEQ_LIMIT = 2**31
 
 DEFAULT_CAPABILITIES = Capabilities(resets=frozenset(ResetKind), parallel_mode=True,
                                     fixed_engine_slots=True, engine_slots=2)
@@ -1057,9 +1058,6 @@ def _calbin_usable(calbin: Calbin) -> bool:
                 return False
     return True
 
-
-def _is_int(x: Any) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
 
 
 def _num(x: Any) -> Any:
