@@ -11,6 +11,7 @@ from calfsm.clock import RealClock
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.machines.job import JobState
 from calfsm.manifest import builtin_manifest
 from calfsm.scheduler import StepScheduler
 
@@ -84,6 +85,18 @@ def finish(ex: DeviceExecutor, handle: Any, timeout: float = 30.0) -> Any:
     if not ex.config.threaded:
         StepScheduler(ex).run_until(handle.done)
     return handle.exception(timeout) if handle.exception(timeout) else handle.result(timeout)
+
+
+def hold_on_device(ex: DeviceExecutor, gated: GatedDriver, request: Any) -> Any:
+    """Close the wait gate, enqueue ``request`` and return its handle once the job is on
+    the device (step mode: the scheduler drives it there; threaded: infer returned)."""
+    gated.gate.clear()
+    handle = ex.enqueue(request)
+    if ex.config.threaded:
+        assert gated.submitted.wait(5)
+    else:
+        StepScheduler(ex).run_until(lambda: handle.state == JobState.SUBMITTED)
+    return handle
 
 
 def calls(driver: Any, name: str) -> list[dict]:

@@ -32,6 +32,7 @@ from tests.executor_helpers import (
     GatedDriver,
     calls,
     finish,
+    hold_on_device,
     make_executor,
     make_sim,
 )
@@ -177,12 +178,7 @@ def test_fi11_cancel_before_submit_no_device_call(mode):
     gated = GatedDriver(inner)
     ex = make_executor(mode, driver=gated)
     try:
-        gated.gate.clear()                  # hold the first job on the device
-        first = ex.enqueue(_prefill(seq=1))
-        if mode == "step":
-            StepScheduler(ex).run_until(lambda: first.state == JobState.SUBMITTED)
-        else:
-            assert gated.submitted.wait(5)
+        first = hold_on_device(ex, gated, _prefill(seq=1))
         infers = len(calls(ex.driver, "infer"))
         second = ex.enqueue(_prefill(seq=2))
         assert second.state == JobState.QUEUED
@@ -204,12 +200,7 @@ def test_fi12_cancel_after_submit_still_waits_drops_result(mode):
     gated = GatedDriver(inner)
     ex = make_executor(mode, driver=gated)
     try:
-        gated.gate.clear()
-        h = ex.enqueue(_prefill())
-        if mode == "step":
-            StepScheduler(ex).run_until(lambda: h.state == JobState.SUBMITTED)
-        else:
-            assert gated.submitted.wait(5)
+        h = hold_on_device(ex, gated, _prefill())
         waits = len(calls(ex.driver, "wait"))
         assert h.cancel()
         assert not h.done()                 # the device owns it: still waited for
@@ -229,12 +220,7 @@ def test_fi13_shutdown_cancels_queued_drains_submitted(mode):
     inner = make_sim(mode)
     gated = GatedDriver(inner)
     ex = make_executor(mode, driver=gated)
-    gated.gate.clear()
-    submitted = ex.enqueue(_prefill(seq=1))
-    if mode == "step":
-        StepScheduler(ex).run_until(lambda: submitted.state == JobState.SUBMITTED)
-    else:
-        assert gated.submitted.wait(5)
+    submitted = hold_on_device(ex, gated, _prefill(seq=1))
     queued = ex.enqueue(_prefill(seq=2))
     assert queued.state == JobState.QUEUED
     closer = threading.Thread(target=ex.close)
@@ -255,9 +241,7 @@ def test_shutdown_is_bounded_when_the_device_never_finishes():
     inner = make_sim("threaded")
     gated = GatedDriver(inner)
     ex = make_executor("threaded", driver=gated)
-    gated.gate.clear()
-    h = ex.enqueue(_prefill())
-    assert gated.submitted.wait(5)
+    h = hold_on_device(ex, gated, _prefill())
     t0 = time.monotonic()
     with pytest.raises(Unavailable, match="did not drain"):
         ex.close(timeout=0.2)
@@ -271,12 +255,7 @@ def test_queue_deadline_fails_job_before_submit(mode):
     gated = GatedDriver(inner)
     ex = make_executor(mode, driver=gated, queue_timeout_s=0.05)
     try:
-        gated.gate.clear()
-        first = ex.enqueue(_prefill(seq=1))
-        if mode == "step":
-            StepScheduler(ex).run_until(lambda: first.state == JobState.SUBMITTED)
-        else:
-            assert gated.submitted.wait(5)
+        first = hold_on_device(ex, gated, _prefill(seq=1))
         second = ex.enqueue(_prefill(seq=2))
         if mode == "step":
             ex.clock.advance(0.1)
