@@ -194,9 +194,8 @@ class KvCoordinator:
         self._shutdown = False
         self._fenced = False                 #: retired by a reset: never touch the device
         self._n_reserved = 0
-        self._n_committed = 0
-        self._n_rolled_back = 0
-        self._n_unknown = 0
+        #: reservations ended, by their terminal state (Committed, RolledBack, Unknown)
+        self._ended: dict[str, int] = dict.fromkeys(KV_MACHINE.terminal, 0)
         self._n_open = 0
 
     # ---- validation -----------------------------------------------------------------------
@@ -400,6 +399,8 @@ class KvCoordinator:
         return seq
 
     def _end_locked(self, r: KvReservation, seq: _Seq) -> None:
+        """Close a reservation's books (its state is already terminal)."""
+        self._ended[r.state] += 1
         seq.open = None
         self._budget_used -= r.tokens
         self._n_open -= 1
@@ -419,23 +420,11 @@ class KvCoordinator:
             seq = self._fire_locked(r, "commit")
             seq.committed = r.target_len
             trim = seq.alloc > r.target_len
-            if trim:
-                seq.busy = True
-            else:
-                self._n_committed += 1
+            if not trim:
                 self._end_locked(r, seq)
                 return
-        code = self._release(r.seq_id, r.target_len)
-        with self._cond:
-            seq.busy = False
-            seq.alloc = r.target_len
-            self._n_committed += 1
-            if code != 0:
-                self._to_unknown_locked(seq, f"kv_release on commit returned {code}")
-            self._end_locked(r, seq)
-        if code != 0:
-            raise from_calrt(code, "kv_commit", seq_id=r.seq_id, job_id=r.job_id,
-                             generation=r.generation)
+            seq.busy = True
+        self._release_and_end(r, seq, r.target_len, "commit")
 
     def rollback(self, r: KvReservation) -> None:
         """Undo a reservation whose job the device cannot have run (state Reserved):
@@ -444,17 +433,21 @@ class KvCoordinator:
         with self._cond:
             seq = self._fire_locked(r, "rollback")
             seq.busy = True
-        keep = r.prev_len
+        self._release_and_end(r, seq, r.prev_len, "rollback")
+
+    def _release_and_end(self, r: KvReservation, seq: _Seq, keep: int, what: str) -> None:
+        """Shrink the device allocation to ``keep`` (outside the lock; the sequence is
+        marked busy meanwhile), then close the books. A failed release leaves the
+        sequence Unknown and raises the classified error."""
         code = self._release(r.seq_id, keep)
         with self._cond:
             seq.busy = False
             seq.alloc = keep
-            self._n_rolled_back += 1
             if code != 0:
-                self._to_unknown_locked(seq, f"kv_release on rollback returned {code}")
+                self._to_unknown_locked(seq, f"kv_release on {what} returned {code}")
             self._end_locked(r, seq)
         if code != 0:
-            raise from_calrt(code, "kv_rollback", seq_id=r.seq_id, job_id=r.job_id,
+            raise from_calrt(code, f"kv_{what}", seq_id=r.seq_id, job_id=r.job_id,
                              generation=r.generation)
 
     def mark_unknown(self, r: KvReservation, reason: str) -> None:
@@ -463,7 +456,6 @@ class KvCoordinator:
         with self._cond:
             seq = self._fire_locked(r, "mark_unknown")
             r.reason = reason
-            self._n_unknown += 1
             self._to_unknown_locked(seq, reason)
             self._end_locked(r, seq)
         log.warning("KV of sequence %d is Unknown: %s", r.seq_id, reason,
@@ -569,8 +561,10 @@ class KvCoordinator:
         with self._lock:
             return KvStats(
                 generation=self.generation, reserved=self._n_reserved,
-                committed=self._n_committed, rolled_back=self._n_rolled_back,
-                unknown=self._n_unknown, open=self._n_open, waiting=len(self._queue),
+                committed=self._ended[KvState.COMMITTED],
+                rolled_back=self._ended[KvState.ROLLED_BACK],
+                unknown=self._ended[KvState.UNKNOWN], open=self._n_open,
+                waiting=len(self._queue),
                 budget_used=self._budget_used, token_budget=self.token_budget,
                 sequences=len(self._seqs),
                 unknown_sequences=sum(s.state is SeqState.UNKNOWN
