@@ -161,7 +161,14 @@ class DeviceExecutor:
         self._manifest = manifest
         self._life = _Lifecycle()
         self._life_lock = threading.RLock()
-        self._cond = threading.Condition(threading.Lock())     # submit/completion queues
+        # One lock guards the queues and counters; each waiter has its own condition on
+        # it, so a hand-off wakes only the thread that has work (a spurious wake-up is a
+        # GIL hand-off on the critical path). ``_cond`` is for everything else: drains,
+        # lifecycle waits, recovery.
+        queue_lock = threading.Lock()
+        self._cond = threading.Condition(queue_lock)
+        self._submit_cv = threading.Condition(queue_lock)      # the submitter waits here
+        self._complete_cv = threading.Condition(queue_lock)    # the completion thread here
         self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
@@ -275,7 +282,7 @@ class DeviceExecutor:
             self._submit_q.clear()
             parked = list(self._parked)
             self._parked.clear()
-            self._cond.notify_all()
+            self._notify_all_locked()
         for job in parked + queued:
             job.cancel_requested = True
             self._fail_before_submit(job, Cancelled("cancelled by shutdown", stage="shutdown"))
@@ -322,8 +329,14 @@ class DeviceExecutor:
         with self._life_lock:
             fired = LIFECYCLE_MACHINE.fire(self._life, trigger)
         with self._cond:
-            self._cond.notify_all()
+            self._notify_all_locked()
         return fired
+
+    def _notify_all_locked(self) -> None:
+        """Wake every waiter of the queue lock (rare events: lifecycle, shutdown)."""
+        self._cond.notify_all()
+        self._submit_cv.notify_all()
+        self._complete_cv.notify_all()
 
     def _fail_lifecycle(self, reason: str) -> None:
         with self._life_lock:
@@ -547,7 +560,7 @@ class DeviceExecutor:
             if not (job.cancel_requested or self._closing):
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
-                self._cond.notify_all()
+                self._submit_cv.notify()
                 return
         raise Cancelled("cancelled before submit", **_ctx(job, "prepare"))
 
@@ -598,7 +611,7 @@ class DeviceExecutor:
                             self.clock.advance_to(self.faults.backoff_until)
                             continue
                         wait = backoff if wait is None else min(wait, backoff)
-                    self._cond.wait(wait)
+                    self._submit_cv.wait(wait)
             if job is None:
                 for j in expired:
                     self._fail_queue_deadline(j)
@@ -633,6 +646,8 @@ class DeviceExecutor:
         expired = [j for j in self._submit_q if j.queue_deadline <= now]
         for j in expired:
             self._submit_q.remove(j)
+        if expired:
+            self._cond.notify_all()         # a drain may wait for the queue to empty
         return expired
 
     def _next_queue_timeout_locked(self) -> float | None:
@@ -687,7 +702,7 @@ class DeviceExecutor:
                     _fire(job, "submit")
                     self._on_device.append(job)
                     self._complete_q.append(job)
-                    self._cond.notify_all()
+                    self._complete_cv.notify()
                 return
         self._release_inflight(job)
         if rc is None:
@@ -745,7 +760,11 @@ class DeviceExecutor:
             if job.holds_inflight:
                 job.holds_inflight = False
                 self._inflight -= 1
-            self._cond.notify_all()
+                if self._submit_q or self._closing:
+                    self._submit_cv.notify()
+                if self._closing:
+                    self._complete_cv.notify()
+            self._cond.notify_all()         # drains and recovery wait for this
 
     # ------------------------------------------------------------------------------
     # completion
@@ -758,7 +777,7 @@ class DeviceExecutor:
                     if self._closing and ((self._inflight == 0 and not self._submit_q)
                                           or time.monotonic() > self._close_deadline):
                         return
-                    self._cond.wait(0.05 if self._closing else None)
+                    self._complete_cv.wait(0.05 if self._closing else None)
                 job = self._complete_q.popleft()
                 if self._closing and time.monotonic() > self._close_deadline \
                         and job.handle.done():
@@ -800,7 +819,7 @@ class DeviceExecutor:
                 return
             with self._cond:               # keep waiting: the device still owns it
                 self._complete_q.append(job)
-                self._cond.notify_all()
+                self._complete_cv.notify()
             return
         self._release_inflight(job)         # the device is free: let the next job go
         job.lease.mark_off_device()

@@ -171,7 +171,7 @@ class FaultController:
         if ex.epoch is not None:
             ex.epoch.kv.wake_all()
         with ex._cond:
-            ex._cond.notify_all()
+            ex._notify_all_locked()
         if ex.config.threaded and self.policy.auto_recover:
             t = threading.Thread(target=self._recover_when_drained, name="calfsm-recovery",
                                  daemon=True)
