@@ -298,12 +298,17 @@ class BufferLease:
             raise InvalidArgument(f"{n} tokens exceed the {slot.kind.value} tensor "
                                   f"capacity of {capacity}", stage="prepare", **ctx)
         _check_values(tok, slot.tokens.dtype, "tokens", ctx)
-        _check_values(pos, slot.positions.dtype, "positions", ctx)
-        if pos.size and pos.min() < 0:
-            raise InvalidArgument(f"negative position {int(pos.min())}", stage="prepare",
-                                  **ctx)
-        slot.tokens[:tok.size] = tok.reshape(-1)
-        slot.positions[:n] = pos
+        lo = _check_values(pos, slot.positions.dtype, "positions", ctx)
+        if lo is None and pos.size:
+            lo = pos.min()
+        if lo is not None and lo < 0:
+            raise InvalidArgument(f"negative position {int(lo)}", stage="prepare", **ctx)
+        if n == 1 and tok.size == 1:    # a decode: two scalar stores, no slice copies
+            slot.tokens[0] = tok.item()
+            slot.positions[0] = pos.item()
+        else:
+            slot.tokens[:tok.size] = tok.reshape(-1)
+            slot.positions[:n] = pos
         return n
 
     # ---- device-side settings -------------------------------------------------------------
@@ -414,18 +419,35 @@ class BufferLease:
         return f"<BufferLease of {core.slot!r} job={core.job_id} seq={core.seq_id}>"
 
 
-def _check_values(a: np.ndarray, dtype: np.dtype, what: str, ctx: dict[str, Any]) -> None:
-    if a.size == 0:
-        return
-    if dtype.kind in "iu":
-        if a.dtype.kind not in "iu":
-            raise InvalidArgument(f"{what} must be integers, got {a.dtype}", stage="prepare",
-                                  **ctx)
+_INT_RANGE: dict[np.dtype, tuple[int, int]] = {}
+
+
+def _int_range(dtype: np.dtype) -> tuple[int, int]:
+    r = _INT_RANGE.get(dtype)
+    if r is None:
         info = np.iinfo(dtype)
+        r = _INT_RANGE[dtype] = (int(info.min), int(info.max))
+    return r
+
+
+def _check_values(a: np.ndarray, dtype: np.dtype, what: str,
+                  ctx: dict[str, Any]) -> int | None:
+    """Check integer ``a`` fits ``dtype``; returns its minimum (None: empty or not an
+    integer target). One element (a decode) is read as a scalar: no reductions."""
+    if a.size == 0 or dtype.kind not in "iu":
+        return None
+    if a.dtype.kind not in "iu":
+        raise InvalidArgument(f"{what} must be integers, got {a.dtype}", stage="prepare",
+                              **ctx)
+    if a.size == 1:
+        lo = hi = a.item()
+    else:
         lo, hi = int(a.min()), int(a.max())
-        if lo < info.min or hi > info.max:
-            raise InvalidArgument(f"{what} values [{lo}, {hi}] do not fit {dtype}",
-                                  stage="prepare", **ctx)
+    low, high = _int_range(dtype)
+    if lo < low or hi > high:
+        raise InvalidArgument(f"{what} values [{lo}, {hi}] do not fit {dtype}",
+                              stage="prepare", **ctx)
+    return lo
 
 
 class BufferPool:
@@ -542,7 +564,7 @@ class BufferPool:
         real_limit = (time.monotonic() + (deadline - clock.now())
                       if getattr(clock, "virtual", False) else None)
         ticket = object()
-        with self._cond:
+        with self._lock:
             queue = self._waiting.setdefault((kind, engine), deque())
             queue.append(ticket)
             try:
@@ -573,7 +595,7 @@ class BufferPool:
 
     def wake_all(self) -> None:
         """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
-        with self._cond:
+        with self._lock:
             self._cond.notify_all()
 
     # ---- returning ------------------------------------------------------------------------
@@ -609,7 +631,7 @@ class BufferPool:
           fact logged, False returned;
         - pool retired: the slot is quarantined (retired), False returned.
         """
-        with self._cond:
+        with self._lock:
             core = self._own(lease)
             slot = core.slot
             lease._consume("returned")
@@ -648,7 +670,7 @@ class BufferPool:
         """Take a lease's slot out of service for this generation (e.g. after a Wait
         timeout, when the device may still write it). The lease is consumed; the host
         arrays stay alive with the slot."""
-        with self._cond:
+        with self._lock:
             core = self._own(lease)
             lease._consume("quarantined")
             self._quarantine_locked(core.slot, reason)
@@ -661,7 +683,7 @@ class BufferPool:
         and their device buffers destroyed (codes logged, not raised: after a
         configuration reset the handles are stale); leased ones become quarantined when
         returned; waiters are woken with Unavailable. Calling it twice is harmless."""
-        with self._cond:
+        with self._lock:
             self._retired = True
             freed: list[BufferSlot] = []
             for q in self._free.values():

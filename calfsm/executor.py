@@ -165,10 +165,10 @@ class DeviceExecutor:
         # it, so a hand-off wakes only the thread that has work (a spurious wake-up is a
         # GIL hand-off on the critical path). ``_cond`` is for everything else: drains,
         # lifecycle waits, recovery.
-        queue_lock = threading.Lock()
-        self._cond = threading.Condition(queue_lock)
-        self._submit_cv = threading.Condition(queue_lock)      # the submitter waits here
-        self._complete_cv = threading.Condition(queue_lock)    # the completion thread here
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
+        self._submit_cv = threading.Condition(self._lock)      # the submitter waits here
+        self._complete_cv = threading.Condition(self._lock)    # the completion thread here
         self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
@@ -277,7 +277,7 @@ class DeviceExecutor:
                 return
             self._closing = True
             self._close_deadline = time.monotonic() + timeout
-        with self._cond:
+        with self._lock:
             queued = list(self._submit_q)
             self._submit_q.clear()
             parked = list(self._parked)
@@ -314,11 +314,11 @@ class DeviceExecutor:
                 if not self._complete_next() and not self._submit_next():
                     break
         else:
-            with self._cond:
+            with self._lock:
                 self._cond.wait_for(lambda: not self._complete_q and not self._on_device
                                     and not self._submit_q,
                                     timeout=timeout)
-        with self._cond:
+        with self._lock:
             return list(self._on_device)
 
     # ------------------------------------------------------------------------------
@@ -328,7 +328,7 @@ class DeviceExecutor:
         """Every lifecycle transition goes through here, so waiters are always woken."""
         with self._life_lock:
             fired = LIFECYCLE_MACHINE.fire(self._life, trigger)
-        with self._cond:
+        with self._lock:
             self._notify_all_locked()
         return fired
 
@@ -350,7 +350,7 @@ class DeviceExecutor:
         """Block until the lifecycle is in one of ``states`` (e.g. ``"Ready"`` after a
         recovery, or ``"Failed"``); returns the state. Raises DeadlineExceeded on timeout.
         Step mode: drive the scheduler instead."""
-        with self._cond:
+        with self._lock:
             if not self._cond.wait_for(lambda: self._life.state in states, timeout):
                 raise DeadlineExceeded(
                     f"lifecycle still {self._life.state} after {timeout} s, wanted "
@@ -410,7 +410,7 @@ class DeviceExecutor:
                 self._admit_blocking(job)
                 self._prepare(job)
             elif self._parked or not self._try_admit(job):
-                with self._cond:
+                with self._lock:
                     self._parked.append(job)
             else:
                 self._prepare(job)
@@ -491,7 +491,11 @@ class DeviceExecutor:
                 f"positions must run {job.past_len}..{job.past_len + n - 1}", **ctx)
         toks = req.tokens
         vocab = contract.vocab
-        if int(toks.min()) < 0 or int(toks.max()) >= vocab:
+        if n == 1:          # a decode: no numpy reductions on the per-token path
+            lo = hi = int(toks[0])
+        else:
+            lo, hi = int(toks.min()), int(toks.max())
+        if lo < 0 or hi >= vocab:
             raise InvalidArgument(f"token ids must be in [0, {vocab})", **ctx)
         if req.target is not None:
             t = req.target
@@ -556,7 +560,7 @@ class DeviceExecutor:
         job.timings.h2d_ms = (now - t0) * 1e3
         job.timings.queued = now
         job.queue_deadline = min(job.deadline, now + self.config.queue_timeout_s)
-        with self._cond:
+        with self._lock:
             if not (job.cancel_requested or self._closing):
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
@@ -571,7 +575,7 @@ class DeviceExecutor:
         """Stop a job. Whoever owns it sees the flag at its next step boundary; a job
         still waiting in the submit queue or for admission is finished here at once."""
         removed = False
-        with self._cond:
+        with self._lock:
             job.cancel_requested = True
             if job.state == JobState.QUEUED and job in self._submit_q:
                 self._submit_q.remove(job)
@@ -592,7 +596,7 @@ class DeviceExecutor:
     # ------------------------------------------------------------------------------
     def _submitter_loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 job = None
                 while job is None:
                     self._heartbeat["submitter"] = self.clock.now()
@@ -657,7 +661,7 @@ class DeviceExecutor:
 
     def _submit_next(self) -> bool:
         """Step mode: submit the head of the queue if an in-flight slot is free."""
-        with self._cond:
+        with self._lock:
             expired = self._take_expired_locked()
             job = None
             if not expired and self._submittable_locked():
@@ -698,7 +702,7 @@ class DeviceExecutor:
                 job.timings.submitted = self.clock.now()
                 job.lease.mark_on_device()
                 epoch.kv.mark_submitted(job.kv)
-                with self._cond:
+                with self._lock:
                     _fire(job, "submit")
                     self._on_device.append(job)
                     self._complete_q.append(job)
@@ -754,7 +758,7 @@ class DeviceExecutor:
     def _release_inflight(self, job: JobContext) -> None:
         """The job no longer occupies the device: off the on-device list, its in-flight
         slot given back (idempotent: a slot is returned once), the submitter woken."""
-        with self._cond:
+        with self._lock:
             if job in self._on_device:
                 self._on_device.remove(job)
             if job.holds_inflight:
@@ -771,7 +775,7 @@ class DeviceExecutor:
     # ------------------------------------------------------------------------------
     def _completion_loop(self) -> None:
         while True:
-            with self._cond:
+            with self._lock:
                 while not self._complete_q:
                     self._heartbeat["completion"] = self.clock.now()
                     if self._closing and ((self._inflight == 0 and not self._submit_q)
@@ -788,7 +792,7 @@ class DeviceExecutor:
                 self._step_crashed(job, "complete", e)
 
     def _complete_next(self) -> bool:
-        with self._cond:
+        with self._lock:
             if not self._complete_q:
                 return False
             job = self._complete_q.popleft()
@@ -817,7 +821,7 @@ class DeviceExecutor:
                           "quarantined until the process exits", job.job_id,
                           extra=_ctx(job, "wait"))
                 return
-            with self._cond:               # keep waiting: the device still owns it
+            with self._lock:               # keep waiting: the device still owns it
                 self._complete_q.append(job)
                 self._complete_cv.notify()
             return
@@ -976,7 +980,7 @@ class DeviceExecutor:
     # ------------------------------------------------------------------------------
     def _admit_parked(self) -> bool:
         """Step mode: try to admit the head parked job (FIFO). True if it moved."""
-        with self._cond:
+        with self._lock:
             if not self._parked:
                 return False
             job = self._parked[0]
@@ -986,11 +990,11 @@ class DeviceExecutor:
                                 **_ctx(job, "admission"))
             if not self._try_admit(job):
                 return False
-            with self._cond:
+            with self._lock:
                 self._parked.popleft()
             self._prepare(job)
         except CalfsmError as e:
-            with self._cond:
+            with self._lock:
                 if self._parked and self._parked[0] is job:
                     self._parked.popleft()
             self._fail_before_submit(job, e)
@@ -1000,7 +1004,7 @@ class DeviceExecutor:
         """Fail every parked job past its admission deadline and every queued job past
         its queue deadline (step mode; the threads do this in their own loops)."""
         now = self.clock.now()
-        with self._cond:
+        with self._lock:
             late = [j for j in self._parked if self._admission_deadline(j) <= now]
             for j in late:
                 self._parked.remove(j)
@@ -1013,7 +1017,7 @@ class DeviceExecutor:
 
     def _next_deadline(self) -> float:
         """Earliest deadline a parked or queued job waits for (step mode time jumps)."""
-        with self._cond:
+        with self._lock:
             dl = [self._admission_deadline(j) for j in self._parked]
             dl += [j.queue_deadline for j in self._submit_q]
         return min(dl, default=math.inf)
@@ -1022,7 +1026,7 @@ class DeviceExecutor:
     # observation
     # ------------------------------------------------------------------------------
     def stats(self) -> ExecutorStats:
-        with self._cond:
+        with self._lock:
             inflight, queued = self._inflight, len(self._submit_q) + len(self._parked)
         epoch = self.epoch
         return ExecutorStats(
@@ -1031,7 +1035,7 @@ class DeviceExecutor:
             errors_by_category=dict(self._errors_by_category), **self._counts)
 
     def health(self) -> Health:
-        with self._cond:
+        with self._lock:
             inflight, depth = self._inflight, len(self._submit_q) + len(self._parked)
         self.faults.check_progress()
         return Health(

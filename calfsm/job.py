@@ -134,13 +134,19 @@ class JobContext:
 class JobHandle:
     """The caller's view of one job: a future with cancel, deadline and asyncio support."""
 
-    __slots__ = ("_callbacks", "_canceller", "_cond", "_error", "_job", "_result", "job_id")
+    __slots__ = ("_callbacks", "_canceller", "_error", "_job", "_latch", "_lock", "_result",
+                 "job_id")
 
     def __init__(self, job: JobContext, canceller: Callable[[JobContext], None]) -> None:
         self.job_id = job.job_id
         self._job = job
         self._canceller = canceller
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()       # result, error and callbacks
+        # Held until the job ends; a waiter acquires it and hands it on at once. A bare
+        # lock is a much shorter path than a Condition (no waiter list, no per-wait lock
+        # allocated), and the caller's wake-up is on every job's critical path.
+        self._latch = threading.Lock()
+        self._latch.acquire()
         self._result: InferenceResult | None = None
         self._error: CalfsmError | None = None
         self._callbacks: list[Callable[[JobHandle], None]] = []
@@ -168,11 +174,19 @@ class JobHandle:
 
     def result(self, timeout: float | None = None) -> InferenceResult:
         """Block until the job ends; return its result or raise its error."""
-        with self._cond:
-            if not self.done() and not self._cond.wait_for(self.done, timeout):
+        if not self.done():
+            latch = self._latch
+            if timeout is None:
+                got = latch.acquire()
+            elif timeout > 0:
+                got = latch.acquire(True, timeout)
+            else:
+                got = latch.acquire(False)
+            if not got:
                 raise DeadlineExceeded(
                     f"job {self.job_id} not finished within {timeout} s",
                     job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
+            latch.release()                 # the next waiter, if any, passes too
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -189,7 +203,7 @@ class JobHandle:
 
     def add_done_callback(self, fn: Callable[[JobHandle], None]) -> None:
         """Call ``fn(handle)`` when the job ends (at once if it already has)."""
-        with self._cond:
+        with self._lock:
             if not self.done():
                 self._callbacks.append(fn)
                 return
@@ -211,12 +225,12 @@ class JobHandle:
 
     # ---- executor side -------------------------------------------------------------
     def _resolve(self, result: InferenceResult | None, error: CalfsmError | None) -> None:
-        with self._cond:
+        with self._lock:
             if self.done():
                 raise RuntimeError(f"job {self.job_id} resolved twice")
             self._result, self._error = result, error
             callbacks, self._callbacks = self._callbacks, []
-            self._cond.notify_all()
+        self._latch.release()
         for fn in callbacks:
             _run_callback(fn, self)
 

@@ -314,11 +314,11 @@ class KvCoordinator:
         # On a virtual clock nobody may advance it: bound the wait in real time too.
         real_limit = (time.monotonic() + (deadline - self.clock.now())
                       if getattr(self.clock, "virtual", False) else None)
-        with self._cond:
+        with self._lock:
             w = self._enqueue_locked(seq_id, past_len, token_count, job_id)
         try:
             while True:
-                with self._cond:
+                with self._lock:
                     if self._shutdown:
                         raise Unavailable("KV coordinator shut down while waiting", **ctx)
                     if cancelled is not None and cancelled():
@@ -328,13 +328,13 @@ class KvCoordinator:
                         continue
                     version = self._version
                 granted = self._device_grow(seq_id, target)
-                with self._cond:
+                with self._lock:
                     if granted:
                         return self._grant_locked(w, past_len, target, job_id)
                     if self._version == version:  # nothing changed since we asked
                         self._wait_locked(deadline, real_limit, ctx)
         except BaseException:
-            with self._cond:
+            with self._lock:
                 self._leave_locked(w)
             raise
 
@@ -353,7 +353,7 @@ class KvCoordinator:
         requests queued, token budget short, or the device has no room). Raises for
         everything :meth:`reserve` raises except the deadline."""
         target = self._validate(seq_id, past_len, token_count, job_id)
-        with self._cond:
+        with self._lock:
             w = self._enqueue_locked(seq_id, past_len, token_count, job_id)
             if not self._can_try_locked(w):
                 self._leave_locked(w)
@@ -361,10 +361,10 @@ class KvCoordinator:
         try:
             granted = self._device_grow(seq_id, target)
         except BaseException:
-            with self._cond:
+            with self._lock:
                 self._leave_locked(w)
             raise
-        with self._cond:
+        with self._lock:
             if granted:
                 return self._grant_locked(w, past_len, target, job_id)
             self._leave_locked(w)
@@ -373,7 +373,7 @@ class KvCoordinator:
     def wake_all(self) -> None:
         """Wake every waiter so it re-checks cancellation, shutdown and its deadline (and
         the head retries the device: call it too when capacity was freed elsewhere)."""
-        with self._cond:
+        with self._lock:
             self._version += 1
             self._cond.notify_all()
 
@@ -409,14 +409,14 @@ class KvCoordinator:
 
     def mark_submitted(self, r: KvReservation) -> None:
         """``infer`` succeeded: from now on the device may have written the KV."""
-        with self._cond:
+        with self._lock:
             self._fire_locked(r, "mark_submitted")
 
     def commit(self, r: KvReservation) -> None:
         """The device finished and the output checked out: the sequence's committed length
         becomes ``target_len``; the tokens go back to the budget. If the device allocation
         was longer (a rewound sequence) it is trimmed with ``kv_release``."""
-        with self._cond:
+        with self._lock:
             seq = self._fire_locked(r, "commit")
             seq.committed = r.target_len
             trim = seq.alloc > r.target_len
@@ -430,7 +430,7 @@ class KvCoordinator:
         """Undo a reservation whose job the device cannot have run (state Reserved):
         ``kv_release(seq, keep_len)`` gives back what it grew (``keep_len`` is
         ``old_len``, or the committed length for a rewinding reservation)."""
-        with self._cond:
+        with self._lock:
             seq = self._fire_locked(r, "rollback")
             seq.busy = True
         self._release_and_end(r, seq, r.prev_len, "rollback")
@@ -440,7 +440,7 @@ class KvCoordinator:
         marked busy meanwhile), then close the books. A failed release leaves the
         sequence Unknown and raises the classified error."""
         code = self._release(r.seq_id, keep)
-        with self._cond:
+        with self._lock:
             seq.busy = False
             seq.alloc = keep
             if code != 0:
@@ -453,7 +453,7 @@ class KvCoordinator:
     def mark_unknown(self, r: KvReservation, reason: str) -> None:
         """The job's effect on the KV cannot be proven (a failure after submit, or an
         ambiguous submit): the sequence is refused until :meth:`reset_sequence`."""
-        with self._cond:
+        with self._lock:
             seq = self._fire_locked(r, "mark_unknown")
             r.reason = reason
             self._to_unknown_locked(seq, reason)
@@ -470,7 +470,7 @@ class KvCoordinator:
         """Forget a sequence: ``kv_release(seq, 0)``, committed length 0, state Ready.
         Refused (FailedPrecondition) while a reservation of it is open or admitting."""
         ctx = {"seq_id": seq_id, "generation": self.generation, "stage": "kv_reset"}
-        with self._cond:
+        with self._lock:
             seq = self._seqs.get(seq_id)
             if seq is not None and (seq.open is not None or seq.busy):
                 raise FailedPrecondition(f"sequence {seq_id} has an open KV reservation",
@@ -479,7 +479,7 @@ class KvCoordinator:
                 seq = self._seqs[seq_id] = _Seq()
             seq.busy = True
         code = self._release(seq_id, 0)
-        with self._cond:
+        with self._lock:
             seq.busy = False
             if code == 0:
                 del self._seqs[seq_id]
@@ -499,14 +499,14 @@ class KvCoordinator:
         """The generation was retired by a reset: shut down, and from now on commit,
         rollback and reset close the books only — no call reaches the device, whose KV
         belongs to the new generation (the FI14 fence for KV)."""
-        with self._cond:
+        with self._lock:
             self._fenced = True
         self.shutdown()
 
     def shutdown(self) -> None:
         """Refuse new reservations and wake every waiter with Unavailable. Open
         reservations can still be committed, rolled back or marked Unknown (drain)."""
-        with self._cond:
+        with self._lock:
             self._shutdown = True
             self._version += 1
             self._cond.notify_all()
@@ -529,7 +529,7 @@ class KvCoordinator:
         """Sequences whose KV the device lost (a reset of an earlier generation): Unknown
         here, so their next job is refused with ``reason`` until the caller resets them,
         instead of silently continuing from an empty cache. No device call."""
-        with self._cond:
+        with self._lock:
             for seq_id in seq_ids:
                 self._to_unknown_locked(self._seqs.setdefault(seq_id, _Seq()), reason)
 

@@ -170,7 +170,7 @@ class FaultController:
                 retry_after_s=self.policy.retry_after_s))
         if ex.epoch is not None:
             ex.epoch.kv.wake_all()
-        with ex._cond:
+        with ex._lock:
             ex._notify_all_locked()
         if ex.config.threaded and self.policy.auto_recover:
             t = threading.Thread(target=self._recover_when_drained, name="calfsm-recovery",
@@ -182,7 +182,7 @@ class FaultController:
     def _fail_waiting(self, err: CalfsmError) -> None:
         """Fail every job that has not reached the device (queued or parked)."""
         ex = self.ex
-        with ex._cond:
+        with ex._lock:
             jobs = list(ex._parked) + list(ex._submit_q)
             ex._parked.clear()
             ex._submit_q.clear()
@@ -193,7 +193,7 @@ class FaultController:
 
     def drained(self) -> bool:
         """No job on the device, or the grace period is over."""
-        with self.ex._cond:
+        with self.ex._lock:
             return self._drained_locked()
 
     def _drained_locked(self) -> bool:
@@ -203,7 +203,7 @@ class FaultController:
 
     def _recover_when_drained(self) -> None:
         ex = self.ex
-        with ex._cond:
+        with ex._lock:
             while not self._drained_locked() and not ex._closing:
                 if ex.clock.virtual:
                     ex._cond.wait(0.01)
@@ -432,6 +432,6 @@ class FaultController:
                 if not ex._complete_next():
                     break
             return
-        with ex._cond:
+        with ex._lock:
             ex._cond.wait_for(self._drained_locked, timeout)
 

@@ -248,7 +248,8 @@ class SimDriver:
         self.kv_capacity = int(kv_capacity)
         self._caps = capabilities
         self._virtual = bool(getattr(self.clock, "virtual", False))
-        self._cond = threading.Condition(threading.Lock())
+        self._lock = threading.Lock()
+        self._cond = threading.Condition(self._lock)
         self._closed = False
         self._epoch = 0
         self._configured: Calbin | None = None
@@ -281,12 +282,12 @@ class SimDriver:
 
     def faults_fired(self) -> tuple[int, ...]:
         """How often each rule of the fault plan fired so far (cheap; no trace needed)."""
-        with self._cond:
+        with self._lock:
             return tuple(self._fired)
 
     def trace_lines(self) -> list[str]:
         """The trace so far, one JSON object per line (without newlines)."""
-        with self._cond:
+        with self._lock:
             records = list(self._trace or ())
         lines = []
         for t, call, args, rc in records:
@@ -346,7 +347,7 @@ class SimDriver:
 
     # ---- configuration ----------------------------------------------------------------
     def configure(self, calbin: Calbin) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._configure(calbin)
             if self._trace is not None:
                 name = ",".join(m.name for m in calbin.models) if isinstance(calbin, Calbin) \
@@ -374,7 +375,7 @@ class SimDriver:
         return _OK
 
     def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 rc, val = _INVALID_STATE, None
             elif self._configured is None:
@@ -386,7 +387,7 @@ class SimDriver:
             return rc, val
 
     def model(self, exact_name: str) -> tuple[int, _Model | None]:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 rc, val = _INVALID_STATE, None
             elif self._configured is None:
@@ -401,7 +402,7 @@ class SimDriver:
     # ---- buffers ----------------------------------------------------------------------
     def create_buffers(self, model: _Model, engine: EngineSlot = EngineSlot.AUTO
                        ) -> tuple[int, tuple[_Buf, _Buf] | None]:
-        with self._cond:
+        with self._lock:
             rc, val = self._create_buffers(model, engine)
             if self._trace is not None:
                 args: tuple = (("model", getattr(model, "name", "?")), ("engine", int(engine)))
@@ -428,7 +429,7 @@ class SimDriver:
                      _Buf(self, model, False, int(engine), f"out{k}"))
 
     def destroy_buffers(self, inp: _Buf, out: _Buf) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._destroy(inp, out)
             if self._trace is not None:
                 self._rec("destroy_buffers", (("in", _label(inp)), ("out", _label(out))), rc)
@@ -448,7 +449,7 @@ class SimDriver:
         return _OK
 
     def map_buffer(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._map(buf, tensor, host)
             if self._trace is not None:
                 self._rec("map_buffer", (("buf", _label(buf)), ("tensor", str(tensor)),
@@ -492,7 +493,7 @@ class SimDriver:
         return _OK
 
     def slice_tensor(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._slice(buf, tensor, offset, size)
             if self._trace is not None:
                 self._rec("slice_tensor", (("buf", _label(buf)), ("tensor", str(tensor)),
@@ -520,7 +521,7 @@ class SimDriver:
         return _OK
 
     def undo_slice(self, buf: _Buf, tensor: str) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._undo_slice(buf, tensor)
             if self._trace is not None:
                 self._rec("undo_slice", (("buf", _label(buf)), ("tensor", str(tensor))), rc)
@@ -537,7 +538,7 @@ class SimDriver:
         return _OK
 
     def set_csr(self, inp: _Buf, name: str, value: int) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._set_csr(inp, name, value)
             if self._trace is not None:
                 self._rec("set_csr", (("buf", _label(inp)), ("name", str(name)),
@@ -563,7 +564,7 @@ class SimDriver:
         return _OK
 
     def set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._set_kv_seq(inp, seq_id)
             if self._trace is not None:
                 self._rec("set_kv_seq", (("buf", _label(inp)), ("seq", _num(seq_id))), rc)
@@ -587,7 +588,7 @@ class SimDriver:
 
     # ---- execution --------------------------------------------------------------------
     def infer(self, model: _Model, inp: _Buf, out: _Buf, *, tag: JobTag | None = None) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._infer(model, inp, out, tag, None)
             if self._trace is not None:
                 self._rec("infer", _infer_args(model, inp, out, tag, None), rc)
@@ -595,7 +596,7 @@ class SimDriver:
 
     def infer_fixed(self, model: _Model, inp: _Buf, out: _Buf, engine: EngineSlot, *,
                     tag: JobTag | None = None) -> int:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 rc = _INVALID_STATE
             elif not (self._caps.fixed_engine_slots and self._parallel):
@@ -790,7 +791,7 @@ class SimDriver:
             refmodel.prefill_tile(hashes, model.rows, dest[:model.rows * model.vocab])
 
     def wait(self, out: _Buf, timeout_s: float) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._wait(out, timeout_s)
             if self._trace is not None:
                 self._rec("wait", (("out", _label(out)), ("timeout", _num(timeout_s))), rc)
@@ -836,7 +837,7 @@ class SimDriver:
         return _OK
 
     def status(self, out: _Buf) -> OutputStatus:
-        with self._cond:
+        with self._lock:
             if not isinstance(out, _Buf) or out.driver is not self or out.is_input:
                 raise InvalidArgument(f"status() of {out!r}: not an output buffer of this "
                                       "driver", stage="status")
@@ -848,7 +849,7 @@ class SimDriver:
             return st
 
     def output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
-        with self._cond:
+        with self._lock:
             rc, val = self._output_bytes(out, tensor)
             if self._trace is not None:
                 self._rec("output_bytes", (("out", _label(out)), ("tensor", str(tensor)),
@@ -866,7 +867,7 @@ class SimDriver:
 
     # ---- KV manager -------------------------------------------------------------------
     def kv_can_allocate(self, n: int) -> bool:
-        with self._cond:
+        with self._lock:
             ok = (not self._closed and _is_int(n)
                   and self.kv_capacity - self._kv_used >= n)
             if ok and self._fault("kv_can_allocate") is not None:
@@ -876,7 +877,7 @@ class SimDriver:
             return ok
 
     def kv_apply(self, seq_id: int, target_len: int) -> bool:
-        with self._cond:
+        with self._lock:
             ok = self._kv_apply(seq_id, target_len)
             if self._trace is not None:
                 self._rec("kv_apply", (("seq", _num(seq_id)), ("target", _num(target_len))),
@@ -907,7 +908,7 @@ class SimDriver:
         return True
 
     def kv_release(self, seq_id: int, keep_len: int = 0) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._kv_release(seq_id, keep_len)
             if self._trace is not None:
                 self._rec("kv_release", (("seq", _num(seq_id)), ("keep", _num(keep_len))), rc)
@@ -932,12 +933,12 @@ class SimDriver:
 
     def kv_allocated(self, seq_id: int) -> int:
         """Positions allocated to ``seq_id`` (a test and diagnostics helper, not protocol)."""
-        with self._cond:
+        with self._lock:
             return self._kv_alloc.get(seq_id, 0)
 
     # ---- device control ---------------------------------------------------------------
     def reset(self, kind: ResetKind) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._reset(kind)
             if self._trace is not None:
                 self._rec("reset", (("kind", str(getattr(kind, "value", kind))),), rc)
@@ -986,7 +987,7 @@ class SimDriver:
         self._cond.notify_all()
 
     def enable_parallel_mode(self, enabled: bool) -> int:
-        with self._cond:
+        with self._lock:
             rc = self._enable_parallel(enabled)
             if self._trace is not None:
                 self._rec("enable_parallel_mode", (("on", bool(enabled)),), rc)
@@ -1011,7 +1012,7 @@ class SimDriver:
         return self._parallel
 
     def close(self) -> None:
-        with self._cond:
+        with self._lock:
             if self._closed:
                 return
             self._pump()
