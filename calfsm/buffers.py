@@ -56,6 +56,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
+import ml_dtypes
 import numpy as np
 
 from calfsm.clock import Clock, RealClock
@@ -73,6 +74,7 @@ from calfsm.errors import (
     Unavailable,
     Unsupported,
     check,
+    from_calrt,
 )
 from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
 
@@ -114,8 +116,10 @@ class BufferSlot:
     """One set of device buffers and the host arrays mapped into them.
 
     ``tokens`` and ``positions`` are flat views of the input host arrays; ``logits`` is
-    the whole physical output tensor as raw BF16 bits (``uint16``). The arrays are
-    allocated once and never resized, moved or freed while the slot exists.
+    the whole physical output tensor as raw BF16 bits (``uint16``) and ``logits_bf16``
+    a flat ``ml_dtypes.bfloat16`` view of it (made once: the per-token path reads it
+    without building views). The arrays are allocated once and never resized, moved or
+    freed while the slot exists.
     """
 
     index: int
@@ -131,6 +135,7 @@ class BufferSlot:
     logits: np.ndarray
     tokens: np.ndarray
     positions: np.ndarray
+    logits_bf16: np.ndarray
     state: SlotState = SlotState.FREE
     reason: str | None = None
     holder: _LeaseCore | None = None
@@ -274,8 +279,8 @@ class BufferLease:
         core = self._live()
         slot = core.slot
         ctx = self._ctx(core)
-        tok = np.asarray(tokens)
-        pos = np.asarray(positions)
+        tok = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
+        pos = positions if type(positions) is np.ndarray else np.asarray(positions)
         if slot.kind is TaskKind.PREFILL_EMBEDS:
             hidden = slot.contract.token_or_embed.shape[-1]
             if tok.ndim != 2 or tok.shape[1] != hidden:
@@ -370,7 +375,7 @@ class BufferLease:
             self.slice(c.position.name, 0, n * c.position.dtype.itemsize)
         self.set_kv_seq(seq_id)
         self.set_csr(c.csr_cur_seq, n)
-        self.set_csr(c.csr_total_seq, int(slot.positions[n - 1]) + 1)
+        self.set_csr(c.csr_total_seq, int(slot.positions.item(n - 1)) + 1)
         return n
 
     def undo_slices(self) -> None:
@@ -378,6 +383,8 @@ class BufferLease:
         undo failed stays tracked (the slot will be quarantined on return) and the first
         failure is raised."""
         core = self._live()
+        if not core.slices:
+            return
         ctx = self._ctx(core)
         first: CalfsmError | None = None
         for name in list(core.slices):
@@ -395,22 +402,24 @@ class BufferLease:
     def set_csr(self, name: str, value: int) -> None:
         """Set a CSR of the input buffer (value checked to ``0..2**32-1`` locally)."""
         core = self._live()
-        ctx = self._ctx(core)
         if isinstance(value, bool) or not isinstance(value, int | np.integer) \
                 or not 0 <= value <= _U32_MAX:
             raise InvalidArgument(f"CSR {name!r} value {value!r} outside 0..2**32-1",
-                                  stage="csr", **ctx)
-        check(core.pool.driver.set_csr(core.slot.inp, name, int(value)), "csr", **ctx)
+                                  stage="csr", **self._ctx(core))
+        code = core.pool.driver.set_csr(core.slot.inp, name, int(value))
+        if code:
+            raise from_calrt(code, "csr", **self._ctx(core))
 
     def set_kv_seq(self, seq_id: int) -> None:
         """Bind the input buffer to a KV sequence (``0 <= seq_id < 2**31`` locally)."""
         core = self._live()
-        ctx = self._ctx(core)
         if isinstance(seq_id, bool) or not isinstance(seq_id, int | np.integer) \
                 or not 0 <= seq_id < _SEQ_LIMIT:
             raise InvalidArgument(f"KV sequence id {seq_id!r} outside 0..2**31-1",
-                                  stage="kv_seq", **ctx)
-        check(core.pool.driver.set_kv_seq(core.slot.inp, int(seq_id)), "kv_seq", **ctx)
+                                  stage="kv_seq", **self._ctx(core))
+        code = core.pool.driver.set_kv_seq(core.slot.inp, int(seq_id))
+        if code:
+            raise from_calrt(code, "kv_seq", **self._ctx(core))
 
     def __repr__(self) -> str:
         core = self._core
@@ -559,6 +568,12 @@ class BufferPool:
         Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
         with :meth:`wake_all`) or Unavailable (pool retired). ``cancelled`` is called with
         the pool lock held: it must be a cheap flag read that takes no lock."""
+        with self._lock:        # the common case: nobody queued and a slot is free
+            if not self._retired and not self._waiting.get((kind, engine)) \
+                    and (cancelled is None or not cancelled()):
+                slot = self._take(kind, engine)
+                if slot is not None:
+                    return self._lend(slot)
         clock = clock or _REAL
         # On a virtual clock nobody may advance it: bound the wait in real time too.
         real_limit = (time.monotonic() + (deadline - clock.now())
@@ -747,7 +762,8 @@ def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
     slot = BufferSlot(index=index, generation=generation, kind=kind, engine=engine,
                       model=model, inp=inp, out=out, contract=contract, token_host=token,
                       position_host=position, logits=logits, tokens=token.reshape(-1),
-                      positions=position.reshape(-1))
+                      positions=position.reshape(-1),
+                      logits_bf16=logits.reshape(-1).view(ml_dtypes.bfloat16))
     try:
         check(driver.map_buffer(inp, contract.token_or_embed.name, token), "map", **ctx)
         check(driver.map_buffer(inp, contract.position.name, position), "map", **ctx)

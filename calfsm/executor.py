@@ -47,6 +47,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from calfsm.doorbell import Doorbell
 from calfsm.drivers.base import Calbin, Driver, EngineSlot, JobTag, OutputStatus
 from calfsm.epoch import WARMUP_SEQ, Epoch, build_epoch
 from calfsm.errors import (
@@ -161,14 +162,14 @@ class DeviceExecutor:
         self._manifest = manifest
         self._life = _Lifecycle()
         self._life_lock = threading.RLock()
-        # One lock guards the queues and counters; each waiter has its own condition on
-        # it, so a hand-off wakes only the thread that has work (a spurious wake-up is a
-        # GIL hand-off on the critical path). ``_cond`` is for everything else: drains,
-        # lifecycle waits, recovery.
+        # One lock guards the queues and counters. The two pipeline threads each sleep on
+        # their own doorbell (a C-level wake-up), so a hand-off wakes only the thread
+        # that has work, through the shortest path CPython has; ``_cond`` is for
+        # everything else: drains, lifecycle waits, recovery.
         self._lock = threading.Lock()
         self._cond = threading.Condition(self._lock)
-        self._submit_cv = threading.Condition(self._lock)      # the submitter waits here
-        self._complete_cv = threading.Condition(self._lock)    # the completion thread here
+        self._submit_bell = Doorbell()          # a job queued, a slot freed, a state change
+        self._complete_bell = Doorbell()        # a job submitted, or a state change
         self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
@@ -335,8 +336,8 @@ class DeviceExecutor:
     def _notify_all_locked(self) -> None:
         """Wake every waiter of the queue lock (rare events: lifecycle, shutdown)."""
         self._cond.notify_all()
-        self._submit_cv.notify_all()
-        self._complete_cv.notify_all()
+        self._submit_bell.ring()
+        self._complete_bell.ring()
 
     def _fail_lifecycle(self, reason: str) -> None:
         with self._life_lock:
@@ -485,14 +486,14 @@ class DeviceExecutor:
                 f"{n} tokens exceed tensor {contract.token_or_embed.name!r} "
                 f"({contract.max_tokens} elements)", **ctx)
         pos = req.positions
-        if int(pos[0]) != job.past_len or (n > 1 and not np.array_equal(
+        if pos.item(0) != job.past_len or (n > 1 and not np.array_equal(
                 pos, np.arange(job.past_len, job.past_len + n))):
             raise InvalidArgument(
                 f"positions must run {job.past_len}..{job.past_len + n - 1}", **ctx)
         toks = req.tokens
         vocab = contract.vocab
         if n == 1:          # a decode: no numpy reductions on the per-token path
-            lo = hi = int(toks[0])
+            lo = hi = toks.item(0)
         else:
             lo, hi = int(toks.min()), int(toks.max())
         if lo < 0 or hi >= vocab:
@@ -564,7 +565,7 @@ class DeviceExecutor:
             if not (job.cancel_requested or self._closing):
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
-                self._submit_cv.notify()
+                self._submit_bell.ring()
                 return
         raise Cancelled("cancelled before submit", **_ctx(job, "prepare"))
 
@@ -596,29 +597,30 @@ class DeviceExecutor:
     # ------------------------------------------------------------------------------
     def _submitter_loop(self) -> None:
         while True:
+            job, wait = None, None
             with self._lock:
-                job = None
-                while job is None:
-                    self._heartbeat["submitter"] = self.clock.now()
-                    expired = self._take_expired_locked()
-                    if expired:
-                        break
-                    backoff = self.faults.backoff_until - self.clock.now()
-                    if self._submittable_locked() and backoff <= 0:
-                        job = self._claim_head_locked()
-                        break
-                    if self._closing and not self._submit_q:
-                        return
+                self._heartbeat["submitter"] = self.clock.now()
+                expired = self._take_expired_locked()
+                backoff = self.faults.backoff_until - self.clock.now()
+                if expired:
+                    pass
+                elif self._submittable_locked() and backoff <= 0:
+                    job = self._claim_head_locked()
+                elif self._closing and not self._submit_q:
+                    return
+                else:
                     wait = self._next_queue_timeout_locked()
                     if backoff > 0 and self._submit_q:
                         if self.clock.virtual:
                             self.clock.advance_to(self.faults.backoff_until)
                             continue
                         wait = backoff if wait is None else min(wait, backoff)
-                    self._submit_cv.wait(wait)
             if job is None:
-                for j in expired:
-                    self._fail_queue_deadline(j)
+                if expired:
+                    for j in expired:
+                        self._fail_queue_deadline(j)
+                else:                           # sleep outside the lock until rung
+                    self._submit_bell.wait(wait)
                 continue
             try:
                 self._submit(job)
@@ -706,7 +708,7 @@ class DeviceExecutor:
                     _fire(job, "submit")
                     self._on_device.append(job)
                     self._complete_q.append(job)
-                    self._complete_cv.notify()
+                    self._complete_bell.ring()
                 return
         self._release_inflight(job)
         if rc is None:
@@ -765,9 +767,9 @@ class DeviceExecutor:
                 job.holds_inflight = False
                 self._inflight -= 1
                 if self._submit_q or self._closing:
-                    self._submit_cv.notify()
+                    self._submit_bell.ring()
                 if self._closing:
-                    self._complete_cv.notify()
+                    self._complete_bell.ring()
             self._cond.notify_all()         # drains and recovery wait for this
 
     # ------------------------------------------------------------------------------
@@ -776,16 +778,18 @@ class DeviceExecutor:
     def _completion_loop(self) -> None:
         while True:
             with self._lock:
-                while not self._complete_q:
+                job = self._complete_q.popleft() if self._complete_q else None
+                if job is None:
                     self._heartbeat["completion"] = self.clock.now()
                     if self._closing and ((self._inflight == 0 and not self._submit_q)
                                           or time.monotonic() > self._close_deadline):
                         return
-                    self._complete_cv.wait(0.05 if self._closing else None)
-                job = self._complete_q.popleft()
-                if self._closing and time.monotonic() > self._close_deadline \
+                elif self._closing and time.monotonic() > self._close_deadline \
                         and job.handle.done():
                     return              # abandon a zombie: the device never let it go
+            if job is None:                     # sleep outside the lock until rung
+                self._complete_bell.wait(0.05 if self._closing else None)
+                continue
             try:
                 self._complete(job)
             except Exception as e:      # a bug must never stop the completion thread
@@ -823,7 +827,7 @@ class DeviceExecutor:
                 return
             with self._lock:               # keep waiting: the device still owns it
                 self._complete_q.append(job)
-                self._complete_cv.notify()
+                self._complete_bell.ring()
             return
         self._release_inflight(job)         # the device is free: let the next job go
         job.lease.mark_off_device()
@@ -857,7 +861,7 @@ class DeviceExecutor:
             if target is None:
                 target = np.empty(contract.vocab, dtype=np.float32)
             t2 = self.clock.now()
-            extract_logits(slot.logits, produced, contract, job.token_count, target)
+            extract_logits(slot.logits_bf16, produced, contract, job.token_count, target)
             job.timings.d2h_ms = (self.clock.now() - t2) * 1e3
         except CalfsmError as e:
             self._completion_failed(job, e)
@@ -869,8 +873,9 @@ class DeviceExecutor:
         job.timings.postprocess_ms = (now - t3) * 1e3
         if JOB_MACHINE.fire(job, "succeed"):
             self._counts["succeeded"] += 1
+            logits = target if target.shape[0] == contract.vocab else target[:contract.vocab]
             result = InferenceResult(job.job_id, job.seq_id, job.generation, job.kind,
-                                     job.token_count, target[:contract.vocab],
+                                     job.token_count, logits,
                                      job.timings)     # the job is over: no more writes
             self._release_lease(job)
             job.handle._resolve(result, None)

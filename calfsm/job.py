@@ -32,9 +32,14 @@ __all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request"
 log = logging.getLogger("calfsm.job")
 
 
+_I64 = np.dtype(np.int64)
+
+
 def _int_array(values: Any) -> np.ndarray | None:
     if values is None:
         return None
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype == _I64:
+        return values                   # already what we keep (a decode builds this)
     return np.asarray(values, dtype=np.int64).reshape(-1)
 
 
@@ -68,7 +73,8 @@ class Request:
 
     @classmethod
     def decode(cls, seq_id: int, token: int, position: int, **kw: Any) -> Request:
-        return cls(seq_id, TaskKind.DECODE, [token], [position], past_len=position, **kw)
+        return cls(seq_id, TaskKind.DECODE, np.array((token,), _I64),
+                   np.array((position,), _I64), past_len=position, **kw)
 
 
 @attrs.define(slots=True)

@@ -205,6 +205,11 @@ class KvCoordinator:
 
     def _validate(self, seq_id: int, past_len: int, token_count: int,
                   job_id: int | None) -> int:
+        if type(seq_id) is int and type(past_len) is int and type(token_count) is int \
+                and 0 <= seq_id < _SEQ_LIMIT and past_len >= 0 \
+                and 0 < token_count <= self.token_budget \
+                and past_len + token_count <= min(self.max_seq, _U32_MAX):
+            return past_len + token_count        # the per-token case: all checks pass
         ctx = self._ctx(seq_id, job_id)
         for what, v in (("seq_id", seq_id), ("past_len", past_len),
                         ("token_count", token_count)):
@@ -234,24 +239,24 @@ class KvCoordinator:
     def _enqueue_locked(self, seq_id: int, past_len: int, token_count: int,
                         job_id: int | None) -> _Waiter:
         """Stateful admission checks and joining the queue (lock held)."""
-        ctx = self._ctx(seq_id, job_id)
         if self._shutdown:
-            raise Unavailable("KV coordinator is shut down", **ctx)
+            raise Unavailable("KV coordinator is shut down", **self._ctx(seq_id, job_id))
         seq = self._seqs.get(seq_id)
         if seq is not None:
             if seq.state is SeqState.UNKNOWN:
                 raise FailedPrecondition(
                     f"KV of sequence {seq_id} is Unknown ({seq.reason}); reset the sequence "
-                    "before using it again", **ctx)
+                    "before using it again", **self._ctx(seq_id, job_id))
             if seq.open is not None or seq.busy:
                 raise FailedPrecondition(f"sequence {seq_id} already has an open KV "
-                                         "reservation", **ctx)
+                                         "reservation", **self._ctx(seq_id, job_id))
             committed = seq.committed
         else:
             committed = 0
         if past_len > committed:
             raise InvalidArgument(f"past_len {past_len} leaves a hole: sequence {seq_id} "
-                                  f"has {committed} committed positions", **ctx)
+                                  f"has {committed} committed positions",
+                                  **self._ctx(seq_id, job_id))
         if seq is None:
             seq = self._seqs[seq_id] = _Seq()
         seq.busy = True
@@ -314,11 +319,11 @@ class KvCoordinator:
         # On a virtual clock nobody may advance it: bound the wait in real time too.
         real_limit = (time.monotonic() + (deadline - self.clock.now())
                       if getattr(self.clock, "virtual", False) else None)
-        with self._lock:
+        lock = self._lock
+        with lock:  # held except around the device calls: two lock trips when uncontended
             w = self._enqueue_locked(seq_id, past_len, token_count, job_id)
-        try:
-            while True:
-                with self._lock:
+            try:
+                while True:
                     if self._shutdown:
                         raise Unavailable("KV coordinator shut down while waiting", **ctx)
                     if cancelled is not None and cancelled():
@@ -327,16 +332,18 @@ class KvCoordinator:
                         self._wait_locked(deadline, real_limit, ctx)
                         continue
                     version = self._version
-                granted = self._device_grow(seq_id, target)
-                with self._lock:
+                    lock.release()
+                    try:
+                        granted = self._device_grow(seq_id, target)
+                    finally:
+                        lock.acquire()
                     if granted:
                         return self._grant_locked(w, past_len, target, job_id)
                     if self._version == version:  # nothing changed since we asked
                         self._wait_locked(deadline, real_limit, ctx)
-        except BaseException:
-            with self._lock:
+            except BaseException:
                 self._leave_locked(w)
-            raise
+                raise
 
     def _wait_locked(self, deadline: float, real_limit: float | None,
                      ctx: dict[str, Any]) -> None:
@@ -388,14 +395,14 @@ class KvCoordinator:
                 f"KV reservation of generation {r.generation} handed to the coordinator of "
                 f"generation {self.generation}", seq_id=r.seq_id, job_id=r.job_id,
                 generation=r.generation, stage="kv")
-        if not KV_MACHINE.may(r, trigger):
-            KV_MACHINE.fire(r, trigger)  # raises IllegalTransition naming state and trigger
         seq = self._seqs.get(r.seq_id)
         if seq is None or seq.open is not r:  # cannot happen through the public API
+            if not KV_MACHINE.may(r, trigger):  # an illegal trigger is named first
+                KV_MACHINE.fire(r, trigger)     # raises IllegalTransition
             raise FailedPrecondition(f"KV reservation of sequence {r.seq_id} is not open",
                                      seq_id=r.seq_id, job_id=r.job_id,
                                      generation=r.generation, stage="kv")
-        KV_MACHINE.fire(r, trigger)
+        KV_MACHINE.fire(r, trigger)  # an illegal trigger raises before any change
         return seq
 
     def _end_locked(self, r: KvReservation, seq: _Seq) -> None:

@@ -72,11 +72,13 @@ def convert_bf16_range(src_u16: np.ndarray, base: int, dict_len: int,
     """Convert ``src_u16[base:base+dict_len]`` (BF16 bits) into ``dst_f32[:dict_len]``.
 
     ``src_u16`` is read as flat memory (a C-contiguous array of any shape, e.g. the
-    physical ``[1, tile_d0, V]`` tile). Nothing outside ``dst_f32[:dict_len]`` is written.
+    physical ``[1, tile_d0, V]`` tile); it may also be an ``ml_dtypes.bfloat16`` view of
+    those bits (a buffer slot keeps one, so the per-job path creates no view). Nothing
+    outside ``dst_f32[:dict_len]`` is written.
     Raises :class:`InvalidArgument` (before touching ``dst_f32``) for a wrong dtype, a
     negative index, a range outside the source or a target shorter than ``dict_len``.
     """
-    if src_u16.dtype != _U16:
+    if src_u16.dtype != _U16 and src_u16.dtype != _BF16:
         raise InvalidArgument(f"BF16 source must be uint16 bits, got {src_u16.dtype}",
                               stage=_STAGE)
     if dst_f32.dtype != _F32:
@@ -93,7 +95,13 @@ def convert_bf16_range(src_u16: np.ndarray, base: int, dict_len: int,
     if dict_len > dst.shape[0]:
         raise InvalidArgument(f"target holds {dst.shape[0]} values, {dict_len} needed",
                               stage=_STAGE)
-    np.copyto(dst[:dict_len], src[base:base + dict_len].view(_BF16), casting="unsafe")
+    # Whole arrays are used as they are: every slice or view is one more trip through
+    # numpy's indexing code on the per-token path.
+    if base or dict_len != size:
+        src = src[base:base + dict_len]
+    if src.dtype != _BF16:
+        src = src.view(_BF16)
+    np.copyto(dst if dict_len == dst.shape[0] else dst[:dict_len], src, casting="unsafe")
 
 
 def find_nonfinite(values: np.ndarray) -> int | None:
@@ -107,7 +115,7 @@ def find_nonfinite(values: np.ndarray) -> int | None:
     if values.size == 0:
         return None
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf is what we look for
-        if values.ndim == 1 and values.dtype in (_F32, _F64):
+        if values.ndim == 1 and (values.dtype == _F32 or values.dtype == _F64):
             # One BLAS pass: a sum of squares is finite only if every value is (a huge
             # finite value may overflow it: then the exact check below decides).
             if math.isfinite(float(values.dot(values))):
@@ -163,7 +171,7 @@ def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelC
         row = logits_row(n_tokens, contract.rows)
     except InvalidArgument as e:
         raise e.with_context(**ctx) from None
-    if out_u16.dtype != _U16:
+    if out_u16.dtype != _U16 and out_u16.dtype != _BF16:
         raise InvalidArgument(f"output host array must be uint16 (BF16 bits), got "
                               f"{out_u16.dtype}", stage=_STAGE, **ctx)
     src = _flat(out_u16, "output host array", **ctx)
@@ -183,7 +191,7 @@ def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelC
                                  f"[{base}, {base + vocab})", **ctx)
     dst = _flat(dst_f32, "logits target", **ctx)
     convert_bf16_range(src, base, vocab, dst)
-    bad = find_nonfinite(dst[:vocab])
+    bad = find_nonfinite(dst if dst.shape[0] == vocab else dst[:vocab])
     if bad is not None:
         value = float(dst[bad])
         raise Internal(f"non-finite logit {value} at vocabulary index {bad} (row {row}, "
