@@ -201,3 +201,45 @@ def test_invalid_calbin_structure() -> None:
     assert SimDriver().configure(Calbin((bad,))) == C.INVALID_CALBIN
     assert SimDriver().configure("calbin") == C.INVALID_CALBIN  # type: ignore[arg-type]
     assert np.dtype("<u2") == np.uint16
+
+
+@pytest.mark.parametrize("lead", [0.0, 0.0005, 0.004])
+def test_real_time_wait_never_returns_before_the_finish_time(lead: float) -> None:
+    """The poll that ends a real-time wait precisely must not end it early: a job's
+    output is ready no sooner than its latency after infer, whatever the lead."""
+    d = SimDriver(clock=RealClock(), latency=LatencyModel.fixed(decode_s=0.003),
+                  wake_lead_s=lead, trace=False)
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    clock = d.clock
+    for pos in range(8):
+        prepare(d, dec, 0, [pos + 1], pos)
+        assert d.infer(dec.model, dec.inp, dec.out) == 0
+        t0 = clock.now()
+        assert d.wait(dec.out, 5.0) == 0
+        assert clock.now() - t0 >= 0.003 - 1e-4    # infer returned just before t0
+        assert d.status(dec.out) == OutputStatus.DONE_OK
+
+
+@pytest.mark.parametrize("lead", [-0.001, 0.2, float("nan")])
+def test_wake_lead_out_of_range_is_refused(lead: float) -> None:
+    with pytest.raises(InvalidArgument, match="wake_lead_s"):
+        SimDriver(wake_lead_s=lead)
+
+
+def test_reset_during_the_final_poll_ends_the_wait() -> None:
+    """A reset while wait polls the last stretch (lead longer than the job) aborts it."""
+    d = SimDriver(clock=RealClock(), latency=LatencyModel.fixed(decode_s=0.05),
+                  wake_lead_s=0.1, faults=FaultPlan.of(FaultRule("infer", "hang")))
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    prepare(d, dec, 0, [1], 0)
+    assert d.infer(dec.model, dec.inp, dec.out) == 0
+    result: list[int] = []
+    t = threading.Thread(target=lambda: result.append(d.wait(dec.out, 0.05)))
+    t.start()
+    assert d.reset(ResetKind.CCU) == 0
+    t.join(10.0)
+    assert not t.is_alive()
+    assert result in ([0], [C.TIMEOUT])      # aborted by the reset, or timed out first
+    assert d.status(dec.out) == OutputStatus.DONE_ABORTED
