@@ -76,6 +76,10 @@ log = logging.getLogger("calfsm.executor")
 
 _fire = JOB_MACHINE.fire
 
+#: longest the completion thread lets the submitter go first (a stuck submit must not
+#: hold completions up)
+_YIELD_TO_SUBMITTER_S = 0.002
+
 
 @attrs.frozen
 class ExecutorConfig:
@@ -170,6 +174,7 @@ class DeviceExecutor:
         self._cond = threading.Condition(self._lock)
         self._submit_bell = Doorbell()          # a job queued, a slot freed, a state change
         self._complete_bell = Doorbell()        # a job submitted, or a state change
+        self._submitted_bell = Doorbell()       # the submitter finished a submit attempt
         self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
@@ -626,6 +631,8 @@ class DeviceExecutor:
                 self._submit(job)
             except Exception as e:      # a bug must never stop the submitter thread
                 self._step_crashed(job, "submit", e)
+            finally:
+                self._submitted_bell.ring()
 
     def _submittable_locked(self) -> bool:
         """A job is queued, an in-flight slot is free and the device takes work."""
@@ -757,9 +764,11 @@ class DeviceExecutor:
             self._finish_unknown(job, err)
         self.faults.observe(err)
 
-    def _release_inflight(self, job: JobContext) -> None:
+    def _release_inflight(self, job: JobContext) -> bool:
         """The job no longer occupies the device: off the on-device list, its in-flight
-        slot given back (idempotent: a slot is returned once), the submitter woken."""
+        slot given back (idempotent: a slot is returned once), the submitter woken.
+        True if a queued job can now be submitted at once."""
+        ready = False
         with self._lock:
             if job in self._on_device:
                 self._on_device.remove(job)
@@ -767,10 +776,22 @@ class DeviceExecutor:
                 job.holds_inflight = False
                 self._inflight -= 1
                 if self._submit_q or self._closing:
+                    ready = self._submittable_locked() and not self._closing \
+                        and self.faults.backoff_until <= self.clock.now()
+                    if ready:
+                        self._submitted_bell.wait(0)    # forget an older hand-back
                     self._submit_bell.ring()
                 if self._closing:
                     self._complete_bell.ring()
             self._cond.notify_all()         # drains and recovery wait for this
+        return ready
+
+    def _yield_to_submitter(self) -> None:
+        """Completion thread, device just freed, a job ready to go: sleep until the
+        submitter has called ``infer`` (bounded) before post-processing. With the GIL,
+        post-processing first would keep the submitter — and so the device — waiting
+        for all of it; device time is the scarce resource, so the device is fed first."""
+        self._submitted_bell.wait(_YIELD_TO_SUBMITTER_S)
 
     # ------------------------------------------------------------------------------
     # completion
@@ -829,7 +850,8 @@ class DeviceExecutor:
                 self._complete_q.append(job)
                 self._complete_bell.ring()
             return
-        self._release_inflight(job)         # the device is free: let the next job go
+        if self._release_inflight(job) and self.config.threaded:
+            self._yield_to_submitter()      # the device is free: the next job goes first
         job.lease.mark_off_device()
         if zombie:
             self._late_completion(job, rc)
