@@ -27,10 +27,20 @@ completion or recovery path touches them, and a failure leaves the KV ``Unknown`
 slot quarantined (the device may have written them).
 
 Lock order: lifecycle (``_life_lock``) -> admission (inside the KV coordinator) -> pool
--> device (``_device_lock``) -> submit (``_cond``). No runtime call is made holding the
-lifecycle or submit lock; ``wait`` is called holding no lock at all. The device lock is
-held only around one ``infer`` (and its generation check): recovery passes through it
-once after leaving Ready, so no submit can race a reset.
+-> device (``_device_lock``) -> queues (``_lock``, with ``_cond`` for drains and
+lifecycle waits). No runtime call is made holding the lifecycle or queue lock; ``wait``
+is called holding no lock at all. The device lock is held only around one ``infer`` (and
+its generation check): recovery passes through it once after leaving Ready, so no submit
+can race a reset.
+
+Hand-offs: the submitter and the completion thread sleep on their own
+:class:`~calfsm.doorbell.Doorbell` (a C-level wake-up) and re-check the queues after
+each ring, so a hand-off wakes only the thread that has work. When the completion thread
+frees the device and a queued job can go at once, it lets the submitter call ``infer``
+before it post-processes (bounded): with the GIL the device would otherwise idle for the
+whole post-processing. Code on the per-token path avoids numpy calls and Python-level
+locking where a scalar or a plain lock does: on a small VM, code run right after a
+thread wakes costs several times its warm time, and every job wakes three threads.
 """
 
 from __future__ import annotations
