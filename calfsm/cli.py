@@ -249,6 +249,8 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
     if final_state == LifecycleState.FAILED:
         console.print(f"[red]executor failed:[/red] {reason}")
         return EXIT_DEVICE_FAILED
+    if shutdown_error is not None:      # the device kept a job (and its buffers): wedged
+        return EXIT_DEVICE_FAILED
     return EXIT_OK
 
 

@@ -290,6 +290,28 @@ def test_calfsm_run_workload():
     assert _row(text, "lifecycle at end of workload") == "Ready"
 
 
+@pytest.mark.timeout(60)
+def test_calfsm_run_exits_3_when_shutdown_cannot_drain(monkeypatch):
+    """A job the device never gave back (a hang outliving the drain bound) is not a clean
+    exit: the table is printed, then the shutdown error, and the status is 3."""
+    from calfsm.errors import Unavailable
+    from calfsm.executor import DeviceExecutor
+
+    real_close = DeviceExecutor.close
+
+    def close(self, timeout=None):
+        real_close(self, timeout)
+        raise Unavailable("shutdown did not drain within 10.0 s: 1 job(s) still on the "
+                          "device, threads alive: []", stage="shutdown")
+
+    monkeypatch.setattr(DeviceExecutor, "close", close)
+    rc, text = _cli("run", "--prompts", "2", "--sequences", "1", "--tokens", "2",
+                    "--manifest", "tiny", "--quiet")
+    assert rc == cli.EXIT_DEVICE_FAILED, text
+    assert "shutdown did not drain" in text
+    assert _row(text, "lifecycle at end of workload") == "Ready"
+
+
 # Seeds whose plans carry no KV refusal: a refused kv_apply with nothing else open
 # waits out the 10 s admission deadline (FI04 behaviour), which is correct but slow.
 @pytest.mark.parametrize("seed", [0, 11])
@@ -305,6 +327,7 @@ def test_calfsm_run_under_swarm_faults_exits_0_or_3(seed):
         assert rc == cli.EXIT_DEVICE_FAILED
         return
     state = _row(text, "lifecycle at end of workload")
-    assert (rc == cli.EXIT_DEVICE_FAILED) == (state == "Failed"), text
+    wedged = state == "Failed" or "shutdown:" in text
+    assert (rc == cli.EXIT_DEVICE_FAILED) == wedged, text
     if rc == cli.EXIT_OK:
         assert _row(text, "leased buffers at exit") == "0"
