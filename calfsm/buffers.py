@@ -302,15 +302,15 @@ class BufferLease:
         if n > capacity:
             raise InvalidArgument(f"{n} tokens exceed the {slot.kind.value} tensor "
                                   f"capacity of {capacity}", stage="prepare", **ctx)
-        _check_values(tok, slot.tokens.dtype, "tokens", ctx)
-        lo = _check_values(pos, slot.positions.dtype, "positions", ctx)
-        if lo is None and pos.size:
-            lo = pos.min()
-        if lo is not None and lo < 0:
-            raise InvalidArgument(f"negative position {int(lo)}", stage="prepare", **ctx)
-        if n == 1 and tok.size == 1:    # a decode: two scalar stores, no slice copies
-            slot.tokens[0] = tok.item()
-            slot.positions[0] = pos.item()
+        tok_range = _check_values(tok, slot.tokens.dtype, "tokens", ctx)
+        pos_range = _check_values(pos, slot.positions.dtype, "positions", ctx) \
+            or _value_range(pos)
+        if pos_range[0] < 0:
+            raise InvalidArgument(f"negative position {int(pos_range[0])}",
+                                  stage="prepare", **ctx)
+        if n == 1 and tok.size == 1 and tok_range is not None:
+            slot.tokens[0] = tok_range[0]       # a decode: two scalar stores, no copies
+            slot.positions[0] = pos_range[0]
         else:
             slot.tokens[:tok.size] = tok.reshape(-1)
             slot.positions[:n] = pos
@@ -439,24 +439,31 @@ def _int_range(dtype: np.dtype) -> tuple[int, int]:
     return r
 
 
+def _value_range(a: np.ndarray) -> tuple[Any, Any]:
+    """(min, max) of a non-empty array; one element (a decode) is read as a scalar, with
+    no reductions."""
+    if a.size == 1:
+        v = a.item()
+        return v, v
+    return a.min(), a.max()
+
+
 def _check_values(a: np.ndarray, dtype: np.dtype, what: str,
-                  ctx: dict[str, Any]) -> int | None:
-    """Check integer ``a`` fits ``dtype``; returns its minimum (None: empty or not an
-    integer target). One element (a decode) is read as a scalar: no reductions."""
+                  ctx: dict[str, Any]) -> tuple[int, int] | None:
+    """Check ``a`` holds integers that fit the integer host ``dtype``; returns their
+    (min, max). None, with nothing checked: ``a`` empty or ``dtype`` not an integer."""
     if a.size == 0 or dtype.kind not in "iu":
         return None
     if a.dtype.kind not in "iu":
         raise InvalidArgument(f"{what} must be integers, got {a.dtype}", stage="prepare",
                               **ctx)
-    if a.size == 1:
-        lo = hi = a.item()
-    else:
-        lo, hi = int(a.min()), int(a.max())
+    lo, hi = _value_range(a)
+    lo, hi = int(lo), int(hi)
     low, high = _int_range(dtype)
     if lo < low or hi > high:
         raise InvalidArgument(f"{what} values [{lo}, {hi}] do not fit {dtype}",
                               stage="prepare", **ctx)
-    return lo
+    return lo, hi
 
 
 class BufferPool:

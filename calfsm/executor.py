@@ -472,7 +472,7 @@ class DeviceExecutor:
         req, ctx = job.request, _ctx(job, "validate")
         if job.deadline <= job.timings.accepted:
             raise DeadlineExceeded("deadline already past at enqueue", **ctx)
-        contract = job.epoch.model.submodel(job.kind)
+        contract = job.epoch.contract(job.kind)
         n = job.token_count
         if n <= 0:
             raise InvalidArgument("token_count must be > 0", **ctx)
@@ -616,25 +616,23 @@ class DeviceExecutor:
             with self._lock:
                 self._heartbeat["submitter"] = self.clock.now()
                 expired = self._take_expired_locked()
-                backoff = self.faults.backoff_until - self.clock.now()
-                if expired:
-                    pass
-                elif self._submittable_locked() and backoff <= 0:
-                    job = self._claim_head_locked()
-                elif self._closing and not self._submit_q:
-                    return
-                else:
-                    wait = self._next_queue_timeout_locked()
-                    if backoff > 0 and self._submit_q:
-                        if self.clock.virtual:
-                            self.clock.advance_to(self.faults.backoff_until)
-                            continue
-                        wait = backoff if wait is None else min(wait, backoff)
+                if not expired:
+                    if self._can_submit_now_locked():
+                        job = self._claim_head_locked()
+                    elif self._closing and not self._submit_q:
+                        return
+                    else:
+                        wait = self._next_queue_timeout_locked()
+                        backoff = self.faults.backoff_until - self.clock.now()
+                        if backoff > 0 and self._submit_q:
+                            if self.clock.virtual:
+                                self.clock.advance_to(self.faults.backoff_until)
+                                continue
+                            wait = backoff if wait is None else min(wait, backoff)
+            for j in expired:
+                self._fail_queue_deadline(j)
             if job is None:
-                if expired:
-                    for j in expired:
-                        self._fail_queue_deadline(j)
-                else:                           # sleep outside the lock until rung
+                if not expired:                 # sleep outside the lock until rung
                     self._submit_bell.wait(wait)
                 continue
             try:
@@ -648,6 +646,11 @@ class DeviceExecutor:
         """A job is queued, an in-flight slot is free and the device takes work."""
         return bool(self._submit_q) and self._inflight < self.config.max_inflight \
             and self._life.state == LifecycleState.READY
+
+    def _can_submit_now_locked(self) -> bool:
+        """Submittable, and no error back-off in force (threaded mode waits it out)."""
+        return self._submittable_locked() \
+            and self.faults.backoff_until <= self.clock.now()
 
     def _claim_head_locked(self) -> JobContext:
         """Pop the head of the submit queue and give it an in-flight slot."""
@@ -674,8 +677,13 @@ class DeviceExecutor:
         return expired
 
     def _next_queue_timeout_locked(self) -> float | None:
-        if not self._submit_q or self.clock.virtual:
-            return None if not self.clock.virtual else 0.05
+        """How long the submitter may sleep: until the first queue deadline (None: no
+        job queued). On a virtual clock a short real-time tick, as deadlines move only
+        when someone advances it."""
+        if self.clock.virtual:
+            return 0.05
+        if not self._submit_q:
+            return None
         return max(0.0, min(j.queue_deadline for j in self._submit_q) - self.clock.now())
 
     def _submit_next(self) -> bool:
@@ -774,34 +782,33 @@ class DeviceExecutor:
             self._finish_unknown(job, err)
         self.faults.observe(err)
 
-    def _release_inflight(self, job: JobContext) -> bool:
+    def _release_inflight(self, job: JobContext, *, yield_to_submitter: bool = False
+                          ) -> None:
         """The job no longer occupies the device: off the on-device list, its in-flight
         slot given back (idempotent: a slot is returned once), the submitter woken.
-        True if a queued job can now be submitted at once."""
-        ready = False
+
+        ``yield_to_submitter`` (the completion thread, threaded mode): if a queued job
+        can go at once, sleep until the submitter has called ``infer`` (bounded) before
+        returning. With the GIL, post-processing first would keep the submitter — and so
+        the device — waiting for all of it; device time is the scarce resource."""
+        hand_off = False
         with self._lock:
             if job in self._on_device:
                 self._on_device.remove(job)
             if job.holds_inflight:
                 job.holds_inflight = False
                 self._inflight -= 1
+                if yield_to_submitter and not self._closing \
+                        and self._can_submit_now_locked():
+                    self._submitted_bell.wait(0)    # only a submit after this ring counts
+                    hand_off = True
                 if self._submit_q or self._closing:
-                    ready = self._submittable_locked() and not self._closing \
-                        and self.faults.backoff_until <= self.clock.now()
-                    if ready:
-                        self._submitted_bell.wait(0)    # forget an older hand-back
                     self._submit_bell.ring()
                 if self._closing:
                     self._complete_bell.ring()
             self._cond.notify_all()         # drains and recovery wait for this
-        return ready
-
-    def _yield_to_submitter(self) -> None:
-        """Completion thread, device just freed, a job ready to go: sleep until the
-        submitter has called ``infer`` (bounded) before post-processing. With the GIL,
-        post-processing first would keep the submitter — and so the device — waiting
-        for all of it; device time is the scarce resource, so the device is fed first."""
-        self._submitted_bell.wait(_YIELD_TO_SUBMITTER_S)
+        if hand_off:
+            self._submitted_bell.wait(_YIELD_TO_SUBMITTER_S)
 
     # ------------------------------------------------------------------------------
     # completion
@@ -860,13 +867,13 @@ class DeviceExecutor:
                 self._complete_q.append(job)
                 self._complete_bell.ring()
             return
-        if self._release_inflight(job) and self.config.threaded:
-            self._yield_to_submitter()      # the device is free: the next job goes first
+        # the device is free: the next job goes first
+        self._release_inflight(job, yield_to_submitter=self.config.threaded)
         job.lease.mark_off_device()
         if zombie:
             self._late_completion(job, rc)
             return
-        contract = job.epoch.model.submodel(job.kind)
+        contract = slot.contract
         with self._device_lock:     # no reset between the fence check and device calls
             current = job.epoch is self.epoch and not job.epoch.retired
             if current and rc == 0:
@@ -893,7 +900,8 @@ class DeviceExecutor:
             if target is None:
                 target = np.empty(contract.vocab, dtype=np.float32)
             t2 = self.clock.now()
-            extract_logits(slot.logits_bf16, produced, contract, job.token_count, target)
+            logits = extract_logits(slot.logits_bf16, produced, contract, job.token_count,
+                                    target)
             job.timings.d2h_ms = (self.clock.now() - t2) * 1e3
         except CalfsmError as e:
             self._completion_failed(job, e)
@@ -905,7 +913,6 @@ class DeviceExecutor:
         job.timings.postprocess_ms = (now - t3) * 1e3
         if JOB_MACHINE.fire(job, "succeed"):
             self._counts["succeeded"] += 1
-            logits = target if target.shape[0] == contract.vocab else target[:contract.vocab]
             result = InferenceResult(job.job_id, job.seq_id, job.generation, job.kind,
                                      job.token_count, logits,
                                      job.timings)     # the job is over: no more writes

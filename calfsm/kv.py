@@ -205,35 +205,35 @@ class KvCoordinator:
 
     def _validate(self, seq_id: int, past_len: int, token_count: int,
                   job_id: int | None) -> int:
-        if type(seq_id) is int and type(past_len) is int and type(token_count) is int \
-                and 0 <= seq_id < _SEQ_LIMIT and past_len >= 0 \
-                and 0 < token_count <= self.token_budget \
-                and past_len + token_count <= min(self.max_seq, _U32_MAX):
-            return past_len + token_count        # the per-token case: all checks pass
-        ctx = self._ctx(seq_id, job_id)
+        # The error context is built only when a check fails: this runs for every job.
         for what, v in (("seq_id", seq_id), ("past_len", past_len),
                         ("token_count", token_count)):
             if isinstance(v, bool) or not isinstance(v, int):
-                raise InvalidArgument(f"{what} must be an integer, got {v!r}", **ctx)
+                raise InvalidArgument(f"{what} must be an integer, got {v!r}",
+                                      **self._ctx(seq_id, job_id))
         if not 0 <= seq_id < _SEQ_LIMIT:
-            raise InvalidArgument(f"seq_id {seq_id} outside 0..2**31-1", **ctx)
+            raise InvalidArgument(f"seq_id {seq_id} outside 0..2**31-1",
+                                  **self._ctx(seq_id, job_id))
         if token_count <= 0:
-            raise InvalidArgument(f"token_count must be positive, got {token_count}", **ctx)
+            raise InvalidArgument(f"token_count must be positive, got {token_count}",
+                                  **self._ctx(seq_id, job_id))
         if past_len < 0:
-            raise InvalidArgument(f"past_len must not be negative, got {past_len}", **ctx)
+            raise InvalidArgument(f"past_len must not be negative, got {past_len}",
+                                  **self._ctx(seq_id, job_id))
         if past_len > _U32_MAX or token_count > _U32_MAX:
             raise InvalidArgument(f"past_len {past_len} / token_count {token_count} beyond "
-                                  "uint32", **ctx)
+                                  "uint32", **self._ctx(seq_id, job_id))
         target = past_len + token_count  # Python ints: no overflow; checked below
         if target > _U32_MAX:
             raise InvalidArgument(f"past_len {past_len} + token_count {token_count} = "
-                                  f"{target} beyond uint32", **ctx)
+                                  f"{target} beyond uint32", **self._ctx(seq_id, job_id))
         if target > self.max_seq:
             raise InvalidArgument(f"past_len {past_len} + token_count {token_count} = "
-                                  f"{target} exceeds max_seq {self.max_seq}", **ctx)
+                                  f"{target} exceeds max_seq {self.max_seq}",
+                                  **self._ctx(seq_id, job_id))
         if token_count > self.token_budget:
             raise ResourceExhausted(f"{token_count} tokens exceed the whole token budget "
-                                    f"of {self.token_budget}", **ctx)
+                                    f"of {self.token_budget}", **self._ctx(seq_id, job_id))
         return target
 
     def _enqueue_locked(self, seq_id: int, past_len: int, token_count: int,

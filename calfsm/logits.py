@@ -95,13 +95,21 @@ def convert_bf16_range(src_u16: np.ndarray, base: int, dict_len: int,
     if dict_len > dst.shape[0]:
         raise InvalidArgument(f"target holds {dst.shape[0]} values, {dict_len} needed",
                               stage=_STAGE)
-    # Whole arrays are used as they are: every slice or view is one more trip through
-    # numpy's indexing code on the per-token path.
-    if base or dict_len != size:
+    _convert(src, base, dict_len, dst)
+
+
+def _convert(src: np.ndarray, base: int, dict_len: int, dst: np.ndarray) -> np.ndarray:
+    """The conversion itself, on flat arrays whose range the caller checked; returns
+    ``dst[:dict_len]``. Whole arrays are used as they are: every slice or view is one
+    more trip through numpy's indexing code on the per-token path."""
+    if base or dict_len != src.shape[0]:
         src = src[base:base + dict_len]
     if src.dtype != _BF16:
         src = src.view(_BF16)
-    np.copyto(dst if dict_len == dst.shape[0] else dst[:dict_len], src, casting="unsafe")
+    if dict_len != dst.shape[0]:
+        dst = dst[:dict_len]
+    np.copyto(dst, src, casting="unsafe")
+    return dst
 
 
 def find_nonfinite(values: np.ndarray) -> int | None:
@@ -144,9 +152,10 @@ def logits_row(n_tokens: int, tile_d0: int) -> int:
 
 def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelContract,
                    n_tokens: int, dst_f32: np.ndarray, *, job_id: int | None = None,
-                   seq_id: int | None = None, generation: int | None = None) -> None:
+                   seq_id: int | None = None, generation: int | None = None) -> np.ndarray:
     """After ``Wait``: check the output covers the last token's row, convert that row into
-    ``dst_f32[:vocab]`` and check it is finite.
+    ``dst_f32[:vocab]`` and check it is finite; returns that row (``dst_f32`` itself when
+    it is exactly ``vocab`` long).
 
     - ``dst_f32`` shorter than the vocabulary, not float32, or ``n_tokens`` wrong for the
       graph (decode takes exactly one) -> :class:`InvalidArgument`; nothing written.
@@ -189,11 +198,13 @@ def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelC
                          message=f"output {contract.logits.name!r} holds {size} BF16 values "
                                  f"({produced_bytes} bytes), row {row} needs "
                                  f"[{base}, {base + vocab})", **ctx)
-    dst = _flat(dst_f32, "logits target", **ctx)
-    convert_bf16_range(src, base, vocab, dst)
-    bad = find_nonfinite(dst if dst.shape[0] == vocab else dst[:vocab])
+    # every check convert_bf16_range makes is made above (the bounds against what the
+    # device wrote, not just the array): convert without repeating them
+    row_f32 = _convert(src, base, vocab, _flat(dst_f32, "logits target", **ctx))
+    bad = find_nonfinite(row_f32)
     if bad is not None:
-        value = float(dst[bad])
+        value = float(row_f32[bad])
         raise Internal(f"non-finite logit {value} at vocabulary index {bad} (row {row}, "
                        f"output element {base + bad})", category=ErrorCategory.UNKNOWN,
                        stage=_STAGE, **ctx)
+    return row_f32
