@@ -575,20 +575,13 @@ class BufferPool:
         Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
         with :meth:`wake_all`) or Unavailable (pool retired). ``cancelled`` is called with
         the pool lock held: it must be a cheap flag read that takes no lock."""
-        with self._lock:        # the common case: nobody queued and a slot is free
-            if not self._retired and not self._waiting.get((kind, engine)) \
-                    and (cancelled is None or not cancelled()):
-                slot = self._take(kind, engine)
-                if slot is not None:
-                    return self._lend(slot)
         clock = clock or _REAL
         # On a virtual clock nobody may advance it: bound the wait in real time too.
         real_limit = (time.monotonic() + (deadline - clock.now())
                       if getattr(clock, "virtual", False) else None)
-        ticket = object()
+        key = (kind, engine)
+        ticket: object | None = None        # our place in the FIFO, taken only to wait
         with self._lock:
-            queue = self._waiting.setdefault((kind, engine), deque())
-            queue.append(ticket)
             try:
                 while True:
                     if self._retired:
@@ -598,7 +591,8 @@ class BufferPool:
                                         stage="lease", generation=self.generation)
                     # first come, first served: a returned slot goes to the oldest
                     # waiter, never to a thread that arrived later (no starvation)
-                    if queue[0] is ticket:
+                    waiting = self._waiting.get(key)
+                    if (not waiting) if ticket is None else waiting[0] is ticket:
                         slot = self._take(kind, engine)
                         if slot is not None:
                             return self._lend(slot)
@@ -609,11 +603,16 @@ class BufferPool:
                         raise DeadlineExceeded(f"no {kind.value} buffer slot before the "
                                                "deadline", stage="lease",
                                                generation=self.generation)
+                    if ticket is None:
+                        ticket = object()
+                        self._waiting.setdefault(key, deque()).append(ticket)
                     self._cond.wait(min(left, _MAX_WAIT_S))  # loop re-checks everything
             finally:
-                queue.remove(ticket)
-                if queue:
-                    self._cond.notify_all()       # the next waiter is now the head
+                if ticket is not None:
+                    queue = self._waiting[key]
+                    queue.remove(ticket)
+                    if queue:
+                        self._cond.notify_all()   # the next waiter is now the head
 
     def wake_all(self) -> None:
         """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
