@@ -123,37 +123,39 @@ class FloorPath:
         self._done = threading.Lock()
         self._done.acquire()
         self._stop = False
-        self._threads = [threading.Thread(target=self._submitter, daemon=True),
-                         threading.Thread(target=self._completion, daemon=True)]
+        self._threads = [
+            threading.Thread(target=self._serve, args=(self._to_submit, self._submit),
+                             daemon=True),
+            threading.Thread(target=self._serve, args=(self._to_complete, self._complete),
+                             daemon=True)]
         for t in self._threads:
             t.start()
 
-    def _submitter(self) -> None:
-        s, d = self._set, self.runner.driver
+    def _serve(self, bell: Doorbell, step) -> None:
         while True:
-            self._to_submit.wait()
+            bell.wait()
             if self._stop:
                 return
-            check(d.infer(s.handle, s.inp, s.out), "infer")
-            self._to_complete.ring()
+            step()
 
-    def _completion(self) -> None:
+    def _submit(self) -> None:
+        s = self._set
+        check(self.runner.driver.infer(s.handle, s.inp, s.out), "infer")
+        self._to_complete.ring()
+
+    def _complete(self) -> None:
         s, d = self._set, self.runner.driver
-        while True:
-            self._to_complete.wait()
-            if self._stop:
-                return
-            check(d.wait(s.out, 30.0), "wait")
-            if d.status(s.out) != OutputStatus.DONE_OK:
-                raise RuntimeError("floor path: job not DONE_OK")
-            code, nbytes = d.output_bytes(s.out, s.out_name)
-            check(code, "output_bytes")
-            if nbytes != s.out_size:
-                raise RuntimeError(f"floor path: {nbytes} output bytes")
-            u = self.row.view(np.uint32)
-            np.copyto(u, s.logits[0])
-            u <<= np.uint32(16)
-            self._done.release()
+        check(d.wait(s.out, 30.0), "wait")
+        if d.status(s.out) != OutputStatus.DONE_OK:
+            raise RuntimeError("floor path: job not DONE_OK")
+        code, nbytes = d.output_bytes(s.out, s.out_name)
+        check(code, "output_bytes")
+        if nbytes != s.out_size:
+            raise RuntimeError(f"floor path: {nbytes} output bytes")
+        u = self.row.view(np.uint32)
+        np.copyto(u, s.logits[0])
+        u <<= np.uint32(16)
+        self._done.release()
 
     def block(self, steps: int, seq: int = 0) -> list[float]:
         r, row, s, d = self.runner, self.row, self._set, self.runner.driver
