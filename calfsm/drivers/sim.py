@@ -41,13 +41,14 @@ completion thread (``wait``) may call concurrently.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import attrs
 import numpy as np
@@ -70,6 +71,8 @@ from calfsm.errors import CalrtCode, InvalidArgument
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind
 
 __all__ = ["DEFAULT_CAPABILITIES", "LatencyModel", "SimDriver"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 _OK = 0
 _NOT_FOUND = int(CalrtCode.NOT_FOUND)
@@ -224,6 +227,24 @@ class _Job:
 # ---------------------------------------------------------------------------------------
 
 
+def _traced(call: str, record: Callable[..., tuple]) -> Callable[[_F], _F]:
+    """Make an implementation a protocol call: it runs under the driver lock, and when
+    tracing, ``(call, record(*args, **kwargs), result)`` is appended to the trace.
+
+    ``record`` takes the call's own arguments (same names and defaults) and returns the
+    ``(field, value)`` pairs of its trace record; it runs only when tracing is on."""
+    def wrap(impl: _F) -> _F:
+        @functools.wraps(impl)
+        def call_locked(self: SimDriver, *args: Any, **kwargs: Any) -> Any:
+            with self._lock:
+                rc = impl(self, *args, **kwargs)
+                if self._trace is not None:
+                    self._rec(call, record(*args, **kwargs), rc)
+                return rc
+        return call_locked  # type: ignore[return-value]
+    return wrap
+
+
 class SimDriver:
     """The simulated device. See the module docstring and ``docs/driver-protocol.md``."""
 
@@ -358,16 +379,8 @@ class SimDriver:
                 and b.epoch == self._epoch and self._configured is not None)
 
     # ---- configuration ----------------------------------------------------------------
+    @_traced("configure", lambda calbin: (("models", _calbin_label(calbin)),))
     def configure(self, calbin: Calbin) -> int:
-        with self._lock:
-            rc = self._configure(calbin)
-            if self._trace is not None:
-                name = ",".join(m.name for m in calbin.models) if isinstance(calbin, Calbin) \
-                    else type(calbin).__name__
-                self._rec("configure", (("models", name),), rc)
-            return rc
-
-    def _configure(self, calbin: Calbin) -> int:
         if self._closed:
             return _INVALID_STATE
         self._pump()
@@ -440,14 +453,8 @@ class SimDriver:
         return _OK, (_Buf(self, model, True, int(engine), f"in{k}"),
                      _Buf(self, model, False, int(engine), f"out{k}"))
 
+    @_traced("destroy_buffers", lambda inp, out: (("in", _label(inp)), ("out", _label(out))))
     def destroy_buffers(self, inp: _Buf, out: _Buf) -> int:
-        with self._lock:
-            rc = self._destroy(inp, out)
-            if self._trace is not None:
-                self._rec("destroy_buffers", (("in", _label(inp)), ("out", _label(out))), rc)
-            return rc
-
-    def _destroy(self, inp: _Buf, out: _Buf) -> int:
         if self._closed or not self._buf_ok(inp) or not self._buf_ok(out):
             return _INVALID_STATE
         if not inp.is_input or out.is_input:
@@ -459,14 +466,6 @@ class SimDriver:
             b.destroyed = True
             b.maps = {}
         return _OK
-
-    def map_buffer(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
-        with self._lock:
-            rc = self._map(buf, tensor, host)
-            if self._trace is not None:
-                self._rec("map_buffer", (("buf", _label(buf)), ("tensor", str(tensor)),
-                                         ("nbytes", int(getattr(host, "nbytes", -1)))), rc)
-            return rc
 
     def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
         """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
@@ -481,7 +480,10 @@ class SimDriver:
             return _WRONG_DIRECTION, None
         return _OK, info
 
-    def _map(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
+    @_traced("map_buffer", lambda buf, tensor, host: (
+        ("buf", _label(buf)), ("tensor", str(tensor)),
+        ("nbytes", int(getattr(host, "nbytes", -1)))))
+    def map_buffer(self, buf: _Buf, tensor: str, host: np.ndarray) -> int:
         rc, info = self._tensor(buf, tensor)
         if rc:
             return rc
@@ -504,15 +506,10 @@ class SimDriver:
             buf.out_bytes = None
         return _OK
 
+    @_traced("slice_tensor", lambda buf, tensor, offset, size: (
+        ("buf", _label(buf)), ("tensor", str(tensor)), ("offset", _num(offset)),
+        ("size", _num(size))))
     def slice_tensor(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
-        with self._lock:
-            rc = self._slice(buf, tensor, offset, size)
-            if self._trace is not None:
-                self._rec("slice_tensor", (("buf", _label(buf)), ("tensor", str(tensor)),
-                                           ("offset", _num(offset)), ("size", _num(size))), rc)
-            return rc
-
-    def _slice(self, buf: _Buf, tensor: str, offset: int, size: int) -> int:
         rc, info = self._tensor(buf, tensor)
         if rc:
             return rc
@@ -532,14 +529,8 @@ class SimDriver:
         buf.slices[tensor] = (int(offset), int(size))
         return _OK
 
+    @_traced("undo_slice", lambda buf, tensor: (("buf", _label(buf)), ("tensor", str(tensor))))
     def undo_slice(self, buf: _Buf, tensor: str) -> int:
-        with self._lock:
-            rc = self._undo_slice(buf, tensor)
-            if self._trace is not None:
-                self._rec("undo_slice", (("buf", _label(buf)), ("tensor", str(tensor))), rc)
-            return rc
-
-    def _undo_slice(self, buf: _Buf, tensor: str) -> int:
         rc, _info = self._tensor(buf, tensor)
         if rc:
             return rc
@@ -549,15 +540,9 @@ class SimDriver:
         buf.slices.pop(tensor, None)
         return _OK
 
+    @_traced("set_csr", lambda inp, name, value: (
+        ("buf", _label(inp)), ("name", str(name)), ("value", _num(value))))
     def set_csr(self, inp: _Buf, name: str, value: int) -> int:
-        with self._lock:
-            rc = self._set_csr(inp, name, value)
-            if self._trace is not None:
-                self._rec("set_csr", (("buf", _label(inp)), ("name", str(name)),
-                                      ("value", _num(value))), rc)
-            return rc
-
-    def _set_csr(self, inp: _Buf, name: str, value: int) -> int:
         if self._closed or not self._buf_ok(inp):
             return _INVALID_STATE
         if not inp.is_input:
@@ -575,14 +560,8 @@ class SimDriver:
         inp.csrs[name] = int(value)
         return _OK
 
+    @_traced("set_kv_seq", lambda inp, seq_id: (("buf", _label(inp)), ("seq", _num(seq_id))))
     def set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
-        with self._lock:
-            rc = self._set_kv_seq(inp, seq_id)
-            if self._trace is not None:
-                self._rec("set_kv_seq", (("buf", _label(inp)), ("seq", _num(seq_id))), rc)
-            return rc
-
-    def _set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
         if self._closed or not self._buf_ok(inp):
             return _INVALID_STATE
         if not inp.is_input:
@@ -599,12 +578,10 @@ class SimDriver:
         return _OK
 
     # ---- execution --------------------------------------------------------------------
+    @_traced("infer", lambda model, inp, out, *, tag=None: _infer_args(model, inp, out, tag,
+                                                                       None))
     def infer(self, model: _Model, inp: _Buf, out: _Buf, *, tag: JobTag | None = None) -> int:
-        with self._lock:
-            rc = self._infer(model, inp, out, tag, None)
-            if self._trace is not None:
-                self._rec("infer", _infer_args(model, inp, out, tag, None), rc)
-            return rc
+        return self._infer(model, inp, out, tag, None)
 
     def infer_fixed(self, model: _Model, inp: _Buf, out: _Buf, engine: EngineSlot, *,
                     tag: JobTag | None = None) -> int:
@@ -802,14 +779,8 @@ class SimDriver:
         else:
             refmodel.prefill_tile(hashes, model.rows, dest[:model.rows * model.vocab])
 
+    @_traced("wait", lambda out, timeout_s: (("out", _label(out)), ("timeout", _num(timeout_s))))
     def wait(self, out: _Buf, timeout_s: float) -> int:
-        with self._lock:
-            rc = self._wait(out, timeout_s)
-            if self._trace is not None:
-                self._rec("wait", (("out", _label(out)), ("timeout", _num(timeout_s))), rc)
-            return rc
-
-    def _wait(self, out: _Buf, timeout_s: float) -> int:
         if self._closed or not self._buf_ok(out) or out.is_input:
             return _INVALID_STATE
         self._pump()
@@ -898,59 +869,48 @@ class SimDriver:
                 self._rec("kv_can_allocate", (("n", _num(n)),), ok)
             return ok
 
+    @_traced("kv_apply", lambda seq_id, target_len: (("seq", _num(seq_id)),
+                                                    ("target", _num(target_len))))
     def kv_apply(self, seq_id: int, target_len: int) -> bool:
-        with self._lock:
-            ok = self._kv_apply(seq_id, target_len)
-            if self._trace is not None:
-                self._rec("kv_apply", (("seq", _num(seq_id)), ("target", _num(target_len))),
-                          ok)
-            return ok
-
-    def _kv_apply(self, seq: int, target: int) -> bool:
-        if self._closed or not _is_int(seq) or not _is_int(target) \
-                or not 0 <= seq < _SEQ_LIMIT or target < 0:
+        if self._closed or not _is_int(seq_id) or not _is_int(target_len) \
+                or not 0 <= seq_id < _SEQ_LIMIT or target_len < 0:
             return False
-        cur = self._kv_alloc.get(seq, 0)
-        need = target - cur
+        cur = self._kv_alloc.get(seq_id, 0)
+        need = target_len - cur
         if need > self.kv_capacity - self._kv_used:
             return False
-        if self._fault("kv_apply", seq=int(seq)) is not None:
+        if self._fault("kv_apply", seq=int(seq_id)) is not None:
             return False
         if need <= 0:
             return True
-        words = self._kv.get(seq)
-        if words is None or len(words) < target:
-            grown = np.zeros(max(target, 2 * len(words) if words is not None else 0, 16),
+        words = self._kv.get(seq_id)
+        if words is None or len(words) < target_len:
+            grown = np.zeros(max(target_len, 2 * len(words) if words is not None else 0, 16),
                              np.uint32)
             if words is not None:
                 grown[:len(words)] = words
-            self._kv[seq] = grown
-        self._kv_alloc[seq] = int(target)
+            self._kv[seq_id] = grown
+        self._kv_alloc[seq_id] = int(target_len)
         self._kv_used += need
         return True
 
+    @_traced("kv_release", lambda seq_id, keep_len=0: (("seq", _num(seq_id)),
+                                                      ("keep", _num(keep_len))))
     def kv_release(self, seq_id: int, keep_len: int = 0) -> int:
-        with self._lock:
-            rc = self._kv_release(seq_id, keep_len)
-            if self._trace is not None:
-                self._rec("kv_release", (("seq", _num(seq_id)), ("keep", _num(keep_len))), rc)
-            return rc
-
-    def _kv_release(self, seq: int, keep: int) -> int:
         if self._closed:
             return _INVALID_STATE
-        if not _is_int(seq) or not _is_int(keep) or keep < 0:
+        if not _is_int(seq_id) or not _is_int(keep_len) or keep_len < 0:
             return _INVALID_VALUE
-        cur = self._kv_alloc.get(seq)
-        if cur is None or keep >= cur:
+        cur = self._kv_alloc.get(seq_id)
+        if cur is None or keep_len >= cur:
             return _OK
-        self._kv[seq][keep:cur] = 0
-        self._kv_used -= cur - keep
-        if keep == 0:
-            del self._kv_alloc[seq]
-            del self._kv[seq]
+        self._kv[seq_id][keep_len:cur] = 0
+        self._kv_used -= cur - keep_len
+        if keep_len == 0:
+            del self._kv_alloc[seq_id]
+            del self._kv[seq_id]
         else:
-            self._kv_alloc[seq] = int(keep)
+            self._kv_alloc[seq_id] = int(keep_len)
         return _OK
 
     def kv_allocated(self, seq_id: int) -> int:
@@ -959,14 +919,8 @@ class SimDriver:
             return self._kv_alloc.get(seq_id, 0)
 
     # ---- device control ---------------------------------------------------------------
+    @_traced("reset", lambda kind: (("kind", str(getattr(kind, "value", kind))),))
     def reset(self, kind: ResetKind) -> int:
-        with self._lock:
-            rc = self._reset(kind)
-            if self._trace is not None:
-                self._rec("reset", (("kind", str(getattr(kind, "value", kind))),), rc)
-            return rc
-
-    def _reset(self, kind: Any) -> int:
         if self._closed:
             return _INVALID_STATE
         try:
@@ -1008,14 +962,8 @@ class SimDriver:
         self._h2d_free = self._comp_free = self._d2h_free = now
         self._cond.notify_all()
 
+    @_traced("enable_parallel_mode", lambda enabled: (("on", bool(enabled)),))
     def enable_parallel_mode(self, enabled: bool) -> int:
-        with self._lock:
-            rc = self._enable_parallel(enabled)
-            if self._trace is not None:
-                self._rec("enable_parallel_mode", (("on", bool(enabled)),), rc)
-            return rc
-
-    def _enable_parallel(self, enabled: bool) -> int:
         if self._closed:
             return _INVALID_STATE
         if not self._caps.parallel_mode:
@@ -1081,6 +1029,12 @@ def _calbin_usable(calbin: Calbin) -> bool:
                 return False
     return True
 
+
+
+def _calbin_label(calbin: Any) -> str:
+    if isinstance(calbin, Calbin):
+        return ",".join(m.name for m in calbin.models)
+    return type(calbin).__name__
 
 
 def _num(x: Any) -> Any:
