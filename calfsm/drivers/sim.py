@@ -467,6 +467,16 @@ class SimDriver:
             b.maps = {}
         return _OK
 
+    def _refused(self, buf: _Buf, call: str, **where: Any) -> int:
+        """The last checks of a call that programs a buffer, in the runtime's order: jobs
+        due by now complete first, a buffer the device holds is DEVICE_BUSY, then the fault
+        plan may refuse the call (``where`` matches its rules). 0: go ahead."""
+        self._pump()
+        if buf.job is not None:
+            return _DEVICE_BUSY
+        rule = self._fault(call, **where)
+        return 0 if rule is None else rule.effective_code
+
     def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
         """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
         driver or a stale/foreign buffer is INVALID_STATE before any name check."""
@@ -493,12 +503,9 @@ class SimDriver:
             return _SHAPE_MISMATCH
         if not buf.is_input and not host.flags.writeable:
             return _INVALID_VALUE
-        self._pump()
-        if buf.job is not None:
-            return _DEVICE_BUSY
-        rule = self._fault("map_buffer", seq=buf.kv_seq, name=tensor)
-        if rule is not None:
-            return rule.effective_code
+        rc = self._refused(buf, "map_buffer", seq=buf.kv_seq, name=tensor)
+        if rc:
+            return rc
         buf.maps[tensor] = host.reshape(-1)
         if not buf.is_input:
             buf.status = OutputStatus.IDLE
@@ -520,12 +527,9 @@ class SimDriver:
         item = info.dtype.itemsize
         if offset % item or size % item:
             return _INVALID_VALUE
-        self._pump()
-        if buf.job is not None:
-            return _DEVICE_BUSY
-        rule = self._fault("slice_tensor", seq=buf.kv_seq, name=tensor)
-        if rule is not None:
-            return rule.effective_code
+        rc = self._refused(buf, "slice_tensor", seq=buf.kv_seq, name=tensor)
+        if rc:
+            return rc
         buf.slices[tensor] = (int(offset), int(size))
         return _OK
 
@@ -551,12 +555,9 @@ class SimDriver:
             return _NOT_FOUND
         if not _is_int(value) or not 0 <= value <= _U32_MAX:
             return _INVALID_VALUE
-        self._pump()
-        if inp.job is not None:
-            return _DEVICE_BUSY
-        rule = self._fault("set_csr", seq=inp.kv_seq, name=name)
-        if rule is not None:
-            return rule.effective_code
+        rc = self._refused(inp, "set_csr", seq=inp.kv_seq, name=name)
+        if rc:
+            return rc
         inp.csrs[name] = int(value)
         return _OK
 
@@ -568,12 +569,9 @@ class SimDriver:
             return _WRONG_DIRECTION
         if not _is_int(seq_id) or not 0 <= seq_id < _SEQ_LIMIT:
             return _INVALID_VALUE
-        self._pump()
-        if inp.job is not None:
-            return _DEVICE_BUSY
-        rule = self._fault("set_kv_seq", seq=int(seq_id))
-        if rule is not None:
-            return rule.effective_code
+        rc = self._refused(inp, "set_kv_seq", seq=int(seq_id))
+        if rc:
+            return rc
         inp.kv_seq = int(seq_id)
         return _OK
 
