@@ -59,7 +59,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calfsm.clock import RealClock
 from calfsm.doorbell import Doorbell
-from calfsm.drivers.base import OutputStatus
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.errors import check
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -123,6 +122,7 @@ class FloorPath:
         self._done = threading.Lock()
         self._done.acquire()
         self._stop = False
+        self._seq = 0
         self._threads = [
             threading.Thread(target=self._serve, args=(self._to_submit, self._submit),
                              daemon=True),
@@ -144,35 +144,27 @@ class FloorPath:
         self._to_complete.ring()
 
     def _complete(self) -> None:
-        s, d = self._set, self.runner.driver
-        check(d.wait(s.out, 30.0), "wait")
-        if d.status(s.out) != OutputStatus.DONE_OK:
-            raise RuntimeError("floor path: job not DONE_OK")
-        code, nbytes = d.output_bytes(s.out, s.out_name)
-        check(code, "output_bytes")
-        if nbytes != s.out_size:
-            raise RuntimeError(f"floor path: {nbytes} output bytes")
-        u = self.row.view(np.uint32)
-        np.copyto(u, s.logits[0])
+        self.runner._collect(self._set, self._seq)
+        u = self.row.view(np.uint32)             # the direct path's BF16 -> FP32
+        np.copyto(u, self._set.logits[0])
         u <<= np.uint32(16)
         self._done.release()
 
     def block(self, steps: int, seq: int = 0) -> list[float]:
-        r, row, s, d = self.runner, self.row, self._set, self.runner.driver
+        r, row, s = self.runner, self.row, self._set
         tok = int(np.argmax(r.prefill(seq, PROMPT, out=row)))
         pos, out = len(PROMPT), []
+        self._seq = seq
         clock = time.perf_counter
         for _ in range(steps):
             t0 = clock()
-            s.tok[0] = tok
+            s.tok[0] = tok                  # DirectRunner.decode_bf16, over three threads
             s.pos[0] = pos
-            if not d.kv_apply(seq, pos + 1):
-                raise RuntimeError("floor path: kv_apply refused")
-            check(d.set_csr(s.inp, s.cur, 1), "set_csr")
-            check(d.set_csr(s.inp, s.total, pos + 1), "set_csr")
-            check(d.set_kv_seq(s.inp, seq), "set_kv_seq")
+            r._program(s, seq, 1, pos + 1)
             self._to_submit.ring()
-            self._done.acquire()
+            if not self._done.acquire(timeout=30.0):
+                raise RuntimeError("floor path: no completion within 30 s (see the "
+                                   "thread's traceback)")
             tok = int(np.argmax(row))
             out.append(clock() - t0)
             pos += 1

@@ -101,6 +101,12 @@ class DirectRunner:
 
     # ---- one job ----------------------------------------------------------------------
     def _run(self, s: _Set, seq_id: int, n: int, total: int) -> None:
+        self._program(s, seq_id, n, total)
+        check(self.driver.infer(s.handle, s.inp, s.out), "infer", seq_id=seq_id)
+        self._collect(s, seq_id)
+
+    def _program(self, s: _Set, seq_id: int, n: int, total: int) -> None:
+        """Everything before ``infer``: KV room, both CSRs and the KV sequence."""
         d = self.driver
         ctx = {"seq_id": seq_id}
         if not d.kv_apply(seq_id, total):
@@ -109,7 +115,11 @@ class DirectRunner:
         check(d.set_csr(s.inp, s.cur, n), "set_csr", **ctx)
         check(d.set_csr(s.inp, s.total, total), "set_csr", **ctx)
         check(d.set_kv_seq(s.inp, seq_id), "set_kv_seq", **ctx)
-        check(d.infer(s.handle, s.inp, s.out), "infer", **ctx)
+
+    def _collect(self, s: _Set, seq_id: int) -> None:
+        """Everything after ``infer``: wait, status, and the output's byte count."""
+        d = self.driver
+        ctx = {"seq_id": seq_id}
         check(d.wait(s.out, self.timeout_s), "wait", **ctx)
         st = d.status(s.out)
         if st != OutputStatus.DONE_OK:
