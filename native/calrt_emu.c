@@ -227,8 +227,13 @@ static emu_model *model_lookup(device *d, calrt_model_t h) {
     return &d->cfg->models[idx];
 }
 
-/* Tensor of the buffer's direction: index, or -CALRT_NOT_FOUND / -CALRT_WRONG_DIRECTION. */
-static int tensor_of(emu_buf *b, const char *name) {
+/* A live buffer and one of its tensors: the tensor's index, or -(the code): the buffer
+ * unknown, destroyed or of an older configuration (INVALID_STATE, before any name check),
+ * the name unknown (NOT_FOUND) or a tensor of the other direction (WRONG_DIRECTION). */
+static int buf_tensor(device *d, calrt_buf_t h, const char *name, emu_buf **out) {
+    emu_buf *b = buf_lookup(d, h);
+    *out = b;
+    if (!b) return -CALRT_INVALID_STATE;
     emu_model *m = buf_model(b);
     for (uint32_t i = 0; i < m->n_inputs + m->n_outputs; i++) {
         if (strcmp(m->tensors[i].name, name) == 0) {
@@ -928,9 +933,8 @@ int32_t calrt_map_buf(calrt_device_t h, calrt_buf_t buf, const char *tensor, voi
                       uint64_t nbytes, const char *dtype) {
     if (!tensor || !dtype) return CALRT_INVALID_VALUE;
     ENTER(h);
-    emu_buf *b = buf_lookup(d, buf);
-    if (!b) RETURN(CALRT_INVALID_STATE);
-    int t = tensor_of(b, tensor);
+    emu_buf *b;
+    int t = buf_tensor(d, buf, tensor, &b);
     if (t < 0) RETURN(-t);
     const emu_tensor *ti = &buf_model(b)->tensors[t];
     if (strcmp(ti->dtype, dtype) != 0) RETURN(CALRT_DTYPE_MISMATCH);
@@ -953,9 +957,8 @@ int32_t calrt_slice_tensor(calrt_device_t h, calrt_buf_t buf, const char *tensor
                            int64_t offset, int64_t size) {
     if (!tensor) return CALRT_INVALID_VALUE;
     ENTER(h);
-    emu_buf *b = buf_lookup(d, buf);
-    if (!b) RETURN(CALRT_INVALID_STATE);
-    int t = tensor_of(b, tensor);
+    emu_buf *b;
+    int t = buf_tensor(d, buf, tensor, &b);
     if (t < 0) RETURN(-t);
     const emu_tensor *ti = &buf_model(b)->tensors[t];
     if (size <= 0 || offset < 0 || (uint64_t)offset > ti->byte_size ||
@@ -975,9 +978,8 @@ int32_t calrt_slice_tensor(calrt_device_t h, calrt_buf_t buf, const char *tensor
 int32_t calrt_undo_slice(calrt_device_t h, calrt_buf_t buf, const char *tensor) {
     if (!tensor) return CALRT_INVALID_VALUE;
     ENTER(h);
-    emu_buf *b = buf_lookup(d, buf);
-    if (!b) RETURN(CALRT_INVALID_STATE);
-    int t = tensor_of(b, tensor);
+    emu_buf *b;
+    int t = buf_tensor(d, buf, tensor, &b);
     if (t < 0) RETURN(-t);
     BUF_BUSY_CHECK(b, buf);
     b->maps[t].sliced = 0;
@@ -1204,9 +1206,8 @@ int32_t calrt_output_bytes(calrt_device_t h, calrt_buf_t out, const char *tensor
                            uint64_t *nbytes) {
     if (!tensor || !nbytes) return CALRT_INVALID_VALUE;
     ENTER(h);
-    emu_buf *b = buf_lookup(d, out);
-    if (!b) RETURN(CALRT_INVALID_STATE);
-    int t = tensor_of(b, tensor);
+    emu_buf *b;
+    int t = buf_tensor(d, out, tensor, &b);
     if (t < 0) RETURN(-t);
     drain_due(d);
     b = buf_lookup(d, out);
