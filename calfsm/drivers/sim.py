@@ -399,25 +399,25 @@ class SimDriver:
             mm.max_seq = self._max_seq
         return _OK
 
+    def _unconfigured(self) -> int:
+        """INVALID_STATE once closed, MISSING_CONFIG before ``configure``, else 0: the
+        first check of every call that needs the configured models."""
+        if self._closed:
+            return _INVALID_STATE
+        return _MISSING_CONFIG if self._configured is None else _OK
+
     def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]:
         with self._lock:
-            if self._closed:
-                rc, val = _INVALID_STATE, None
-            elif self._configured is None:
-                rc, val = _MISSING_CONFIG, None
-            else:
-                rc, val = _OK, tuple(self._configured.models)
+            rc = self._unconfigured()
+            val = None if rc else tuple(self._configured.models)  # type: ignore[union-attr]
             if self._trace is not None:
                 self._rec("get_all_models", (), rc)
             return rc, val
 
     def model(self, exact_name: str) -> tuple[int, _Model | None]:
         with self._lock:
-            if self._closed:
-                rc, val = _INVALID_STATE, None
-            elif self._configured is None:
-                rc, val = _MISSING_CONFIG, None
-            else:
+            rc, val = self._unconfigured(), None
+            if not rc:
                 val = self._models.get(exact_name) if isinstance(exact_name, str) else None
                 rc = _OK if val is not None else _NOT_FOUND
             if self._trace is not None:
@@ -598,10 +598,9 @@ class SimDriver:
 
     def _infer(self, model: _Model, inp: _Buf, out: _Buf, tag: JobTag | None,
                engine: int | None) -> int:
-        if self._closed:
-            return _INVALID_STATE
-        if self._configured is None:
-            return _MISSING_CONFIG
+        rc = self._unconfigured()
+        if rc:
+            return rc
         if not (self._model_ok(model) and self._buf_ok(inp) and self._buf_ok(out)):
             return _INVALID_STATE
         if inp.model is not model or out.model is not model or not inp.is_input \
