@@ -51,7 +51,7 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, Self, runtime_checkable
 
 import attrs
 import numpy as np
@@ -65,6 +65,7 @@ __all__ = [
     "U32_MAX",
     "Calbin",
     "Capabilities",
+    "ClosesOnExit",
     "Driver",
     "EngineSlot",
     "JobTag",
@@ -223,6 +224,17 @@ class ModelHandle(Protocol):
     """An opaque configured model (a sub-model of the calbin), found by exact name."""
 
     name: str
+
+
+class ClosesOnExit:
+    """``with driver:`` closes the driver when the block ends (a mixin of the shipped
+    drivers; a driver of your own may use it or not)."""
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()  # type: ignore[attr-defined]
 
 
 @runtime_checkable

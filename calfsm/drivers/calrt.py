@@ -61,6 +61,7 @@ from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import (
     Calbin,
     Capabilities,
+    ClosesOnExit,
     EngineSlot,
     JobTag,
     OutputStatus,
@@ -348,7 +349,7 @@ def _cname(name: Any) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-class CalrtDriver:
+class CalrtDriver(ClosesOnExit):
     """The Driver protocol over a CalRT ABI library. See the module docstring."""
 
     name = "calrt"
@@ -864,12 +865,6 @@ class CalrtDriver:
             if self._trace is not None:
                 self._trace.append((self.clock.now(), "calrt_device_close", (), 0))
             self._finalizer()   # closes the device: aborts jobs, joins its thread
-
-    def __enter__(self) -> CalrtDriver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (

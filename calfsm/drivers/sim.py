@@ -60,6 +60,7 @@ from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import (
     Calbin,
     Capabilities,
+    ClosesOnExit,
     EngineSlot,
     JobTag,
     OutputStatus,
@@ -245,7 +246,7 @@ def _traced(call: str, record: Callable[..., tuple]) -> Callable[[_F], _F]:
     return wrap
 
 
-class SimDriver:
+class SimDriver(ClosesOnExit):
     """The simulated device. See the module docstring and ``docs/driver-protocol.md``."""
 
     name = "sim"
@@ -990,12 +991,6 @@ class SimDriver:
             self._cond.notify_all()
         if self._trace_path is not None:
             self.write_trace(self._trace_path)
-
-    def __enter__(self) -> SimDriver:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (
