@@ -234,7 +234,10 @@ class ClosesOnExit:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()  # type: ignore[attr-defined]
+        self.close()
+
+    def close(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} must define close()")
 
 
 @runtime_checkable

@@ -471,12 +471,12 @@ class SimDriver(ClosesOnExit):
     def _refused(self, buf: _Buf, call: str, **where: Any) -> int:
         """The last checks of a call that programs a buffer, in the runtime's order: jobs
         due by now complete first, a buffer the device holds is DEVICE_BUSY, then the fault
-        plan may refuse the call (``where`` matches its rules). 0: go ahead."""
+        plan may refuse the call (``where`` matches its rules). ``_OK``: go ahead."""
         self._pump()
         if buf.job is not None:
             return _DEVICE_BUSY
         rule = self._fault(call, **where)
-        return 0 if rule is None else rule.effective_code
+        return _OK if rule is None else rule.effective_code
 
     def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
         """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
