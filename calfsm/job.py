@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -22,6 +22,7 @@ from calfsm.drivers.base import EngineSlot
 from calfsm.errors import CalfsmError, DeadlineExceeded
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
+from calfsm.request import Request
 
 if TYPE_CHECKING:
     from calfsm.buffers import BufferLease
@@ -30,51 +31,6 @@ if TYPE_CHECKING:
 __all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request"]
 
 log = logging.getLogger("calfsm.job")
-
-
-_I64 = np.dtype(np.int64)
-
-
-def _int_array(values: Any) -> np.ndarray | None:
-    if values is None:
-        return None
-    if type(values) is np.ndarray and values.ndim == 1 and values.dtype == _I64:
-        return values                   # already what we keep (a decode builds this)
-    return np.asarray(values, dtype=np.int64).reshape(-1)
-
-
-@attrs.frozen
-class Request:
-    """One inference job: a prefill of ``tokens`` or a one-token decode, for one sequence.
-
-    ``positions`` default to ``past_len, past_len+1, ...``; ``past_len`` defaults to the
-    first position. ``deadline_s`` bounds the whole job from enqueue (the executor's
-    admission/queue/execution timeouts apply inside it). ``target``, when given, is the
-    caller's float32 array (at least ``vocab`` long) the logits are written into — no
-    copy, no temporary of the vocabulary.
-    """
-
-    seq_id: int
-    kind: TaskKind
-    tokens: Any = attrs.field(default=None, converter=_int_array)
-    positions: Any = attrs.field(default=None, converter=_int_array)
-    past_len: int | None = None
-    deadline_s: float | None = None
-    target: np.ndarray | None = attrs.field(default=None, eq=False)
-    seq_count: int = 1
-    engine: EngineSlot = EngineSlot.AUTO
-
-    @classmethod
-    def prefill(cls, seq_id: int, tokens: Sequence[int], *, past_len: int = 0,
-                **kw: Any) -> Request:
-        n = len(tokens)
-        return cls(seq_id, TaskKind.PREFILL_IDS, tokens,
-                   np.arange(past_len, past_len + n), past_len=past_len, **kw)
-
-    @classmethod
-    def decode(cls, seq_id: int, token: int, position: int, **kw: Any) -> Request:
-        return cls(seq_id, TaskKind.DECODE, np.array((token,), _I64),
-                   np.array((position,), _I64), past_len=position, **kw)
 
 
 @attrs.define(slots=True)
