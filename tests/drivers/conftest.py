@@ -1,9 +1,11 @@
-"""The driver conformance fixture: every test in this folder runs once per driver.
+"""The driver conformance fixture: every test in this folder runs once per registered
+driver (:func:`calfsm.drivers.driver_names`).
 
 A factory builds a fresh, unconfigured driver from keyword options that every driver
 understands: ``faults`` (a :class:`~calfsm.drivers.faults.FaultPlan`), ``kv_capacity``
 (token positions), ``latency`` (a :class:`~calfsm.drivers.sim.LatencyModel`) and
-``seed``. To add a driver, add one line to :data:`DRIVER_FACTORIES`.
+``seed``. It calls the class's ``virtual(**options)`` (a driver on a fresh virtual clock)
+when the class has one, else the class itself. To add a driver, register it.
 """
 
 from __future__ import annotations
@@ -13,19 +15,17 @@ from typing import Any
 
 import pytest
 
+from calfsm.drivers import driver_class, driver_names
 from calfsm.drivers.base import Driver
-from calfsm.drivers.sim import SimDriver
-
-DriverFactory = Callable[..., Driver]
-
-#: name -> factory(**options) -> a fresh, unconfigured driver
-DRIVER_FACTORIES: dict[str, DriverFactory] = {
-    "sim": lambda **kw: SimDriver(**kw),
-    "calrt": lambda **kw: __import__("calfsm.drivers.calrt").drivers.calrt.CalrtDriver.virtual(**kw),  # noqa: E501
-}
 
 
-@pytest.fixture(params=sorted(DRIVER_FACTORIES))
+def factory(name: str) -> Callable[..., Driver]:
+    """factory(**options) -> a fresh, unconfigured driver of the one registered as name."""
+    cls = driver_class(name)
+    return getattr(cls, "virtual", cls)
+
+
+@pytest.fixture(params=driver_names())
 def driver_name(request: pytest.FixtureRequest) -> str:
     return request.param
 
@@ -35,9 +35,10 @@ def make_driver(driver_name: str) -> Iterator[Callable[..., Driver]]:
     """``make_driver(faults=..., kv_capacity=..., latency=..., seed=...)``; every driver
     made is closed after the test."""
     made: list[Driver] = []
+    make_one = factory(driver_name)
 
     def make(**options: Any) -> Driver:
-        d = DRIVER_FACTORIES[driver_name](**options)
+        d = make_one(**options)
         made.append(d)
         return d
 
