@@ -10,6 +10,11 @@ defect S09).
 Loading goes through one project-owned cattrs converter that forbids unknown keys; every
 failure, structural or semantic, is a :class:`~calfsm.errors.ManifestError` whose message
 names the field path (``submodels[1].logits.byte_size``) and the offending value.
+Beyond form, :meth:`Manifest.validate` checks meaning, so a manifest that could never
+serve fails at load, not at warm-up: the required kinds (:data:`REQUIRED_KINDS`), one
+vocabulary across the logit-producing sub-models, BF16 logits of the promised tile,
+distinct tensor and CSR names within a sub-model, integer ids and positions wide enough
+for the vocabulary and ``max_seq``, one position per token, a 64-hex ``calbin_sha256``.
 
 :meth:`Manifest.resolve` checks the manifest against the models a device lists and
 reports every difference in one error, so an operator fixes them all in one round.
@@ -20,6 +25,7 @@ from __future__ import annotations
 import enum
 import json
 import math
+import re
 import reprlib
 import tomllib
 from collections import Counter
@@ -36,6 +42,7 @@ from cattrs.gen import make_dict_structure_fn
 from calfsm.errors import ManifestError
 
 __all__ = [
+    "REQUIRED_KINDS",
     "DType",
     "Manifest",
     "ModelGeneration",
@@ -45,6 +52,7 @@ __all__ = [
     "TensorContract",
     "TensorInfo",
     "builtin_manifest",
+    "builtin_manifest_names",
 ]
 
 
@@ -59,6 +67,13 @@ class TaskKind(enum.StrEnum):
     @property
     def is_prefill(self) -> bool:
         return self in (TaskKind.PREFILL_IDS, TaskKind.PREFILL_EMBEDS)
+
+
+#: the kinds every manifest must hold: the warm-up golden runs a prefill_ids and a decode
+REQUIRED_KINDS = (TaskKind.PREFILL_IDS, TaskKind.DECODE)
+#: the kinds that take tokens (or embeddings) and yield BF16 logits over one vocabulary
+_LOGITS_KINDS = frozenset({TaskKind.PREFILL_IDS, TaskKind.PREFILL_EMBEDS, TaskKind.DECODE})
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 class DType(enum.StrEnum):
@@ -89,6 +104,8 @@ _ITEMSIZE = {DType.S32: 4, DType.U32: 4, DType.S16: 2, DType.U16: 2, DType.S8: 1
 _HOST_DTYPE = {DType.S32: "<i4", DType.U32: "<u4", DType.S16: "<i2", DType.U16: "<u2",
                DType.S8: "i1", DType.U8: "u1", DType.F32: "<f4", DType.F16: "<f2",
                DType.BF16: "<u2"}
+_INT_MAX = {DType.S32: 2**31 - 1, DType.U32: 2**32 - 1, DType.S16: 2**15 - 1,
+            DType.U16: 2**16 - 1, DType.S8: 2**7 - 1, DType.U8: 2**8 - 1}
 
 
 @attrs.frozen
@@ -248,46 +265,47 @@ class Manifest:
 
     # ---- validation ----------------------------------------------------------------
     def validate(self) -> None:
-        """Check the manifest against itself; raise one error listing every problem."""
+        """Check the manifest against itself, by form and by meaning; raise one
+        :class:`ManifestError` listing every problem, each under its field path."""
         problems: list[str] = []
+        if not _SHA256.fullmatch(self.calbin_sha256):
+            problems.append(f"calbin_sha256: must be 64 lowercase hex digits, got "
+                            f"{reprlib.repr(self.calbin_sha256)}")
+        if not self.calrt_version:
+            problems.append("calrt_version: empty")
         if not self.submodels:
             problems.append("submodels: empty")
         names = Counter(s.exact_name for s in self.submodels)
         for i, sub in enumerate(self.submodels):
             at = f"submodels[{i}]"
-            if not sub.exact_name:
-                problems.append(f"{at}.exact_name: empty")
-            elif names[sub.exact_name] > 1:
+            if names[sub.exact_name] > 1:
                 problems.append(f"{at}.exact_name: {sub.exact_name!r} is not unique")
-            for field in ("max_batch", "max_seq"):
-                if getattr(sub, field) <= 0:
-                    problems.append(f"{at}.{field}: must be positive, got "
-                                    f"{getattr(sub, field)}")
-            for field in ("token_or_embed", "position", "logits"):
-                problems.extend(_tensor_problems(f"{at}.{field}", getattr(sub, field)))
-            for field in ("csr_cur_seq", "csr_total_seq"):
-                if not getattr(sub, field):
-                    problems.append(f"{at}.{field}: empty")
-            if sub.kind.is_prefill:
-                d0 = sub.logits_tile_d0
-                if d0 is None:
-                    problems.append(f"{at}.logits_tile_d0: required for {sub.kind.value} "
-                                    "(it comes from the graph metadata, never a default)")
-                elif d0 <= 0:
-                    problems.append(f"{at}.logits_tile_d0: must be positive, got {d0}")
-                elif len(sub.logits.shape) >= 2 and sub.logits.shape[-2] != d0:
-                    problems.append(f"{at}.logits.shape: {list(sub.logits.shape)} has "
-                                    f"{sub.logits.shape[-2]} rows, logits_tile_d0 is {d0}")
-            elif (sub.kind is TaskKind.DECODE and sub.logits.shape
-                  and sub.logits.element_count != sub.vocab):
-                problems.append(f"{at}.logits.shape: decode logits must hold one row, got "
-                                f"{list(sub.logits.shape)}")
+            problems.extend(_submodel_problems(at, sub))
         kinds = Counter(s.kind for s in self.submodels)
         for kind, n in kinds.items():
             if n > 1:
                 problems.append(f"submodels: {n} sub-models of kind {kind.value}")
+        for kind in REQUIRED_KINDS:
+            if self.submodels and kind not in kinds:
+                problems.append(f"submodels: no {kind.value} sub-model (required: "
+                                f"{', '.join(k.value for k in REQUIRED_KINDS)}; the "
+                                "warm-up golden runs both)")
+        problems.extend(self._vocabulary_problems())
         if problems:
             raise ManifestError("invalid manifest: " + "; ".join(problems), stage="manifest")
+
+    def _vocabulary_problems(self) -> list[str]:
+        """Every sub-model that yields logits must share the decode sub-model's vocabulary
+        (a prefill's greedy token is fed to decode)."""
+        lm = [(i, s) for i, s in enumerate(self.submodels)
+              if s.kind in _LOGITS_KINDS and s.logits.shape]
+        ref = next(((i, s) for i, s in lm if s.kind is TaskKind.DECODE), lm[0] if lm else None)
+        if ref is None:
+            return []
+        j, want = ref
+        return [f"submodels[{i}].logits.shape: vocabulary {s.vocab} != "
+                f"{want.vocab} of the {want.kind.value} sub-model (submodels[{j}])"
+                for i, s in lm if s.vocab != want.vocab]
 
     def submodel(self, kind: TaskKind) -> SubmodelContract:
         for sub in self.submodels:
@@ -350,6 +368,81 @@ class Manifest:
                    ) -> ModelGeneration:
         return ModelGeneration(generation_id, self.calbin_sha256, self.calrt_version,
                                {s.kind: s for s in self.submodels}, dict(device_models or {}))
+
+
+def _submodel_problems(at: str, sub: SubmodelContract) -> list[str]:
+    problems = []
+    if not sub.exact_name:
+        problems.append(f"{at}.exact_name: empty")
+    for field in ("max_batch", "max_seq"):
+        if getattr(sub, field) <= 0:
+            problems.append(f"{at}.{field}: must be positive, got {getattr(sub, field)}")
+    tensors = {f: getattr(sub, f) for f in ("token_or_embed", "position", "logits")}
+    for field, t in tensors.items():
+        problems.extend(_tensor_problems(f"{at}.{field}", t))
+    first: dict[str, str] = {}
+    for field, t in tensors.items():
+        if t.name and first.setdefault(t.name, field) != field:
+            problems.append(f"{at}.{field}.name: {t.name!r} is also "
+                            f"{at}.{first[t.name]}.name")
+    for field in ("csr_cur_seq", "csr_total_seq"):
+        if not getattr(sub, field):
+            problems.append(f"{at}.{field}: empty")
+    if sub.csr_cur_seq and sub.csr_cur_seq == sub.csr_total_seq:
+        problems.append(f"{at}.csr_total_seq: {sub.csr_total_seq!r} is also csr_cur_seq")
+    if sub.kind in _LOGITS_KINDS:
+        problems.extend(_language_problems(at, sub))
+    return problems
+
+
+def _language_problems(at: str, sub: SubmodelContract) -> list[str]:
+    """What a sub-model that takes tokens (or embeddings) and yields logits must hold."""
+    problems = []
+    tok, pos, logits = sub.token_or_embed, sub.position, sub.logits
+    if logits.dtype is not DType.BF16:
+        problems.append(f"{at}.logits.dtype: must be BF16 (the logits path converts "
+                        f"BF16 rows), got {logits.dtype.value}")
+    if sub.kind.is_prefill:
+        d0 = sub.logits_tile_d0
+        if d0 is None:
+            problems.append(f"{at}.logits_tile_d0: required for {sub.kind.value} "
+                            "(it comes from the graph metadata, never a default)")
+        elif d0 <= 0:
+            problems.append(f"{at}.logits_tile_d0: must be positive, got {d0}")
+        elif len(logits.shape) >= 2 and logits.shape[-2] != d0:
+            problems.append(f"{at}.logits.shape: {list(logits.shape)} has "
+                            f"{logits.shape[-2]} rows, logits_tile_d0 is {d0}")
+        elif logits.element_count != d0 * sub.vocab:
+            problems.append(f"{at}.logits.shape: prefill logits must be [1, "
+                            f"logits_tile_d0, vocab], got {list(logits.shape)}")
+    elif logits.shape and logits.element_count != sub.vocab:
+        problems.append(f"{at}.logits.shape: decode logits must hold one row, got "
+                        f"{list(logits.shape)}")
+    if not (tok.shape and pos.shape and logits.shape):
+        return problems     # reported by _tensor_problems; nothing below can be judged
+    embeds = sub.kind is TaskKind.PREFILL_EMBEDS
+    if embeds and len(tok.shape) < 2:
+        return [*problems, f"{at}.token_or_embed.shape: embeddings must be [..., tokens, "
+                           f"hidden], got {list(tok.shape)}"]
+    if not embeds:
+        problems.extend(_integer_problems(f"{at}.token_or_embed.dtype", tok.dtype,
+                                          sub.vocab - 1, "token ids"))
+    problems.extend(_integer_problems(f"{at}.position.dtype", pos.dtype, sub.max_seq - 1,
+                                      "positions"))
+    if pos.element_count != sub.max_tokens:
+        problems.append(f"{at}.position.shape: {list(pos.shape)} holds "
+                        f"{pos.element_count} positions, token_or_embed holds "
+                        f"{sub.max_tokens} tokens")
+    return problems
+
+
+def _integer_problems(at: str, dtype: DType, largest: int, what: str) -> list[str]:
+    top = _INT_MAX.get(dtype)
+    if top is None:
+        return [f"{at}: {what} need an integer type, got {dtype.value}"]
+    if largest > top:
+        return [f"{at}: {dtype.value} cannot hold {what} up to {largest}"]
+    return []
 
 
 def _tensor_problems(at: str, t: TensorContract) -> list[str]:
@@ -483,12 +576,19 @@ def _describe(exc: BaseException, type_: Any) -> str:
     return str(exc)
 
 
+_BUILTINS = {"qwen3-b1": "qwen3-b1.manifest.json", "tiny": "tiny.manifest.json"}
+
+
+def builtin_manifest_names() -> tuple[str, ...]:
+    """The names :func:`builtin_manifest` accepts."""
+    return tuple(_BUILTINS)
+
+
 def builtin_manifest(name: str = "qwen3-b1") -> Manifest:
     """A manifest shipped with calfsm: ``qwen3-b1`` (the current Qwen3 batch=1 calbin) or
     ``tiny`` (same graph shapes, vocabulary 1024 and max_seq 8192, for fast tests)."""
-    files = {"qwen3-b1": "qwen3-b1.manifest.json", "tiny": "tiny.manifest.json"}
-    if name not in files:
-        raise ManifestError(f"no built-in manifest {name!r} (have {sorted(files)})",
+    if name not in _BUILTINS:
+        raise ManifestError(f"no built-in manifest {name!r} (have {sorted(_BUILTINS)})",
                             stage="manifest")
-    text = resources.files("calfsm.data").joinpath(files[name]).read_text("utf-8")
+    text = resources.files("calfsm.data").joinpath(_BUILTINS[name]).read_text("utf-8")
     return Manifest.from_dict(json.loads(text))

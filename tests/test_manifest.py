@@ -23,6 +23,7 @@ from calfsm.manifest import (
     TaskKind,
     TensorInfo,
     builtin_manifest,
+    builtin_manifest_names,
 )
 
 QWEN = builtin_manifest("qwen3-b1")
@@ -186,6 +187,67 @@ BAD: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
 }
 
 
+def resized(*path: Any, field: str, value: Any, byte_size: int) -> Callable[[dict], None]:
+    """Set a tensor's ``field`` and keep its byte size consistent, so only meaning is off."""
+    def mutate(d: dict) -> None:
+        t = d
+        for key in path:
+            t = t[key]
+        t[field], t["byte_size"] = value, byte_size
+    return mutate
+
+
+# Manifests well-formed field by field but wrong by meaning: each fails at load.
+WRONG_BY_MEANING: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
+    "prefill vocabulary differs from decode": (
+        resized("submodels", 0, "logits", field="shape", value=[1, 16, 151935],
+                byte_size=16 * 151935 * 2),
+        ("submodels[0].logits.shape: vocabulary 151935 != 151936 of the decode "
+         "sub-model (submodels[1])",)),
+    "two tensors of a sub-model share a name": (
+        setter("submodels", 1, "position", "name", value="input_ids"),
+        ("submodels[1].position.name: 'input_ids' is also "
+         "submodels[1].token_or_embed.name",)),
+    "logits and an input share a name": (
+        setter("submodels", 0, "logits", "name", value="position_ids"),
+        ("submodels[0].logits.name: 'position_ids' is also submodels[0].position.name",)),
+    "no decode sub-model": (
+        lambda d: d["submodels"].pop(1), ("submodels: no decode sub-model",)),
+    "no prefill_ids sub-model": (
+        lambda d: d["submodels"].pop(0), ("submodels: no prefill_ids sub-model",)),
+    "logits not BF16": (
+        setter("submodels", 1, "logits", "dtype", value="F16"),
+        ("submodels[1].logits.dtype: must be BF16", "got F16")),
+    "one CSR for both lengths": (
+        setter("submodels", 0, "csr_total_seq", value="cur_seq"),
+        ("submodels[0].csr_total_seq: 'cur_seq' is also csr_cur_seq",)),
+    "empty calrt_version": (setter("calrt_version", value=""), ("calrt_version: empty",)),
+    "float token ids": (
+        setter("submodels", 1, "token_or_embed", "dtype", value="F32"),
+        ("submodels[1].token_or_embed.dtype: token ids need an integer type, got F32",)),
+    "token ids wider than their dtype": (
+        resized("submodels", 1, "token_or_embed", field="dtype", value="U16", byte_size=2),
+        ("submodels[1].token_or_embed.dtype: U16 cannot hold token ids up to 151935",)),
+    "positions wider than their dtype": (
+        resized("submodels", 1, "position", field="dtype", value="S16", byte_size=2),
+        ("submodels[1].position.dtype: S16 cannot hold positions up to 40959",)),
+    "fewer positions than tokens": (
+        resized("submodels", 0, "position", field="shape", value=[1, 20480],
+                byte_size=20480 * 4),
+        ("submodels[0].position.shape: [1, 20480] holds 20480 positions, token_or_embed "
+         "holds 40960 tokens",)),
+    "flat prefill logits": (
+        resized("submodels", 0, "logits", field="shape", value=[16 * 151936],
+                byte_size=16 * 151936 * 2),
+        ("submodels[0].logits.shape: prefill logits must be [1, logits_tile_d0, vocab]",)),
+    "flat embeddings": (
+        lambda d: (setter("submodels", 0, "kind", value="prefill_embeds")(d),
+                   setter("submodels", 0, "token_or_embed", "shape", value=[40960])(d)),
+        ("submodels[0].token_or_embed.shape: embeddings must be [..., tokens, hidden], "
+         "got [40960]",)),
+}
+
+
 @pytest.mark.parametrize("case", sorted(BAD))
 def test_bad_input_names_path_and_value(case: str) -> None:
     mutate, expected = BAD[case]
@@ -198,6 +260,51 @@ def test_bad_input_names_path_and_value(case: str) -> None:
         assert part in text, f"{part!r} not in {text!r}"
     assert info.value.stage == "manifest"
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_BY_MEANING))
+def test_wrong_by_meaning_fails_at_load_naming_the_field(case: str) -> None:
+    mutate, expected = WRONG_BY_MEANING[case]
+    data = copy.deepcopy(QWEN.to_dict())
+    mutate(data)
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_dict(data)
+    for part in expected:
+        assert part in info.value.message, f"{part!r} not in {info.value.message!r}"
+    assert info.value.stage == "manifest"
+
+
+@pytest.mark.parametrize("sha", [
+    "", "ab", QWEN.calbin_sha256.upper(), QWEN.calbin_sha256[:-1],
+    QWEN.calbin_sha256 + "0", QWEN.calbin_sha256[:-1] + "g", " " + QWEN.calbin_sha256[1:],
+])
+def test_malformed_calbin_sha256(sha: str) -> None:
+    data = QWEN.to_dict() | {"calbin_sha256": sha}
+    with pytest.raises(ManifestError, match="calbin_sha256: must be 64 lowercase hex"):
+        Manifest.from_dict(data)
+
+
+def test_embedding_prefill_rows_pass_the_position_check() -> None:
+    """A prefill_embeds graph counts tokens on its second-to-last axis: ``[1, n, hidden]``
+    embeddings beside ``[1, n]`` positions is right, and BF16 embeddings are not ids."""
+    data = copy.deepcopy(QWEN.to_dict())
+    emb = copy.deepcopy(data["submodels"][0])
+    emb.update(kind="prefill_embeds", exact_name="qwen3_b1_prefill_embeds")
+    emb["token_or_embed"] = {"name": "inputs_embeds", "shape": [1, 40960, 64],
+                             "dtype": "BF16", "byte_size": 40960 * 64 * 2,
+                             "sliceable": True}
+    data["submodels"].append(emb)
+    sub = Manifest.from_dict(data).submodel(TaskKind.PREFILL_EMBEDS)
+    assert sub.max_tokens == 40960
+    emb["position"] |= {"shape": [1, 4096], "byte_size": 4096 * 4}
+    with pytest.raises(ManifestError, match=r"submodels\[2\]\.position\.shape"):
+        Manifest.from_dict(data)
+
+
+def test_builtin_manifest_names() -> None:
+    assert builtin_manifest_names() == ("qwen3-b1", "tiny")
+    for name in builtin_manifest_names():
+        assert builtin_manifest(name).name == name
 
 
 def test_every_validation_problem_is_reported_at_once() -> None:
