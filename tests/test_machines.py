@@ -12,6 +12,8 @@ from types import SimpleNamespace
 
 import pytest
 from hypothesis import HealthCheck, settings
+from transitions import MachineError
+from transitions.core import Condition
 
 from calfsm.errors import IllegalTransition
 from calfsm.machines import (
@@ -24,6 +26,8 @@ from calfsm.machines import (
     KvState,
     LifecycleState,
 )
+from calfsm.machines.equivalence import GUARD_OUTCOMES, check_engine_equivalence
+from calfsm.machines.job import deliverable
 from calfsm.testing import explore, fuzz_machine
 
 FUZZ = settings(max_examples=60, stateful_step_count=30,
@@ -276,3 +280,206 @@ def test_rollback_is_illegal_from_ready_even_with_a_known_good() -> None:
     device = SimpleNamespace(state=LifecycleState.READY.value, known_good=3)
     with pytest.raises(IllegalTransition):
         LIFECYCLE_MACHINE.fire(device, "rollback")
+
+
+# ---- one engine: the direct table equals transitions' Event.trigger ----------------------
+
+def _expected_cases(machine: DeclaredMachine) -> int:
+    """states x (triggers + one undeclared name) x 3 outcomes per guard, counted from the
+    declaration rows (not from the running machine the checker walks)."""
+    guards: dict[tuple[str, str], int] = {}
+    for row in machine.declaration:
+        sources = row["source"] if isinstance(row["source"], list) else [row["source"]]
+        k = len(row.get("conditions", ())) + len(row.get("unless", ()))
+        for source in sources:
+            guards[(source, row["trigger"])] = guards.get((source, row["trigger"]), 0) + k
+    return sum(3 ** guards.get((state, trigger), 0)
+               for state in machine.states for trigger in (*machine.triggers, "undeclared"))
+
+
+@pytest.mark.parametrize("machine", ALL_MACHINES, ids=lambda m: m.name)
+def test_table_equals_the_engine_for_every_state_trigger_and_guard_outcome(
+        machine: DeclaredMachine) -> None:
+    report = check_engine_equivalence(machine)
+    assert report.mismatches == ()
+    assert report.cases == _expected_cases(machine)
+    # every declared pair really took the table on the fast side of the comparison
+    assert report.direct == report.declared, (
+        "a transition left the direct table: re-measure bench/bench_machines.py")
+
+
+def test_the_three_machines_declare_46_pairs_all_direct() -> None:
+    reports = [check_engine_equivalence(m) for m in ALL_MACHINES]
+    assert [len(r.declared) for r in reports] == [18, 5, 23]
+    assert sum(len(r.direct) for r in reports) == 46
+
+
+@pytest.mark.parametrize(("machine", "variants"), [
+    (JOB_MACHINE, [{}, {"cancel_requested": False}, {"cancel_requested": True}]),
+    (KV_MACHINE, [{}]),
+    (LIFECYCLE_MACHINE, [{}, {"known_good": None}, {"known_good": 3}]),
+], ids=lambda v: getattr(v, "name", None) if isinstance(v, DeclaredMachine) else None)
+def test_real_guards_see_the_same_event_on_both_paths(
+        machine: DeclaredMachine, variants: list[dict]) -> None:
+    report = check_engine_equivalence(machine, force_guards=False, variants=variants)
+    assert report.mismatches == ()
+    assert report.cases == len(machine.states) * (len(machine.triggers) + 1) * len(variants)
+
+
+def test_checker_restores_the_guards_and_its_listener() -> None:
+    cond = JOB_MACHINE.machine.events["succeed"].transitions["Completing"][0].conditions[0]
+    check_engine_equivalence(JOB_MACHINE)
+    assert cond.func is deliverable
+    job = SimpleNamespace(state=JobState.COMPLETING.value, cancel_requested=True)
+    assert JOB_MACHINE.fire(job, "succeed") is False  # the real guard again, not a forced one
+
+
+def _twin(machine: DeclaredMachine) -> DeclaredMachine:
+    """A private copy of a shared machine, safe to corrupt."""
+    return DeclaredMachine(f"{machine.name}-twin", machine.states, machine.declaration,
+                           machine.initial, machine.terminal)
+
+
+def _cases_of(report) -> set[str]:
+    return {line.split(": ")[1] for line in report.mismatches}
+
+
+def test_checker_passes_an_intact_twin() -> None:
+    twin = _twin(JOB_MACHINE)
+    assert check_engine_equivalence(twin).mismatches == ()
+
+
+def test_checker_catches_a_table_entry_with_the_wrong_destination() -> None:
+    # The engine now goes Created -admit-> Preparing; the table, not refreshed, still
+    # says Admitted: exactly a corrupted table entry.
+    twin = _twin(JOB_MACHINE)
+    twin.machine.events["admit"].transitions["Created"][0].dest = "Preparing"
+    report = check_engine_equivalence(twin)
+    assert _cases_of(report) == {"Created --admit--> guards () attrs {}"}
+    assert any("fire gave ('returned', True, 'Admitted'" in m for m in report.mismatches)
+    twin.refresh()
+    assert check_engine_equivalence(twin).mismatches == ()
+
+
+def test_checker_catches_a_table_entry_missing_a_guard() -> None:
+    twin = _twin(JOB_MACHINE)
+    twin.machine.events["prepare"].transitions["Admitted"][0].conditions.append(
+        Condition(lambda event: True))
+    report = check_engine_equivalence(twin)
+    # pass (the guard was not consulted), veto (it fired anyway), raise (it did not raise)
+    assert _cases_of(report) == {f"Admitted --prepare--> guards ('{o}',) attrs {{}}"
+                                 for o in GUARD_OUTCOMES}
+    twin.refresh()
+    assert check_engine_equivalence(twin).mismatches == ()
+
+
+def test_checker_catches_a_table_entry_for_an_undeclared_pair() -> None:
+    twin = _twin(KV_MACHINE)
+    del twin.machine.events["commit"].transitions["Submitted"]
+    report = check_engine_equivalence(twin)
+    assert _cases_of(report) == {"Submitted --commit--> guards () attrs {}"}
+    paths = {line.split(": ")[2].split(" gave ")[0] for line in report.mismatches}
+    assert paths == {"fire", "fire_if_declared"}
+
+
+# ---- fire_via_engine, fire_if_declared, require, is_direct -----------------------------
+
+def test_fire_via_engine_runs_transitions_not_the_table() -> None:
+    # A machine-wide hook added behind the declared machine's back: the table does not
+    # know it (until refresh), transitions' own Event.trigger runs it.
+    twin = _twin(KV_MACHINE)
+    hooked: list[str] = []
+    twin.machine.before_state_change.append(lambda event: hooked.append(event.event.name))
+    assert twin.fire(model(twin), "mark_submitted") is True
+    assert hooked == []
+    r = model(twin)
+    assert twin.fire_via_engine(r, "mark_submitted") is True
+    assert (hooked, r.state) == (["mark_submitted"], KvState.SUBMITTED)
+    twin.refresh()
+    assert not twin.is_direct("Reserved", "mark_submitted")
+    assert twin.fire(model(twin), "mark_submitted") is True
+    assert hooked == ["mark_submitted"] * 2
+
+
+def test_fire_via_engine_translates_machine_error() -> None:
+    job = model(JOB_MACHINE, job_id=5, seq_id=1, generation=4)
+    with pytest.raises(IllegalTransition) as info:
+        JOB_MACHINE.fire_via_engine(job, "complete")
+    err = info.value
+    assert (err.machine, err.state, err.trigger, err.job_id) == ("job", "Created",
+                                                                 "complete", 5)
+    assert isinstance(err.__cause__, MachineError)
+    with pytest.raises(IllegalTransition, match="'nope'"):
+        JOB_MACHINE.fire_via_engine(job, "nope")
+    assert job.state == JobState.CREATED
+
+
+def test_a_callbacks_own_machine_error_is_not_relabelled() -> None:
+    def jam(event) -> None:
+        raise MachineError("jammed inside a callback")
+
+    toy = DeclaredMachine("toy", ["a", "b"], [
+        {"trigger": "go", "source": "a", "dest": "b", "after": [jam]}], initial="a",
+        terminal=["b"])
+    for fire in (toy.fire, toy.fire_via_engine, toy.fire_if_declared):
+        with pytest.raises(MachineError, match="jammed"):
+            fire(SimpleNamespace(state="a"), "go")
+
+
+def test_fire_if_declared_fires_only_a_declared_trigger() -> None:
+    seen: list[str] = []
+    job = model(JOB_MACHINE, cancel_requested=False)
+
+    def listener(m: object, source: str, dest: str, trigger: str) -> None:
+        if m is job:
+            seen.append(trigger)
+
+    JOB_MACHINE.add_listener(listener)
+    try:
+        assert JOB_MACHINE.fire_if_declared(job, "admit") is True
+        assert job.state == JobState.ADMITTED
+        assert JOB_MACHINE.fire_if_declared(job, "succeed") is False  # not from Admitted
+        assert JOB_MACHINE.fire_if_declared(job, "no_such_trigger") is False
+        assert job.state == JobState.ADMITTED
+    finally:
+        JOB_MACHINE.remove_listener(listener)
+    assert seen == ["admit"]
+
+
+def test_fire_if_declared_returns_false_on_a_guard_veto() -> None:
+    job = _completing_job(cancel_requested=True)
+    assert JOB_MACHINE.fire_if_declared(job, "succeed") is False
+    assert job.state == JobState.COMPLETING
+    assert JOB_MACHINE.fire_if_declared(job, "fail") is True
+    assert job.state == JobState.FAILED
+
+
+def test_fire_if_declared_through_the_engine() -> None:
+    # With a state callback the pair is not direct: declared goes through transitions,
+    # undeclared still answers False without raising.
+    entered: list[str] = []
+
+    def on_warming(event) -> None:
+        entered.append(event.event.name)
+
+    LIFECYCLE_MACHINE.on_enter("Warming", on_warming)
+    try:
+        assert not LIFECYCLE_MACHINE.is_direct("Configuring", "configured")
+        device = SimpleNamespace(state=LifecycleState.CONFIGURING.value, known_good=None)
+        assert LIFECYCLE_MACHINE.fire_if_declared(device, "rollback") is False  # vetoed
+        assert LIFECYCLE_MACHINE.fire_if_declared(device, "warmed") is False  # undeclared
+        assert LIFECYCLE_MACHINE.fire_if_declared(device, "configured") is True
+    finally:
+        LIFECYCLE_MACHINE.remove_state_callback("Warming", "enter", on_warming)
+    assert (device.state, entered) == (LifecycleState.WARMING, ["configured"])
+    assert LIFECYCLE_MACHINE.is_direct("Configuring", "configured")
+
+
+def test_require_names_an_undeclared_trigger_and_changes_nothing() -> None:
+    r = model(KV_MACHINE, job_id=9, seq_id=2)
+    KV_MACHINE.require(r, "rollback")
+    with pytest.raises(IllegalTransition) as info:
+        KV_MACHINE.require(r, "commit")
+    assert (info.value.machine, info.value.state, info.value.trigger,
+            info.value.job_id) == ("kv", "Reserved", "commit", 9)
+    assert r.state == KvState.RESERVED

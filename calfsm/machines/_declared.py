@@ -2,9 +2,15 @@
 
 Why not ``Machine(model=job)`` per job: ``add_model`` costs ~100 µs and scans a list (so n
 live models cost O(n^2)), and a machine per object is worse. A trigger fired through the
-shared machine's ``Event`` costs ~9 µs and needs nothing but a ``state`` attribute on the
+shared machine's ``Event`` costs ~6 µs and needs nothing but a ``state`` attribute on the
 model. So each kind of machine is declared once (states, transitions, guards) and every
 job, reservation or device record is a plain object passed to :meth:`DeclaredMachine.fire`.
+
+Firing: :meth:`~DeclaredMachine.fire` (the direct table where a transition has no
+callbacks, else the engine), :meth:`~DeclaredMachine.fire_if_declared` (fire only if
+declared from the current state; no may-then-fire), and
+:meth:`~DeclaredMachine.fire_via_engine` (``transitions``' own ``Event.trigger`` only: the
+reference that :mod:`calfsm.machines.equivalence` proves the table equal to).
 
 Extension points: users attach their own callbacks without editing calfsm —
 :meth:`DeclaredMachine.add_listener` for every state change, or ``on_enter``/``on_exit``
@@ -19,7 +25,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, Protocol
 
-from transitions import EventData, Machine
+from transitions import EventData, Machine, MachineError
 
 from calfsm.errors import IllegalTransition
 
@@ -36,6 +42,10 @@ class StateModel(Protocol):
 Listener = Callable[[Any, str, str, str], None]
 
 _CONTEXT = ("job_id", "seq_id", "generation")
+
+#: a direct transition: (dest, guards) with guards () or (source State, Event,
+#: Transition, conditions) -- what transitions would put into the guards' EventData
+_Direct = tuple[str, tuple]
 
 
 class DeclaredMachine:
@@ -57,7 +67,7 @@ class DeclaredMachine:
             after_state_change=[self._notify], name=name)
         self._events = self.machine.events
         self.triggers: tuple[str, ...] = tuple(self._events)
-        self._direct: dict[tuple[str, str], tuple[str, tuple]] = {}
+        self._direct: dict[tuple[str, str], _Direct] = {}
         self.refresh()
 
     # ---- firing --------------------------------------------------------------------
@@ -68,37 +78,86 @@ class DeclaredMachine:
         :class:`IllegalTransition` when the trigger is not declared from this state.
 
         A declared transition with no callback that ``transitions`` would have to run is
-        *direct*: its guards are checked with the same ``EventData`` the Machine would
+        *direct* (:meth:`is_direct`): its guards get the ``EventData`` the Machine would
         pass, then it is applied from the precomputed table (listeners still called),
-        instead of through the Machine's event processing (~9 µs and eight debug log
-        calls, eight times per job on the executor's hot path). Anything with a callback
-        goes through the shared Machine as declared.
+        instead of through the Machine's event processing, which costs ~21x more per job
+        lifecycle (``bench/bench_machines.py``). Anything else, and any call with
+        arguments, goes through :meth:`fire_via_engine`;
+        :func:`calfsm.machines.equivalence.check_engine_equivalence` proves both agree.
         """
         state = model.state
         direct = self._direct.get((state, trigger))
         if direct is not None and not args and not kwargs:
-            dest, guards = direct
-            if guards:
-                event = EventData(guards[0], guards[1], self.machine, model, (), {})
-                for cond in guards[2]:
-                    if not cond.check(event):
-                        return False
-            model.state = dest
-            if self._listeners:
-                for listener in tuple(self._listeners):
-                    listener(model, state, dest, trigger)
-            return True
+            return self._apply(model, state, trigger, direct)
+        return self.fire_via_engine(model, trigger, *args, **kwargs)
+
+    def fire_if_declared(self, model: StateModel, trigger: str, *args: Any,
+                         **kwargs: Any) -> bool:
+        """Fire ``trigger`` if it is declared from the model's current state.
+
+        True when it fired; False when it is not declared here or a guard vetoed it (the
+        state is unchanged either way). One call instead of :meth:`may` then :meth:`fire`.
+        """
+        state = model.state
+        direct = self._direct.get((state, trigger))
+        if direct is not None and not args and not kwargs:
+            return self._apply(model, state, trigger, direct)
         event = self._events.get(trigger)
         if event is None or not event.transitions.get(state):
-            raise IllegalTransition(self.name, state, trigger, **_context(model))
+            return False
         return event.trigger(model, *args, **kwargs)
+
+    def fire_via_engine(self, model: StateModel, trigger: str, *args: Any,
+                        **kwargs: Any) -> bool:
+        """Fire ``trigger`` through ``transitions``' own ``Event.trigger``, never the direct
+        table: same contract as :meth:`fire`. ``transitions`` decides whether the trigger
+        is valid here; its ``MachineError`` becomes :class:`IllegalTransition`."""
+        state = model.state
+        event = self._events.get(trigger)
+        if event is None:
+            raise self._illegal(model, state, trigger)
+        try:
+            return event.trigger(model, *args, **kwargs)
+        except MachineError as err:
+            if event.transitions.get(state):
+                raise  # a callback's own error: the trigger itself was valid
+            raise self._illegal(model, state, trigger) from err
+
+    def _apply(self, model: StateModel, state: str, trigger: str, direct: _Direct) -> bool:
+        """Check the guards of a direct transition, then apply it (see :meth:`fire`)."""
+        dest, guards = direct
+        if guards:
+            src, event, transition, conditions = guards
+            data = EventData(src, event, self.machine, model, (), {})
+            data.transition = transition
+            for cond in conditions:
+                if not cond.check(data):
+                    return False
+        model.state = dest
+        if self._listeners:
+            for listener in tuple(self._listeners):
+                listener(model, state, dest, trigger)
+        return True
+
+    def _illegal(self, model: StateModel, state: str, trigger: str) -> IllegalTransition:
+        return IllegalTransition(self.name, state, trigger, **_context(model))
+
+    def require(self, model: StateModel, trigger: str) -> None:
+        """Raise :class:`IllegalTransition` unless ``trigger`` is declared from the model's
+        current state (guards unchecked); fires nothing, changes nothing."""
+        if not self.may(model, trigger):
+            raise self._illegal(model, model.state, trigger)
+
+    def is_direct(self, state: str, trigger: str) -> bool:
+        """Whether :meth:`fire` applies ``trigger`` from ``state`` through the direct table."""
+        return (str(state), trigger) in self._direct
 
     def refresh(self) -> None:
         """Recompute which transitions are direct (see :meth:`fire`). The callback methods
         of this class call it; call it yourself after changing ``self.machine`` directly
         (adding transitions, callbacks or machine-wide hooks)."""
         m = self.machine
-        direct: dict[tuple[str, str], tuple[str, tuple]] = {}
+        direct: dict[tuple[str, str], _Direct] = {}
         global_hooks = (m.prepare_event or m.finalize_event or m.before_state_change
                         or m.on_exception or m.on_final
                         or [c for c in m.after_state_change if c != self._notify])
@@ -113,8 +172,7 @@ class DeclaredMachine:
                     src, dst = m.get_state(source), m.get_state(t.dest)
                     if src.on_exit or dst.on_enter or getattr(dst, "final", False):
                         continue
-                    # guards are checked with the same EventData transitions would pass
-                    guards = (src, event, tuple(t.conditions)) if t.conditions else ()
+                    guards = (src, event, t, tuple(t.conditions)) if t.conditions else ()
                     direct[(source, trigger)] = (t.dest, guards)
         self._direct = direct
 
