@@ -1,23 +1,27 @@
-"""What the declared job machine costs per job, next to doing without it.
+"""What the declared job machine costs per job: the direct table, transitions' own engine,
+and doing without either.
 
 Run from the repository root::
 
     python bench/bench_machines.py            # defaults: --reps 21 --jobs 2000
 
-It measures, in one run and interleaved (FSM batch, plain batch, FSM batch, ...), so that
-CPU frequency and cache drift hit both sides alike:
+It measures, in one run and interleaved (table batch, engine batch, plain batch, table
+batch, ...), so that CPU frequency and cache drift hit all sides alike:
 
-* one full job lifecycle — the six triggers admit, prepare, enqueue, submit, complete,
-  succeed from Created to Succeeded — fired through the shared ``JOB_MACHINE`` with
-  :meth:`DeclaredMachine.fire` (guard ``deliverable`` included), on a fresh model;
+* one full job lifecycle -- the six triggers admit, prepare, enqueue, submit, complete,
+  succeed from Created to Succeeded -- fired through the shared ``JOB_MACHINE`` with
+  :meth:`DeclaredMachine.fire` (the direct table; guard ``deliverable`` included), on a
+  fresh model;
+* the same lifecycle through :meth:`DeclaredMachine.fire_via_engine`, i.e. transitions'
+  own ``Event.trigger`` (what ``fire`` would cost without the table);
 * the same six states written by plain attribute assignment on the same kind of model,
   i.e. the floor: no checking, no guards, no listeners;
 
-and prints the median of each in µs per lifecycle and their ratio. For context it also
-prints what ``transitions.Machine.add_model`` costs per model (the per-job alternative
-calfsm avoids), at two population sizes, because its ``mod not in self.models`` list
-scan makes it grow with the number of live models. GC is paused inside timed batches,
-as ``timeit`` does.
+and prints the median of each in µs per lifecycle and the engine/table and table/plain
+ratios of the medians. For context it also prints what ``transitions.Machine.add_model``
+costs per model (the per-job alternative calfsm avoids), at two population sizes, because
+its ``mod not in self.models`` list scan makes it grow with the number of live models.
+GC is paused inside timed batches, as ``timeit`` does.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import gc
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -44,9 +49,8 @@ LIFECYCLE = ("admit", "prepare", "enqueue", "submit", "complete", "succeed")
 STATES = ("Admitted", "Preparing", "Queued", "Submitted", "Completing", "Succeeded")
 
 
-def fsm_batch(jobs: int) -> float:
-    """Seconds for ``jobs`` lifecycles through the shared job machine."""
-    fire = JOB_MACHINE.fire
+def fsm_batch(jobs: int, fire: Callable[[SimpleNamespace, str], bool]) -> float:
+    """Seconds for ``jobs`` lifecycles fired through ``fire``."""
     gc.disable()
     try:
         t0 = time.perf_counter()
@@ -106,22 +110,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--jobs", type=int, default=2000, help="lifecycles per batch")
     args = parser.parse_args(argv)
 
-    fsm_batch(200)  # warm-up: import-time caches, first-call costs
+    sides = {"table": JOB_MACHINE.fire, "engine": JOB_MACHINE.fire_via_engine}
+    for fire in sides.values():  # warm-up: import-time caches, first-call costs
+        fsm_batch(200, fire)
     plain_batch(200)
-    fsm_us: list[float] = []
-    plain_us: list[float] = []
+    us: dict[str, list[float]] = {name: [] for name in (*sides, "plain")}
     for _ in range(args.reps):
-        fsm_us.append(fsm_batch(args.jobs) / args.jobs * 1e6)
-        plain_us.append(plain_batch(args.jobs) / args.jobs * 1e6)
-    fsm, plain = statistics.median(fsm_us), statistics.median(plain_us)
+        for name, fire in sides.items():
+            us[name].append(fsm_batch(args.jobs, fire) / args.jobs * 1e6)
+        us["plain"].append(plain_batch(args.jobs) / args.jobs * 1e6)
+    med = {name: statistics.median(v) for name, v in us.items()}
 
     print(f"python {sys.version.split()[0]}, {args.reps} interleaved reps x "
           f"{args.jobs} job lifecycles (6 transitions each), medians:")
-    print(f"  JOB_MACHINE.fire        {fsm:8.2f} us/lifecycle  "
-          f"({fsm / len(LIFECYCLE):.2f} us/trigger)")
-    print(f"  plain assignment        {plain:8.2f} us/lifecycle")
-    print(f"  ratio fire/plain        {fsm / plain:8.1f}x   "
-          f"(overhead {fsm - plain:.2f} us per job)")
+    for name, label in (("table", "JOB_MACHINE.fire (table)"),
+                        ("engine", "fire_via_engine (transitions)"), ("plain", "plain assignment")):
+        print(f"  {label:30} {med[name]:8.2f} us/lifecycle  "
+              f"({med[name] / len(LIFECYCLE):.2f} us/transition)")
+    for num, den in (("engine", "table"), ("table", "plain")):
+        print(f"  ratio {num}/{den:<24} {med[num] / med[den]:8.1f}x   "
+              f"(difference {med[num] - med[den]:.2f} us per job)")
     print("context, transitions.Machine.add_model (one model per job, not used by calfsm):")
     for population in (100, 2000):
         per = statistics.median(add_model_per_model(population) for _ in range(3))
