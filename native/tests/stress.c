@@ -7,8 +7,10 @@
  * infer_fixed), and runs JOBS decode steps: write token/position, set CSRs, kv_apply,
  * submit (retrying DEVICE_BUSY), wait, status, output_bytes — and checks every logit
  * against the reference model. A poller thread reads statuses and KV state meanwhile.
- * Phase 2: jobs in flight while another thread resets (CCU, configuration) and releases
- * stale buffers, with STALE and HANG fault rules so ghosts and aborts happen concurrently.
+ * Phase 2: jobs in flight while another thread resets (CCU, configuration; one reset per
+ * submitted job) and the racers release stale buffers, with STALE and HANG fault rules so
+ * ghosts and aborts happen concurrently. A racer writes a job's inputs only when no job
+ * can read them (see "phase 2" below) and checks the logits of every job that ended OK.
  * Phase 3: close with jobs pending; every handle is stale afterwards.
  *
  * Exit status 0 when every check passed; the sanitizers add their own reports.
@@ -135,59 +137,145 @@ static void setup_worker(worker_t *w, int id, int32_t engine) {
 
 /* ---- phase 2: resets racing with jobs --------------------------------------------- */
 
+/* The protocol (calrt_c.h, "Host memory mapped with calrt_map_buf()"): the device reads a
+ * job's inputs when the job executes, on its own thread, so the host must not change them
+ * until wait() reported the job finished — or, once its buffers went stale and were
+ * released (a STALE job survives a reset as a ghost), until pending_jobs() is 0. A racer
+ * therefore never writes the inputs of a job that has not finished: a job still pending
+ * after a wait timeout keeps them, and the memory of released buffers whose job was still
+ * pending is retired until the device has no pending job. Writing them anyway was a data
+ * race with run_job (and made the job compute from whatever the host wrote meanwhile). */
+
+#define AREAS 4
+
+typedef struct {          /* host memory one buffer pair maps */
+    int32_t tok, pos;
+    uint16_t logits[VOCAB];
+    int retired;          /* released under a pending (ghost) job: not reused yet */
+} area_t;
+
 typedef struct {
-    worker_t w;
-    int rounds;
+    int id, rounds;
+    calrt_buf_t inp, out;
+    area_t *area;         /* what inp/out map */
+    int owned;            /* a job was submitted on inp/out and not reported finished */
+    int32_t tok;          /* the token of that job */
+    area_t areas[AREAS];
 } racer_t;
+
+static int racers_left;   /* atomic: racers still running (the resetter stops at 0) */
+static int racer_submits; /* atomic: jobs the racers submitted (the resetter's pace) */
+
+/* Drop the (stale) buffers; their memory stays the device's while their job is pending. */
+static void racer_drop(racer_t *r) {
+    int32_t st = -1;
+    CHECK(calrt_get_status(dev, r->out, &st) == 0, "racer %d: stale status", r->id);
+    if (st == CALRT_STATUS_PENDING) r->area->retired = 1;
+    calrt_release_buffer(dev, r->inp);
+    calrt_release_buffer(dev, r->out);
+    r->inp = r->out = 0;
+    r->area = NULL;
+    r->owned = 0;
+}
+
+/* Fresh buffers on an area no job can touch; 0 when there is none yet. */
+static int racer_buffers(racer_t *r, calrt_model_t m) {
+    area_t *a = NULL;
+    for (int k = 0; k < AREAS && !a; k++)
+        if (!r->areas[k].retired) a = &r->areas[k];
+    uint32_t pending = 1;
+    if (!a && calrt_pending_jobs(dev, &pending) == 0 && pending == 0) {
+        for (int k = 0; k < AREAS; k++) r->areas[k].retired = 0;
+        a = &r->areas[0];
+    }
+    if (!a || calrt_create_buffers(dev, m, CALRT_ENGINE_AUTO, &r->inp, &r->out) != 0)
+        return 0;
+    r->area = a;
+    calrt_map_buf(dev, r->inp, "input_ids", &a->tok, 4, "S32");
+    calrt_map_buf(dev, r->inp, "position_ids", &a->pos, 4, "S32");
+    calrt_map_buf(dev, r->out, "logits", a->logits, sizeof a->logits, "BF16");
+    calrt_set_kv_seq(dev, r->inp, r->id);
+    return 1;
+}
+
+/* Wait (2 ms: hung jobs time out) for the racer's job; 1 when it no longer owns the
+ * inputs, and then a DONE_OK job's logits are checked. */
+static int racer_finish(racer_t *r) {
+    int32_t rc = calrt_wait(dev, r->out, 2000000);
+    CHECK(rc == 0 || rc == CALRT_TIMEOUT || rc == CALRT_INVALID_STATE, "racer wait %d", rc);
+    if (rc == CALRT_TIMEOUT) return 0;
+    if (rc == CALRT_INVALID_STATE) {  /* a configuration reset made the buffers stale */
+        racer_drop(r);
+        return 1;
+    }
+    r->owned = 0;
+    int32_t st = -1;
+    CHECK(calrt_get_status(dev, r->out, &st) == 0 && st != CALRT_STATUS_PENDING,
+          "racer %d: status %d after wait", r->id, st);
+    if (st == CALRT_STATUS_DONE_OK) {
+        uint16_t want[VOCAB];
+        ref_logits_row(ref_step(REF_H_INIT, (uint32_t)r->tok, 0), want, VOCAB);
+        CHECK(memcmp(want, r->area->logits, sizeof want) == 0, "racer %d: wrong logits",
+              r->id);
+    }
+    return 1;
+}
+
+/* The only place a racer writes inputs: never while a job may read them. */
+static void racer_write_inputs(racer_t *r, int32_t tok) {
+    int32_t st = -1;
+    CHECK(!r->owned && !r->area->retired && calrt_get_status(dev, r->out, &st) == 0 &&
+          st != CALRT_STATUS_PENDING, "racer %d writes inputs a job owns (status %d)",
+          r->id, st);
+    r->tok = r->area->tok = tok;
+    r->area->pos = 0;
+}
 
 static void *racer_main(void *arg) {
     racer_t *r = arg;
     for (int i = 0; i < r->rounds; i++) {
-        worker_t *w = &r->w;
+        if (r->owned && !racer_finish(r)) continue;  /* the last job still owns them */
         calrt_model_t m;
-        if (calrt_model_lookup(dev, "s_decode", &m) != 0) { sched_yield(); continue; }
-        if (!w->inp) {
-            if (calrt_create_buffers(dev, m, CALRT_ENGINE_AUTO, &w->inp, &w->out) != 0)
-                continue;
-            calrt_map_buf(dev, w->inp, "input_ids", &w->tok, 4, "S32");
-            calrt_map_buf(dev, w->inp, "position_ids", &w->pos, 4, "S32");
-            calrt_map_buf(dev, w->out, "logits", w->logits, sizeof w->logits, "BF16");
-            calrt_set_kv_seq(dev, w->inp, w->id);
+        if (calrt_model_lookup(dev, "s_decode", &m) != 0 || (!r->inp && !racer_buffers(r, m))) {
+            sched_yield();
+            continue;
         }
         int32_t ok;
-        calrt_kv_apply(dev, w->id, 1, &ok);
-        w->tok = i % VOCAB;
-        w->pos = 0;
-        calrt_set_csr(dev, w->inp, "cur_seq", 1);
-        calrt_set_csr(dev, w->inp, "total_seq", 1);
-        int32_t rc = calrt_infer(dev, m, w->inp, w->out, NULL);
+        calrt_kv_apply(dev, r->id, 1, &ok);
+        racer_write_inputs(r, i % VOCAB);
+        calrt_set_csr(dev, r->inp, "cur_seq", 1);
+        calrt_set_csr(dev, r->inp, "total_seq", 1);
+        int32_t rc = calrt_infer(dev, m, r->inp, r->out, NULL);
         if (rc == 0) {
-            rc = calrt_wait(dev, w->out, 2000000);   /* 2 ms: hung jobs time out */
-            CHECK(rc == 0 || rc == CALRT_TIMEOUT || rc == CALRT_INVALID_STATE,
-                  "racer wait %d", rc);
-        }
-        if (rc == CALRT_INVALID_STATE) {  /* a configuration reset made them stale */
-            int32_t st;
-            CHECK(calrt_get_status(dev, w->out, &st) == 0, "stale status");
-            calrt_release_buffer(dev, w->inp);
-            calrt_release_buffer(dev, w->out);
-            w->inp = w->out = 0;
+            r->owned = 1;
+            __atomic_add_fetch(&racer_submits, 1, __ATOMIC_RELAXED);
+            racer_finish(r);
+        } else if (rc == CALRT_INVALID_STATE) {  /* stale before it was submitted */
+            racer_drop(r);
         }
     }
+    if (r->owned) racer_finish(r);
+    __atomic_sub_fetch(&racers_left, 1, __ATOMIC_RELAXED);
     return NULL;
 }
 
+/* One reset per racer submission (CCU twice, then configuration) while racers run, so
+ * every run has hung jobs aborted, ghosts and stale buffers, whatever the scheduling. */
 static void *resetter_main(void *arg) {
     (void)arg;
-    static const char *cb = CALBIN;
-    for (int i = 0; i < 60; i++) {
+    int seen = 0;
+    for (int i = 0; __atomic_load_n(&racers_left, __ATOMIC_RELAXED) > 0;) {
+        int now = __atomic_load_n(&racer_submits, __ATOMIC_RELAXED);
+        if (now == seen) {
+            sched_yield();
+            continue;
+        }
+        seen = now;
         int32_t rc = (i % 3 == 2) ? calrt_reset_configuration(dev) : calrt_reset_ccu(dev);
         CHECK(rc == 0, "reset %d", rc);
-        if (i % 3 == 2) {
-            /* wait for the ghosts: their old arrays belong to racers that keep them */
-            CHECK(calrt_configure(dev, cb, strlen(cb)) == 0, "reconfigure");
-        }
-        sched_yield();
+        if (i % 3 == 2)
+            CHECK(calrt_configure(dev, CALBIN, strlen(CALBIN)) == 0, "reconfigure");
+        i++;
     }
     return NULL;
 }
@@ -227,15 +315,16 @@ int main(void) {
     CHECK(calrt_emu_add_rule(dev, &stale) == 0 && calrt_emu_add_rule(dev, &hang) == 0, "rules");
     racer_t rs[3];
     pthread_t rt[3], resetter;
+    __atomic_store_n(&racers_left, 3, __ATOMIC_RELAXED);
     for (int i = 0; i < 3; i++) {
         memset(&rs[i], 0, sizeof rs[i]);
-        rs[i].w.id = 100 + i;
+        rs[i].id = 100 + i;
         rs[i].rounds = 80;
         pthread_create(&rt[i], NULL, racer_main, &rs[i]);
     }
     pthread_create(&resetter, NULL, resetter_main, NULL);
-    pthread_join(resetter, NULL);
     for (int i = 0; i < 3; i++) pthread_join(rt[i], NULL);
+    pthread_join(resetter, NULL);
 
     uint64_t ex2, ab2, gh2;
     CHECK(calrt_emu_stats(dev, &ex2, &ab2, &gh2) == 0, "stats");
@@ -248,7 +337,7 @@ int main(void) {
     CHECK(calrt_pending_jobs(dev, &pending) == 0, "pending");
     CHECK(calrt_device_close(dev) == 0, "close");
     int32_t st;
-    CHECK(calrt_get_status(dev, rs[0].w.out, &st) == CALRT_INVALID_STATE, "after close");
+    CHECK(calrt_get_status(dev, rs[0].out, &st) == CALRT_INVALID_STATE, "after close");
     CHECK(calrt_device_close(dev) == CALRT_INVALID_STATE, "close twice");
     CHECK(calrt_get_status(0, 0, &st) == CALRT_INVALID_STATE, "null handle");
 
