@@ -114,7 +114,7 @@ def check_engine_equivalence(machine: DeclaredMachine, *, force_guards: bool = T
     probe = _Probe(machine)
     cases = 0
     mismatches: list[str] = []
-    with _instrumented(machine, probe):
+    with _instrumented(machine, probe, [c for cs in conditions.values() for c in cs]):
         for state in machine.states:
             for trigger in (*machine.triggers, UNDECLARED_TRIGGER):
                 conds = conditions.get((state, trigger), [])
@@ -166,11 +166,9 @@ def _describe(err: Exception) -> tuple:
 
 
 @contextmanager
-def _instrumented(machine: DeclaredMachine, probe: _Probe) -> Iterator[None]:
-    """Wrap every guard of ``machine`` and listen to it for the duration."""
-    conds = [c for event in machine.machine.events.values()
-             for candidates in event.transitions.values()
-             for t in candidates for c in t.conditions]
+def _instrumented(machine: DeclaredMachine, probe: _Probe,
+                  conds: list[Condition]) -> Iterator[None]:
+    """Wrap the guards ``conds`` of ``machine`` and listen to it for the duration."""
     real = [c.func for c in conds]
     machine.add_listener(probe.listener)
     try:
