@@ -378,10 +378,13 @@ int32_t calrt_emu_set_capabilities(calrt_device_t dev, const calrt_capabilities_
  *   HANG           the job never finishes until a reset aborts it
  *   STALE          a reset does not abort the job: it finishes at its time anyway, writes
  *                  its old output array, but no KV
- * Filters: seq_id (>= 0; the tag's seq_id at infer, else the buffer's KV sequence; the seq
- * argument of kv_apply), job_id (has_job_id; the tag's job_id), name (has_name; the CSR or
- * tensor name of set_csr/map_buf/slice_tensor). The rule fires at match ordinals nth,
- * nth + every, ... (every = 0: only nth), at most `limit` times (< 0: unlimited). */
+ * Filters (which point has which: calfsm.drivers.faults.FAULT_POINTS): seq_id (>= 0; at
+ * infer the tag's seq_id, else the input buffer's KV sequence; at wait and output_bytes the
+ * KV sequence of the buffer's last job; the seq argument of kv_apply, kv_release and
+ * set_kv_seq; at the other buffer calls the input buffer's KV sequence at that moment),
+ * job_id (has_job_id; the tag's job_id at infer, wait and output_bytes), name (has_name;
+ * the CSR, tensor or model name). The rule fires at match ordinals nth, nth + every, ...
+ * (every = 0: only nth), at most `limit` times (< 0: unlimited). */
 enum {
     CALRT_EMU_POINT_CONFIGURE = 0,
     CALRT_EMU_POINT_CREATE_BUFFERS = 1,
@@ -395,7 +398,13 @@ enum {
     CALRT_EMU_POINT_KV_APPLY = 9,
     CALRT_EMU_POINT_RESET = 10,           /* any of the three resets */
     CALRT_EMU_POINT_ENABLE_PARALLEL_MODE = 11,
-    CALRT_EMU_POINT_COUNT = 12
+    CALRT_EMU_POINT_GET_ALL_MODELS = 12,  /* calrt_model_count */
+    CALRT_EMU_POINT_MODEL = 13,           /* calrt_model_lookup */
+    CALRT_EMU_POINT_DESTROY_BUFFERS = 14,
+    CALRT_EMU_POINT_UNDO_SLICE = 15,
+    CALRT_EMU_POINT_OUTPUT_BYTES = 16,
+    CALRT_EMU_POINT_KV_RELEASE = 17,
+    CALRT_EMU_POINT_COUNT = 18
 };
 enum {
     CALRT_EMU_EFFECT_CODE = 0,

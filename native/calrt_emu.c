@@ -82,6 +82,9 @@ typedef struct emu_buf {
     int has_bytes;        /* a job finished since the last map/submit */
     uint64_t *produced;   /* per tensor, bytes of the last finished job */
     struct job *job;      /* pending job (ours), if any */
+    int64_t last_seq;     /* the last job's KV sequence (-1: none) and tag job id: what */
+    int last_has_tag;     /* fault rules at output_bytes match */
+    int64_t last_job_id;
 } emu_buf;
 
 typedef struct job {
@@ -731,6 +734,8 @@ int32_t calrt_model_count(calrt_device_t h, uint32_t *out) {
     if (!out) return CALRT_INVALID_VALUE;
     ENTER(h);
     if (!d->cfg) RETURN(CALRT_MISSING_CONFIG);
+    int32_t rc = code_fault(d, CALRT_EMU_POINT_GET_ALL_MODELS, &NO_CTX);
+    if (rc) RETURN(rc);
     *out = d->cfg->n_models;
     RETURN(CALRT_SUCCESS);
 }
@@ -750,6 +755,9 @@ int32_t calrt_model_lookup(calrt_device_t h, const char *name, calrt_model_t *ou
     if (!d->cfg) RETURN(CALRT_MISSING_CONFIG);
     for (uint32_t i = 0; i < d->cfg->n_models; i++) {
         if (strcmp(d->cfg->models[i].name, name) == 0) {
+            match_ctx c = {-1, 0, 0, name};
+            int32_t rc = code_fault(d, CALRT_EMU_POINT_MODEL, &c);
+            if (rc) RETURN(rc);
             *out = make_handle(d->cfg->serial, i);
             RETURN(CALRT_SUCCESS);
         }
@@ -826,6 +834,7 @@ static emu_buf *buf_new(emu_config *cfg, uint32_t model_idx, int is_output, int3
     b->model_idx = model_idx;
     b->engine = engine;
     b->status = CALRT_STATUS_IDLE;
+    b->last_seq = -1;
     return b;
 }
 
@@ -902,6 +911,9 @@ int32_t calrt_destroy_buffers(calrt_device_t h, calrt_buf_t inp, calrt_buf_t out
     bo = buf_lookup(d, out);
     if (!bi || !bo) RETURN(CALRT_INVALID_STATE);
     if (bi->job || bo->job) RETURN(CALRT_DEVICE_BUSY);
+    match_ctx c = {bi->kv_set ? bi->kv_seq : -1, 0, 0, NULL};
+    int32_t rc = code_fault(d, CALRT_EMU_POINT_DESTROY_BUFFERS, &c);
+    if (rc) RETURN(rc);
     bi->destroyed = bo->destroyed = 1;
     for (uint32_t t = 0; t < buf_model(bi)->n_inputs + buf_model(bi)->n_outputs; t++)
         bi->maps[t].ptr = bo->maps[t].ptr = NULL;
@@ -982,6 +994,9 @@ int32_t calrt_undo_slice(calrt_device_t h, calrt_buf_t buf, const char *tensor) 
     int t = buf_tensor(d, buf, tensor, &b);
     if (t < 0) RETURN(-t);
     BUF_BUSY_CHECK(b, buf);
+    match_ctx c = {b->kv_set ? b->kv_seq : -1, 0, 0, tensor};
+    int32_t rc = code_fault(d, CALRT_EMU_POINT_UNDO_SLICE, &c);
+    if (rc) RETURN(rc);
     b->maps[t].sliced = 0;
     RETURN(CALRT_SUCCESS);
 }
@@ -1123,6 +1138,9 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
     d->q_tail = j;
     d->n_queued++;
     bi->job = bo->job = j;
+    bo->last_seq = j->seq;
+    bo->last_has_tag = j->has_tag;
+    bo->last_job_id = j->has_tag ? j->tag.job_id : 0;
     bo->submitted = 1;
     bo->has_bytes = 0;
     bo->status = CALRT_STATUS_PENDING;
@@ -1213,6 +1231,9 @@ int32_t calrt_output_bytes(calrt_device_t h, calrt_buf_t out, const char *tensor
     b = buf_lookup(d, out);
     if (!b) RETURN(CALRT_INVALID_STATE);
     if (b->job || !b->has_bytes) RETURN(CALRT_INVALID_STATE);
+    match_ctx c = {b->last_seq, b->last_has_tag, b->last_job_id, tensor};
+    int32_t rc = code_fault(d, CALRT_EMU_POINT_OUTPUT_BYTES, &c);
+    if (rc) RETURN(rc);
     *nbytes = b->produced[t];
     RETURN(CALRT_SUCCESS);
 }
@@ -1278,6 +1299,9 @@ int32_t calrt_kv_apply(calrt_device_t h, int64_t seq_id, uint64_t target, int32_
 
 int32_t calrt_kv_release(calrt_device_t h, int64_t seq_id, uint64_t keep_len) {
     ENTER(h);
+    match_ctx c = {seq_id, 0, 0, NULL};
+    int32_t rc = code_fault(d, CALRT_EMU_POINT_KV_RELEASE, &c);
+    if (rc) RETURN(rc);
     kv_seq *s = kv_find(d, seq_id);
     if (!s || keep_len >= s->alloc) RETURN(CALRT_SUCCESS);
     d->kv_used -= s->alloc - keep_len;

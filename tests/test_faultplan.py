@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 from calfsm.drivers.faults import (
     DEFAULT_CODES,
     EFFECTS,
+    FAULT_POINTS,
     FILTERS,
     POINTS,
     SWARM_KINDS,
@@ -145,3 +146,45 @@ def test_rule_validation_errors() -> None:
         FaultRule("kv_can_allocate", "refuse", seq_id=1)
     with pytest.raises(InvalidArgument, match="name"):
         FaultRule("infer", "hang", name="x")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("code", 2**31), ("code", -(2**31) - 1), ("code", 0), ("code", True), ("code", 1.0),
+    ("code", "13"),
+    ("nth", 2**63), ("nth", 0), ("nth", None), ("nth", False),
+    ("every", 2**63), ("count", 2**63),
+    ("seq_id", 2**31), ("seq_id", -1), ("seq_id", True),
+    ("job_id", 2**63), ("job_id", -(2**63) - 1),
+    ("n_bytes", 2**63), ("n_bytes", -1),
+    ("index", 2**63), ("index", -1), ("index", None),
+    ("name", "x" * 256), ("name", "é" * 128), ("name", "a\0b"), ("name", b"cur_seq"),
+])
+def test_a_field_out_of_its_c_range_is_refused_naming_it(field, value) -> None:
+    point = {"seq_id": "infer", "job_id": "infer", "name": "set_csr",
+             "n_bytes": "infer", "index": "infer"}.get(field, "set_csr")
+    effect = {"n_bytes": "short_output", "index": "nan"}.get(field, "code")
+    with pytest.raises(InvalidArgument) as info:
+        FaultRule(point, effect, **{field: value})
+    assert info.value.message.startswith(f"{field}: must ")
+    with pytest.raises(InvalidArgument) as info:
+        FaultPlan.from_dict({"rules": [{"point": point, "effect": effect, field: value}]})
+    assert info.value.message.startswith(f"rules[0].{field}: must ")
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("code", 2**31 - 1), ("code", -(2**31)), ("nth", 2**63 - 1), ("seq_id", 2**31 - 1),
+    ("job_id", -(2**63)), ("job_id", 2**63 - 1), ("name", "x" * 255), ("name", "é" * 127),
+])
+def test_a_field_at_the_edge_of_its_c_range_is_accepted(field, value) -> None:
+    point = {"seq_id": "infer", "job_id": "infer"}.get(field, "set_csr")
+    rule = FaultRule(point, "code", **{field: value})
+    assert getattr(rule, field) == value
+    assert FaultPlan.from_json(FaultPlan.of(rule).to_json()).rules == (rule,)
+
+
+def test_fault_points_tables_agree() -> None:
+    assert tuple(p.name for p in FAULT_POINTS) == POINTS
+    for p in FAULT_POINTS:
+        assert p.fail_effect in ("code", "refuse")
+        assert (p.default_code is None) == (p.fail_effect == "refuse")
+        assert FILTERS[p.name] == p.filters and EFFECTS[p.name] == p.effects

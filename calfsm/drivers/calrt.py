@@ -41,6 +41,7 @@ points where SimDriver does.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -86,8 +87,10 @@ _DEVICE_BUSY = int(CalrtCode.DEVICE_BUSY)
 _INVALID_CALBIN = int(CalrtCode.INVALID_CALBIN)
 _WRONG_DIRECTION = int(CalrtCode.WRONG_DIRECTION)
 _DTYPE_MISMATCH = int(CalrtCode.DTYPE_MISMATCH)
+_OUT_OF_RANGE = int(CalrtCode.OUT_OF_RANGE)
 
 _I64_MAX = 2**63 - 1
+_I64_MIN = -(2**63)
 _U64_MAX = 2**64 - 1
 #: a name no model, tensor or CSR can have (longer than CALRT_NAME_MAX)
 _NO_NAME = b"?" * 300
@@ -98,11 +101,6 @@ _RESET_BITS = {ResetKind.CCU: 1, ResetKind.CONFIGURATION: 2, ResetKind.FULL: 4}
 _RESET_FN = {ResetKind.CCU: "calrt_reset_ccu",
              ResetKind.CONFIGURATION: "calrt_reset_configuration",
              ResetKind.FULL: "calrt_reset"}
-_POINTS = {"configure": 0, "create_buffers": 1, "map_buffer": 2, "slice_tensor": 3,
-           "set_csr": 4, "set_kv_seq": 5, "infer": 6, "wait": 7, "kv_can_allocate": 8,
-           "kv_apply": 9, "reset": 10, "enable_parallel_mode": 11}
-_EFFECTS = {"code": 0, "refuse": 1, "ccu_exception": 2, "short_output": 3, "nan": 4,
-            "inf": 5, "hang": 6, "stale": 7}
 
 #: functions every library must export; the calrt_emu_* ones only the emulator
 REQUIRED = (
@@ -447,10 +445,10 @@ class CalrtDriver(ClosesOnExit):
             c.fixed_engine_slots = int(capabilities.fixed_engine_slots)
             c.engine_slots = int(capabilities.engine_slots)
             check(lib.calrt_emu_set_capabilities(h, c), "calrt_emu_set_capabilities")
-        for rule in self.faults.rules:
+        for rule in self.faults.rules:   # every field is in range of its C type (FaultRule)
             r = self._ffi.new("calrt_emu_rule_t *")
-            r.point = _POINTS[rule.point]
-            r.effect = _EFFECTS[rule.effect]
+            r.point = getattr(lib, f"CALRT_EMU_POINT_{rule.point.upper()}")
+            r.effect = getattr(lib, f"CALRT_EMU_EFFECT_{rule.effect.upper()}")
             r.nth = rule.nth
             r.every = rule.every or 0
             r.limit = -1 if rule.limit is None else rule.limit
@@ -461,8 +459,8 @@ class CalrtDriver(ClosesOnExit):
             if rule.name is not None:
                 r.name = _cname(rule.name)
             r.code = rule.effective_code if rule.effect == "code" else 0
-            r.n_bytes = -1 if rule.n_bytes is None else min(rule.n_bytes, _I64_MAX)
-            r.index = min(rule.index, _I64_MAX)
+            r.n_bytes = -1 if rule.n_bytes is None else rule.n_bytes
+            r.index = rule.index
             check(lib.calrt_emu_add_rule(h, r), "calrt_emu_add_rule")
 
     # ---- the one call path ------------------------------------------------------------
@@ -551,15 +549,18 @@ class CalrtDriver(ClosesOnExit):
 
     def _load_models(self) -> None:
         ffi, lib, h = self._ffi, self._lib, self._h
-        n = ffi.new("uint32_t *")
-        check(lib.calrt_model_count(h, n), "calrt_model_count")
         infos, models = [], {}
         mh = ffi.new("calrt_model_t *")
         mi = ffi.new("calrt_model_info_t *")
         ti = ffi.new("calrt_tensor_info_t *")
         csr = ffi.new("char[]", 256)
-        for i in range(n[0]):
-            check(lib.calrt_model_at(h, i, mh), "calrt_model_at", i)
+        # models by index until OUT_OF_RANGE: calrt_model_count is get_all_models' own call
+        # (its fault point), not this one's
+        for i in itertools.count():
+            rc = lib.calrt_model_at(h, i, mh)
+            if rc == _OUT_OF_RANGE:
+                break
+            check(rc, "calrt_model_at", i)
             check(lib.calrt_model_info(h, mh[0], mi), "calrt_model_info")
             tensors = []
             for k in range(mi.n_inputs + mi.n_outputs):
@@ -587,6 +588,12 @@ class CalrtDriver(ClosesOnExit):
                 return _INVALID_STATE, None
             if not self._configured:
                 return _MISSING_CONFIG, None
+            n = self._ffi.new("uint32_t *")
+            rc = self._c("calrt_model_count", n)
+            if rc != _OK:
+                return rc, None
+            if n[0] != len(self._infos):  # pragma: no cover - library bug
+                return _INVALID_STATE, None
             return _OK, self._infos
 
     def model(self, exact_name: str) -> tuple[int, _Model | None]:
@@ -716,7 +723,7 @@ class CalrtDriver(ClosesOnExit):
         if tag is None:
             return self._ffi.NULL
         t = self._ffi.new("calrt_job_tag_t *")
-        t.job_id = _clamp(tag.job_id, -_I64_MAX, _I64_MAX)
+        t.job_id = _clamp(tag.job_id, _I64_MIN, _I64_MAX)
         t.seq_id = _clamp(tag.seq_id, -1, _I64_MAX)
         t.generation = _clamp(tag.generation, -_I64_MAX, _I64_MAX)
         return t
@@ -823,9 +830,9 @@ class CalrtDriver(ClosesOnExit):
                 return _INVALID_STATE
             if not _is_int(seq_id) or not _is_int(keep_len) or keep_len < 0:
                 return _INVALID_VALUE
-            if not -_I64_MAX <= seq_id <= _I64_MAX:
-                return _OK  # no such sequence
-            return self._c("calrt_kv_release", int(seq_id), _clamp(keep_len, 0, _U64_MAX))
+            # a sequence outside int64 cannot exist: the library says 0 (after its faults)
+            return self._c("calrt_kv_release", _clamp(seq_id, _I64_MIN, _I64_MAX),
+                           _clamp(keep_len, 0, _U64_MAX))
 
     # ---- device control ---------------------------------------------------------------
     def reset(self, kind: ResetKind) -> int:

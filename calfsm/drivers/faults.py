@@ -60,89 +60,138 @@ from typing import Any
 
 import attrs
 
+from calfsm.drivers.base import SEQ_LIMIT
 from calfsm.errors import CalrtCode, InvalidArgument
 
 __all__ = [
     "DEFAULT_CODES",
     "EFFECTS",
+    "FAULT_POINTS",
     "FILTERS",
     "JOB_EFFECTS",
+    "NAME_MAX_BYTES",
     "POINTS",
     "SWARM_KINDS",
+    "UNFAULTED_CALLS",
     "FaultPlan",
+    "FaultPoint",
     "FaultRule",
 ]
 
 #: job effects, attached at submit (point ``infer``; ``infer_fixed`` counts as ``infer``)
 JOB_EFFECTS = ("ccu_exception", "short_output", "nan", "inf", "hang", "stale")
 
+_I32 = (-(2**31), 2**31 - 1)
+_I64_MAX = 2**63 - 1
+#: a name the C ABI can carry: fewer than CALRT_NAME_MAX (256) UTF-8 bytes, no NUL
+NAME_MAX_BYTES = 255
+
+
+@attrs.frozen
+class FaultPoint:
+    """One place a fault plan can make a device call misbehave.
+
+    ``calls`` are the :class:`~calfsm.drivers.base.Driver` methods that reach it,
+    ``filters`` the :class:`FaultRule` fields that can narrow a rule on it (every rule can
+    use ``nth``/``every``/``count``). :attr:`fail_effect` is the effect that fails the
+    call: ``code`` (it returns the rule's code, else :attr:`default_code`) or ``refuse``
+    (a KV call answers False)."""
+
+    name: str
+    calls: tuple[str, ...]
+    effects: tuple[str, ...]
+    filters: frozenset[str] = frozenset()
+    default_code: int | None = None
+
+    @property
+    def fail_effect(self) -> str:
+        return self.effects[0]
+
+
+def _point(name: str, default: CalrtCode | None, *filters: str,
+           calls: tuple[str, ...] = (), effects: tuple[str, ...] = ("code",)) -> FaultPoint:
+    return FaultPoint(name, calls or (name,), effects, frozenset(filters),
+                      None if default is None else int(default))
+
+
+_BUF = ("seq_id", "name")   # a buffer's KV sequence at that moment, the tensor/CSR name
+_JOB = ("seq_id", "job_id")
+
+#: every fault point, in the order of the Driver protocol: each call the executor makes
+#: (but :data:`UNFAULTED_CALLS`) reaches exactly one of them
+FAULT_POINTS: tuple[FaultPoint, ...] = (
+    _point("configure", CalrtCode.INVALID_CALBIN),
+    _point("get_all_models", CalrtCode.UNEXPECTED),
+    _point("model", CalrtCode.NOT_FOUND, "name"),
+    _point("create_buffers", CalrtCode.ALLOC_FAILED),
+    _point("destroy_buffers", CalrtCode.DEVICE_BUSY, "seq_id"),
+    _point("map_buffer", CalrtCode.MAP_BROKEN, *_BUF),
+    _point("slice_tensor", CalrtCode.OUT_OF_RANGE, *_BUF),
+    _point("undo_slice", CalrtCode.OUT_OF_RANGE, *_BUF),
+    _point("set_csr", CalrtCode.NOT_FOUND, *_BUF),
+    _point("set_kv_seq", CalrtCode.INVALID_VALUE, "seq_id"),
+    _point("infer", CalrtCode.DEVICE_BUSY, *_JOB, calls=("infer", "infer_fixed"),
+           effects=("code", *JOB_EFFECTS)),
+    _point("wait", CalrtCode.TIMEOUT, *_JOB),
+    _point("output_bytes", CalrtCode.INVALID_STATE, *_JOB, "name"),
+    _point("kv_can_allocate", None, effects=("refuse",)),
+    _point("kv_apply", None, "seq_id", effects=("refuse",)),
+    _point("kv_release", CalrtCode.UNEXPECTED, "seq_id"),
+    _point("reset", CalrtCode.SOFT_RESET_FAILED),
+    _point("enable_parallel_mode", CalrtCode.DEVICE_BUSY),
+)
+
+#: Driver methods with no fault point: they return no CalRT code (``status`` reports how
+#: a job ended; a ``ccu_exception`` job effect changes what it reports)
+UNFAULTED_CALLS = ("version", "capabilities", "status", "close")
+
+POINTS = tuple(p.name for p in FAULT_POINTS)
 #: point -> the effects a rule at that point may have
-EFFECTS: dict[str, tuple[str, ...]] = {
-    "configure": ("code",),
-    "create_buffers": ("code",),
-    "map_buffer": ("code",),
-    "slice_tensor": ("code",),
-    "set_csr": ("code",),
-    "set_kv_seq": ("code",),
-    "infer": ("code", *JOB_EFFECTS),
-    "wait": ("code",),
-    "kv_can_allocate": ("refuse",),
-    "kv_apply": ("refuse",),
-    "reset": ("code",),
-    "enable_parallel_mode": ("code",),
-}
-POINTS = tuple(EFFECTS)
-
+EFFECTS: dict[str, tuple[str, ...]] = {p.name: p.effects for p in FAULT_POINTS}
 #: point -> the filters a rule at that point may use
-FILTERS: dict[str, frozenset[str]] = {p: frozenset() for p in POINTS}
-FILTERS.update({
-    "infer": frozenset({"seq_id", "job_id"}),
-    "wait": frozenset({"seq_id", "job_id"}),
-    "kv_apply": frozenset({"seq_id"}),
-    "set_kv_seq": frozenset({"seq_id"}),
-    "set_csr": frozenset({"seq_id", "name"}),
-    "slice_tensor": frozenset({"seq_id", "name"}),
-    "map_buffer": frozenset({"seq_id", "name"}),
-})
-
+FILTERS: dict[str, frozenset[str]] = {p.name: p.filters for p in FAULT_POINTS}
 #: the code an effect ``code`` returns when the rule does not name one
-DEFAULT_CODES: dict[str, int] = {
-    "configure": CalrtCode.INVALID_CALBIN,
-    "create_buffers": CalrtCode.ALLOC_FAILED,
-    "map_buffer": CalrtCode.MAP_BROKEN,
-    "slice_tensor": CalrtCode.OUT_OF_RANGE,
-    "set_csr": CalrtCode.NOT_FOUND,
-    "set_kv_seq": CalrtCode.INVALID_VALUE,
-    "infer": CalrtCode.DEVICE_BUSY,
-    "wait": CalrtCode.TIMEOUT,
-    "reset": CalrtCode.SOFT_RESET_FAILED,
-    "enable_parallel_mode": CalrtCode.DEVICE_BUSY,
-}
+DEFAULT_CODES: dict[str, int] = {p.name: p.default_code for p in FAULT_POINTS
+                                 if p.default_code is not None}
 
 _FIELDS = ("point", "effect", "nth", "every", "count", "seq_id", "job_id", "name", "code",
            "n_bytes", "index")
 _INT_FIELDS = ("nth", "every", "count", "seq_id", "job_id", "code", "n_bytes", "index")
 
 
-def _opt_positive(name: str):
-    def check(_inst: Any, _attr: Any, value: int | None) -> None:
-        if value is not None and (isinstance(value, bool) or not isinstance(value, int)
-                                  or value < 1):
-            raise InvalidArgument(f"{name}: must be a positive integer or null, got {value!r}",
-                                  stage="faults")
-    return check
+def _opt_int(name: str, lo: int, hi: int, *, nonzero: bool = False, hint: str = "",
+             optional: bool = True):
+    """An integer field in ``[lo, hi]`` (the range of the C field it is pushed down as, or
+    narrower), or None when ``optional``; bools and other types are refused."""
+    what = (hint or f"an integer in [{lo}, {hi}]") + (" or null" if optional else "")
 
-
-def _opt_int(name: str, minimum: int | None = None):
     def check(_inst: Any, _attr: Any, value: int | None) -> None:
-        if value is None:
+        if value is None and optional:
             return
-        if isinstance(value, bool) or not isinstance(value, int) or (
-                minimum is not None and value < minimum):
-            bound = f" >= {minimum}" if minimum is not None else ""
-            raise InvalidArgument(f"{name}: must be an integer{bound} or null, got {value!r}",
-                                  stage="faults")
+        if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi \
+                or (nonzero and value == 0):
+            raise InvalidArgument(f"{name}: must be {what}, got {value!r}", stage="faults")
     return check
+
+
+def _positive(name: str, optional: bool = True):
+    return _opt_int(name, 1, _I64_MAX, hint="a positive integer below 2**63",
+                    optional=optional)
+
+
+def _check_name(_inst: Any, _attr: Any, value: str | None) -> None:
+    if value is None:
+        return
+    if not isinstance(value, str):
+        problem = f"must be a string or null, got {value!r}"
+    elif "\0" in value:
+        problem = f"must not contain NUL, got {value!r}"
+    elif len(value.encode("utf-8", "surrogatepass")) > NAME_MAX_BYTES:
+        problem = (f"must be at most {NAME_MAX_BYTES} UTF-8 bytes (a CalRT name), got "
+                   f"{len(value.encode('utf-8', 'surrogatepass'))}")
+    else:
+        return
+    raise InvalidArgument(f"name: {problem}", stage="faults")
 
 
 @attrs.frozen
@@ -151,15 +200,19 @@ class FaultRule:
 
     point: str
     effect: str
-    nth: int = attrs.field(default=1, validator=_opt_positive("nth"))
-    every: int | None = attrs.field(default=None, validator=_opt_positive("every"))
-    count: int | None = attrs.field(default=None, validator=_opt_positive("count"))
-    seq_id: int | None = attrs.field(default=None, validator=_opt_int("seq_id", 0))
-    job_id: int | None = attrs.field(default=None, validator=_opt_int("job_id"))
-    name: str | None = None
-    code: int | None = attrs.field(default=None, validator=_opt_int("code", 1))
-    n_bytes: int | None = attrs.field(default=None, validator=_opt_int("n_bytes", 0))
-    index: int = attrs.field(default=0, validator=_opt_int("index", 0))
+    nth: int = attrs.field(default=1, validator=_positive("nth", optional=False))
+    every: int | None = attrs.field(default=None, validator=_positive("every"))
+    count: int | None = attrs.field(default=None, validator=_positive("count"))
+    seq_id: int | None = attrs.field(default=None, validator=_opt_int(
+        "seq_id", 0, SEQ_LIMIT - 1, hint="a KV sequence id in [0, 2**31 - 1]"))
+    job_id: int | None = attrs.field(default=None, validator=_opt_int(
+        "job_id", -(2**63), _I64_MAX, hint="a 64-bit signed integer"))
+    name: str | None = attrs.field(default=None, validator=_check_name)
+    code: int | None = attrs.field(default=None, validator=_opt_int(
+        "code", *_I32, nonzero=True, hint="a non-zero 32-bit signed integer (a CalRT code)"))
+    n_bytes: int | None = attrs.field(default=None, validator=_opt_int("n_bytes", 0, _I64_MAX))
+    index: int = attrs.field(default=0, validator=_opt_int("index", 0, _I64_MAX,
+                                                               optional=False))
 
     def __attrs_post_init__(self) -> None:
         if self.point not in EFFECTS:
@@ -169,16 +222,11 @@ class FaultRule:
             raise InvalidArgument(f"effect: unknown effect {self.effect!r} for point "
                                   f"{self.point!r} (one of {', '.join(EFFECTS[self.point])})",
                                   stage="faults")
-        if self.name is not None and not isinstance(self.name, str):
-            raise InvalidArgument(f"name: must be a string or null, got {self.name!r}",
-                                  stage="faults")
         for f in ("seq_id", "job_id", "name"):
             if getattr(self, f) is not None and f not in FILTERS[self.point]:
                 have = ", ".join(sorted(FILTERS[self.point])) or "none"
                 raise InvalidArgument(f"{f}: point {self.point!r} has no {f} to match "
                                       f"(its filters: {have})", stage="faults")
-        if self.nth is None:
-            raise InvalidArgument("nth: must be a positive integer", stage="faults")
 
     # ---- construction helpers ---------------------------------------------------------
     @classmethod

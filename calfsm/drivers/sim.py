@@ -182,7 +182,8 @@ class _Buf:
     """One input or output buffer of a model."""
 
     __slots__ = ("csrs", "destroyed", "driver", "engine", "epoch", "is_input", "job", "kv_seq",
-                 "label", "maps", "model", "out_bytes", "slices", "status", "submitted")
+                 "label", "last_job_id", "last_seq", "maps", "model", "out_bytes", "slices",
+                 "status", "submitted")
 
     def __init__(self, driver: SimDriver, model: _Model, is_input: bool, engine: int,
                  label: str) -> None:
@@ -201,6 +202,9 @@ class _Buf:
         self.status = OutputStatus.IDLE
         self.submitted = False
         self.out_bytes: int | None = None
+        #: output: the KV sequence and tag job id of the last job submitted into it
+        self.last_seq: int | None = None
+        self.last_job_id: int | None = None
 
     def __repr__(self) -> str:
         return f"<sim buffer {self.label} of {self.model.name!r}>"
@@ -363,6 +367,11 @@ class SimDriver(ClosesOnExit):
             self._rec("fault", args, 0)
         return chosen
 
+    def _fault_code(self, point: str, **where: Any) -> int:
+        """The code a ``code`` rule firing at ``point`` returns, else ``_OK``."""
+        rule = self._fault(point, **where)
+        return _OK if rule is None else rule.effective_code
+
     # ---- identity ---------------------------------------------------------------------
     def version(self) -> str:
         return "0.7.6"
@@ -389,9 +398,9 @@ class SimDriver(ClosesOnExit):
             return _ALREADY_CONFIGURED
         if not isinstance(calbin, Calbin) or not calbin.models or not _calbin_usable(calbin):
             return _INVALID_CALBIN
-        rule = self._fault("configure")
-        if rule is not None:
-            return rule.effective_code
+        rc = self._fault_code("configure")
+        if rc:
+            return rc
         self._configured = calbin
         self._models = {m.name: _Model(self, m, self._epoch) for m in calbin.models}
         self._max_seq = max((mm.max_tokens for mm in self._models.values() if not mm.decode),
@@ -409,7 +418,7 @@ class SimDriver(ClosesOnExit):
 
     def get_all_models(self) -> tuple[int, Sequence[ModelInfo] | None]:
         with self._lock:
-            rc = self._unconfigured()
+            rc = self._unconfigured() or self._fault_code("get_all_models")
             val = None if rc else tuple(self._configured.models)  # type: ignore[union-attr]
             if self._trace is not None:
                 self._rec("get_all_models", (), rc)
@@ -420,7 +429,10 @@ class SimDriver(ClosesOnExit):
             rc, val = self._unconfigured(), None
             if not rc:
                 val = self._models.get(exact_name) if isinstance(exact_name, str) else None
-                rc = _OK if val is not None else _NOT_FOUND
+                rc = self._fault_code("model", name=exact_name) if val is not None \
+                    else _NOT_FOUND
+                if rc:
+                    val = None
             if self._trace is not None:
                 self._rec("model", (("name", str(exact_name)),), rc)
             return rc, val
@@ -446,9 +458,9 @@ class SimDriver(ClosesOnExit):
             return _INVALID_VALUE, None
         if engine is not EngineSlot.AUTO and not self._caps.fixed_engine_slots:
             return _UNSUPPORTED, None
-        rule = self._fault("create_buffers")
-        if rule is not None:
-            return rule.effective_code, None
+        rc = self._fault_code("create_buffers")
+        if rc:
+            return rc, None
         self._bufs += 1
         k = self._bufs
         return _OK, (_Buf(self, model, True, int(engine), f"in{k}"),
@@ -463,6 +475,9 @@ class SimDriver(ClosesOnExit):
         self._pump()
         if inp.job is not None or out.job is not None:
             return _DEVICE_BUSY
+        rc = self._fault_code("destroy_buffers", seq=inp.kv_seq)
+        if rc:
+            return rc
         for b in (inp, out):
             b.destroyed = True
             b.maps = {}
@@ -475,8 +490,7 @@ class SimDriver(ClosesOnExit):
         self._pump()
         if buf.job is not None:
             return _DEVICE_BUSY
-        rule = self._fault(call, **where)
-        return _OK if rule is None else rule.effective_code
+        return self._fault_code(call, **where)
 
     def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
         """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
@@ -539,9 +553,9 @@ class SimDriver(ClosesOnExit):
         rc, _info = self._tensor(buf, tensor)
         if rc:
             return rc
-        self._pump()
-        if buf.job is not None:
-            return _DEVICE_BUSY
+        rc = self._refused(buf, "undo_slice", seq=buf.kv_seq, name=tensor)
+        if rc:
+            return rc
         buf.slices.pop(tensor, None)
         return _OK
 
@@ -647,6 +661,8 @@ class SimDriver(ClosesOnExit):
         out.status = OutputStatus.PENDING
         out.submitted = True
         out.out_bytes = None
+        out.last_seq = job.seq
+        out.last_job_id = tag.job_id if tag is not None else None
         return _OK
 
     def _schedule(self, job: _Job) -> None:
@@ -791,10 +807,10 @@ class SimDriver(ClosesOnExit):
             timeout = max(0.0, float(timeout_s))
         except (TypeError, ValueError):
             return _INVALID_VALUE
-        rule = self._fault("wait", seq=job.seq,
-                           job=job.tag.job_id if job.tag is not None else None)
-        if rule is not None:
-            return rule.effective_code
+        rc = self._fault_code("wait", seq=job.seq,
+                              job=job.tag.job_id if job.tag is not None else None)
+        if rc:
+            return rc
         clock = self.clock
         if self._virtual:
             deadline = clock.now() + timeout
@@ -854,7 +870,9 @@ class SimDriver(ClosesOnExit):
         self._pump()
         if out.job is not None or out.out_bytes is None:
             return _INVALID_STATE, None
-        return _OK, out.out_bytes
+        rc = self._fault_code("output_bytes", seq=out.last_seq, job=out.last_job_id,
+                              name=tensor)
+        return (rc, None) if rc else (_OK, out.out_bytes)
 
     # ---- KV manager -------------------------------------------------------------------
     def kv_can_allocate(self, n: int) -> bool:
@@ -899,6 +917,9 @@ class SimDriver(ClosesOnExit):
             return _INVALID_STATE
         if not _is_int(seq_id) or not _is_int(keep_len) or keep_len < 0:
             return _INVALID_VALUE
+        rc = self._fault_code("kv_release", seq=int(seq_id))
+        if rc:
+            return rc
         cur = self._kv_alloc.get(seq_id)
         if cur is None or keep_len >= cur:
             return _OK
@@ -928,9 +949,9 @@ class SimDriver(ClosesOnExit):
         if not self._caps.can_reset(kind):
             return _UNSUPPORTED
         self._pump()
-        rule = self._fault("reset")
-        if rule is not None:
-            return rule.effective_code
+        rc = self._fault_code("reset")
+        if rc:
+            return rc
         self._abort_pending(keep_stale=True)
         if kind in (ResetKind.CONFIGURATION, ResetKind.FULL):
             self._epoch += 1
@@ -969,9 +990,9 @@ class SimDriver(ClosesOnExit):
         self._pump()
         if self._queue:
             return _DEVICE_BUSY
-        rule = self._fault("enable_parallel_mode")
-        if rule is not None:
-            return rule.effective_code
+        rc = self._fault_code("enable_parallel_mode")
+        if rc:
+            return rc
         self._parallel = bool(enabled)
         return _OK
 
