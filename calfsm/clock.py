@@ -70,3 +70,19 @@ class VirtualClock:
 
     def __repr__(self) -> str:
         return f"VirtualClock(now={self._now:.6f})"
+
+
+class SteppedRealClock(RealClock):
+    """Real time plus an offset a test moves with :meth:`jump`: threaded code sees time
+    pass (a hung wait, a watchdog) without the test sleeping."""
+
+    def __init__(self) -> None:
+        self._offset = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() + self._offset
+
+    def jump(self, seconds: float) -> None:
+        if not seconds >= 0:
+            raise ValueError(f"a clock jumps forward only, got {seconds!r}")
+        self._offset += seconds

@@ -35,6 +35,8 @@ __all__ = [
     "Cancelled",
     "DeadlineExceeded",
     "ErrorCategory",
+    "ExecutorBroken",
+    "ExecutorClosed",
     "FailedPrecondition",
     "IllegalTransition",
     "Incompatible",
@@ -210,6 +212,13 @@ class CalfsmError(Exception):
         "job_id", "seq_id", "generation", "calrt_code", "stage", "retry_after_s")
 
     @property
+    def retryable(self) -> bool:
+        """Whether the same request may succeed if sent again later: the executor gave a
+        retry-after hint, or the error is transient. Request, artifact, programming and
+        compatibility errors repeat."""
+        return self.retry_after_s is not None or self.category is ErrorCategory.TRANSIENT
+
+    @property
     def action(self) -> ServiceAction:
         """The service action of this error's category (spec section 8)."""
         return ACTIONS[self.category]
@@ -311,12 +320,26 @@ class Unavailable(CalfsmError):
     default_category = ErrorCategory.DEVICE
 
 
+class ExecutorClosed(Unavailable):
+    """The executor was used after ``close()`` began: the caller's misuse (or a server
+    shutting down), never a statement about the device."""
+
+    default_category = ErrorCategory.PROGRAMMING
+
+
 class Internal(CalfsmError):
     """An internal shape/calbin error or an unexpected runtime condition."""
 
     http_status = 500
     grpc_code = "INTERNAL"
     default_category = ErrorCategory.UNKNOWN
+
+
+class ExecutorBroken(Internal):
+    """A worker thread of the executor died: every pending job fails with this and the
+    executor admits nothing more (like ``concurrent.futures``' ``BrokenExecutor``)."""
+
+    default_category = ErrorCategory.PROGRAMMING
 
 
 class Incompatible(Internal):

@@ -88,6 +88,8 @@ class JobContext:
     kv: KvReservation | None = None
     queue_deadline: float = float("inf")
     holds_inflight: bool = False         # popped for submit, device not yet released
+    requeues: int = 0                    # times a transient submit error put it back
+    ended: bool = False                  # resolved: its caller has the outcome
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
     epoch: Any = None                    # the executor generation record it belongs to
@@ -121,6 +123,12 @@ class JobHandle:
     @property
     def seq_id(self) -> int:
         return self._job.seq_id
+
+    @property
+    def context(self) -> JobContext:
+        """The job's own record (generation, KV reservation, timings), to inspect; only
+        the executor changes it."""
+        return self._job
 
     def done(self) -> bool:
         return self._result is not None or self._error is not None
@@ -192,6 +200,12 @@ class JobHandle:
                 raise RuntimeError(f"job {self.job_id} resolved twice")
             self._result, self._error = result, error
             callbacks, self._callbacks = self._callbacks, []
+            # The job ended: it lets go of its handle, so no JobContext <-> JobHandle
+            # cycle outlives it (the cyclic collector's gen-0 passes would land on the
+            # per-token latency).
+            job = self._job
+            job.ended = True
+            job.handle = None
         self._latch.release()
         for fn in callbacks:
             _run_callback(fn, self)

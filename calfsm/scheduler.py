@@ -1,14 +1,15 @@
 """StepScheduler: drive a step-mode executor one step at a time, deterministically.
 
 A step-mode executor (``ExecutorConfig(threaded=False)``) starts no thread. Its work is
-a set of *actions*, each one bounded step of the same code the threads run:
+a set of *actions* on its public :class:`~calfsm.runtime.Steps` (``executor.steps``),
+each one bounded step of the same code the threads run:
 
 ``admit``     admit the head job waiting for KV or a buffer (FIFO)
 ``submit``    submit the head of the submit queue (the only ``infer`` caller)
 ``complete``  wait for the oldest submitted job (the only ``wait`` caller)
 ``recover``   run recovery once the drain condition holds
 ``expire``    fail the jobs whose admission or queue deadline has passed
-``advance``   nothing else can move: jump the virtual clock to the next deadline
+``advance``   nothing else can move: jump the virtual clock to the next timer
 
 At each step the scheduler picks one enabled action with a seeded ``random.Random`` (an
 expired deadline is a timer and always fires first), so a seed *is* an interleaving: the
@@ -21,53 +22,51 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable
-from typing import TYPE_CHECKING
-
-from calfsm.machines.lifecycle import LifecycleState
-
-if TYPE_CHECKING:
-    from calfsm.executor import DeviceExecutor
+from typing import Any
 
 __all__ = ["StepScheduler"]
 
 
 class StepScheduler:
-    """Chooses and runs the executor's enabled actions, one per :meth:`step`."""
+    """Chooses and runs the enabled actions of a step-mode executor, one per :meth:`step`.
+    """
 
-    def __init__(self, executor: DeviceExecutor, seed: int = 0) -> None:
+    def __init__(self, executor: Any, seed: int = 0) -> None:
         if executor.config.threaded:
             raise ValueError("StepScheduler drives a step-mode executor "
                              "(ExecutorConfig(threaded=False))")
-        self.ex = executor
+        self._init(executor.steps, seed, repr(executor))
+
+    @classmethod
+    def for_steps(cls, steps: Any, seed: int = 0) -> StepScheduler:
+        """A scheduler over a :class:`~calfsm.runtime.Steps` directly."""
+        self = cls.__new__(cls)
+        self._init(steps, seed, "step-mode executor")
+        return self
+
+    def _init(self, steps: Any, seed: int, name: str) -> None:
+        self.steps = steps
         self.rng = random.Random(seed)
         self.log: list[str] = []
-        self._admit_blocked_at: tuple[int, int] | None = None
+        self._name = name
+        self._admit_blocked_at: int | None = None
 
     # ---- which actions may run -----------------------------------------------------
     def enabled(self) -> list[str]:
-        ex = self.ex
+        s = self.steps
         acts = []
-        if ex._next_deadline() <= ex.clock.now():
+        if s.expire_due():
             acts.append("expire")
-        if ex._parked and self._admit_blocked_at != self._progress_key():
+        # a parked job that could not move is retried only once something changed
+        if s.can_admit() and self._admit_blocked_at != s.admission_fingerprint():
             acts.append("admit")
-        if ex._submittable_locked():       # step mode: no other thread holds it
+        if s.can_submit():
             acts.append("submit")
-        if ex._complete_q:
+        if s.can_complete():
             acts.append("complete")
-        if ex.faults.recovery_pending and ex.faults.drained() \
-                and ex.lifecycle_state == LifecycleState.DRAINING:
+        if s.can_recover():
             acts.append("recover")
         return acts
-
-    def _progress_key(self) -> tuple[int, int]:
-        """A fingerprint of what could let a blocked admission proceed (KV books, pool,
-        generation): ``admit`` is re-enabled only when it changed, so a parked job that
-        cannot move does not spin the scheduler."""
-        ex = self.ex
-        stats = ex.epoch.kv.stats() if ex.epoch is not None else None
-        return (len(ex._parked), hash((stats, ex.epoch.pool.stats() if ex.epoch else None,
-                                       ex.generation)))
 
     # ---- running -------------------------------------------------------------------
     def step(self) -> str | None:
@@ -79,34 +78,28 @@ class StepScheduler:
             act = "expire"
         else:
             act = acts[0] if len(acts) == 1 else self.rng.choice(acts)
-        ex = self.ex
+        s = self.steps
         if act == "admit":
-            if not ex._admit_parked():
-                self._admit_blocked_at = self._progress_key()
+            if not s.admit():
+                self._admit_blocked_at = s.admission_fingerprint()
         elif act == "submit":
-            ex._submit_next()
+            s.submit()
         elif act == "complete":
-            ex._complete_next()
+            s.complete()
         elif act == "recover":
-            ex.faults.recover()
+            s.recover()
         elif act == "expire":
-            ex._expire_waiting()
+            s.expire()
             self._admit_blocked_at = None
         self.log.append(act)
         return act
 
     def _advance(self) -> str | None:
         """Jump the virtual clock to the next thing that will happen by itself."""
-        ex = self.ex
-        clock = ex.clock
+        clock = self.steps.clock
         if not clock.virtual:
             return None
-        targets = [ex._next_deadline()]
-        if ex.faults.recovery_pending:
-            targets.append(ex.faults._drain_started + ex.config.recovery.grace_period_s)
-        if ex.faults.backoff_until > clock.now():
-            targets.append(ex.faults.backoff_until)
-        t = min(targets)
+        t = self.steps.next_timer()
         if math.isinf(t):
             return None
         clock.advance_to(t)
@@ -120,7 +113,7 @@ class StepScheduler:
         while not predicate():
             if self.step() is None:
                 raise RuntimeError(f"step scheduler stuck after {steps} steps: nothing "
-                                   f"enabled and no deadline ahead ({self.ex!r})")
+                                   f"enabled and no deadline ahead ({self._name})")
             steps += 1
             if steps >= max_steps:
                 raise RuntimeError(f"predicate not reached within {max_steps} steps")
@@ -128,9 +121,4 @@ class StepScheduler:
 
     def run_until_idle(self, max_steps: int = 100_000) -> int:
         """Step until no job is waiting, queued or on the device."""
-        ex = self.ex
-        return self.run_until(
-            lambda: not (ex._parked or ex._submit_q or ex._complete_q or ex._on_device
-                         or (ex.faults.recovery_pending
-                             and ex.lifecycle_state == LifecycleState.DRAINING)),
-            max_steps)
+        return self.run_until(self.steps.idle, max_steps)

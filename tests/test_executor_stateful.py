@@ -62,7 +62,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         self.sched = StepScheduler(self.ex, seed=sched_seed)
         self.handles = []
         self.transitions: list[tuple[str, str, str]] = []
-        self.ex_life = self.ex._life
+        self.ex_life = self.ex.lifecycle.record
 
         def record(model, src, dst, trigger):
             if model is self.ex_life:
@@ -73,20 +73,23 @@ class ExecutorMachine(RuleBasedStateMachine):
         self._wrap_late_completion()
 
     def _wrap_late_completion(self) -> None:
-        """Instrument the fence: a late completion must not move the current epoch."""
-        ex = self.ex
-        original = ex._late_completion
+        """Instrument the fence: a completion of an older generation must not move the
+        current one (wraps the public complete step the scheduler runs)."""
+        ex, steps = self.ex, self.sched.steps
+        original = steps.complete
 
-        def fenced(job, rc):
+        def fenced():
             current = ex.epoch
             before = (current.kv.stats(), current.pool.stats())
-            original(job, rc)
-            if job.epoch is not current:
-                assert ex.epoch is current
+            on_device = ex.on_device()
+            moved = original()
+            gone = [j for j in on_device if j not in ex.on_device()]
+            if any(j.epoch is not current for j in gone) and ex.epoch is current:
                 assert (current.kv.stats(), current.pool.stats()) == before, \
                     "an old-generation completion changed the current generation"
+            return moved
 
-        ex._late_completion = fenced
+        steps.complete = fenced
 
     def teardown(self) -> None:
         if getattr(self, "ex", None) is None:
@@ -99,7 +102,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         for h in self.handles:
             assert h.done(), f"{h} never reached an outcome"
         epoch = self.ex.epoch
-        if not self.ex._on_device:
+        if not self.ex.on_device():
             assert epoch.pool.stats().leased == 0
         assert not [t for t in threading.enumerate()
                     if t.name.startswith("calfsm-") and t.is_alive()]
@@ -164,11 +167,10 @@ class ExecutorMachine(RuleBasedStateMachine):
         if not self._live():
             return
         for h in self.handles:
-            job = h._job
+            job = h.context
             # resolved exactly when terminal: one outcome, never a second one
             assert h.done() == JOB_MACHINE.is_terminal(job.state), (h, job.state)
-            if h._result is not None:
-                assert h._error is None
+            if h.done() and h.exception(0) is None:
                 assert job.state == "Succeeded"     # no logits for failed/cancelled jobs
 
     @invariant()
@@ -184,7 +186,7 @@ class ExecutorMachine(RuleBasedStateMachine):
             return
         epoch = self.ex.epoch
         holding = sum(1 for h in self.handles
-                      if h._job.lease is not None and h._job.epoch is epoch)
+                      if h.context.lease is not None and h.context.epoch is epoch)
         stats = epoch.pool.stats()
         assert stats.leased == holding, (stats, holding)
         assert stats.free + stats.leased + stats.quarantined == stats.total

@@ -9,6 +9,7 @@ import attrs
 import numpy as np
 import pytest
 
+from calfsm.clock import SteppedRealClock
 from calfsm.drivers.base import Calbin, Capabilities, ResetKind
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.epoch import WARMUP_SEQ
@@ -43,13 +44,12 @@ def settle(ex, predicate=None, timeout=20.0):
     if not ex.config.threaded:
         sched = StepScheduler(ex, seed=1)
         sched.run_until(lambda: ex.lifecycle_state in ("Ready", "Failed")
-                        and not (ex._parked or ex._submit_q or ex._complete_q)
+                        and ex.idle()
                         and (predicate is None or predicate()))
         return
     ex.wait_lifecycle("Ready", "Failed", timeout=timeout)
     if predicate is not None:
-        with ex._cond:
-            assert ex._cond.wait_for(predicate, timeout)
+        assert ex.wait_until(predicate, timeout)
 
 
 def outcome(ex, handle):
@@ -107,8 +107,8 @@ def test_fi07_wait_timeout_quarantines_no_logits_and_recovers(mode):
         err = outcome(ex, h)
         assert isinstance(err, DeadlineExceeded) and err.stage == "wait"
         assert h.state == JobState.QUARANTINED
-        old = h._job.epoch
-        assert h._job.kv.state == "Unknown"
+        old = h.context.epoch
+        assert h.context.kv.state == "Unknown"
         _recovered_and_serving(ex)
         assert old.retired and old is not ex.epoch
         assert old.pool.stats().quarantined >= 1        # its slot never came back
@@ -154,7 +154,7 @@ def test_fi14_stale_completion_after_reset_touches_nothing_new(mode):
             sched = StepScheduler(ex)
             sched.run_until(lambda: h.state == JobState.SUBMITTED)
             assert ex.recover("test: reset under a running job")
-            ex.faults.recover()                        # grace 0: reset now, job pending
+            assert sched.steps.recover()               # grace 0: reset now, job pending
         else:
             gated.gate.clear()
             h = ex.enqueue(_job())
@@ -172,7 +172,7 @@ def test_fi14_stale_completion_after_reset_touches_nothing_new(mode):
         # nothing of generation 2 moved: no KV, no pool slot
         assert new.kv.stats() == kv_before and new.pool.stats() == pool_before
         assert new.kv.sequence_length(SEQ) == 0
-        assert h._job.epoch is not new and h._job.generation == 1
+        assert h.context.epoch is not new and h.context.generation == 1
         refused = outcome(ex, ex.enqueue(_job(seq=SEQ)))
         assert refused is not None and "lost in the reset" in str(refused)
         ex.reset_sequence(SEQ)
@@ -235,7 +235,8 @@ def test_health_reports_state_generation_and_heartbeats(mode):
 def test_wedged_device_never_looks_healthy():
     """A job on the device and no completion progress past the threshold: health() turns
     the executor into a drain (a device fault), it does not keep saying ready."""
-    inner = make_sim("threaded")
+    clock = SteppedRealClock()
+    inner = make_sim("threaded", clock=clock)
     gated = GatedDriver(inner)
     ex = make_executor("threaded", driver=gated, execution_timeout_s=60,
                        recovery=RecoveryPolicy(progress_timeout_s=0.05, grace_period_s=0.01))
@@ -243,7 +244,7 @@ def test_wedged_device_never_looks_healthy():
         gated.gate.clear()
         ex.enqueue(_job())
         assert gated.waiting.wait(5)
-        ex._heartbeat["completion"] -= 1.0       # as if the wait had hung for a second
+        clock.jump(1.0)                          # as if the wait had hung for a second
         assert ex.health().ready is False
     finally:
         gated.gate.set()

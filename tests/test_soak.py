@@ -118,7 +118,7 @@ def test_soak_1000_injected_cancels_timeouts_errors(seed, caplog):
         # never a lost job: each has exactly one outcome, and it is terminal
         for h in handles:
             assert h.done(), h
-            assert JOB_MACHINE.is_terminal(h._job.state), h
+            assert JOB_MACHINE.is_terminal(h.state), h
             assert (h._result is None) != (h._error is None)
         if ex.lifecycle_state == "Failed":
             assert ex.failure_reason

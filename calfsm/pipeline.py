@@ -1,0 +1,881 @@
+"""The sans-thread core of the executor: queues, in-flight accounting and the four steps.
+
+Theory of operation
+-------------------
+A job flows through four *steps*, each a method that does one bounded piece of work,
+returns what happened and never sleeps or reads a wall clock (time comes only from the
+driver's injected clock):
+
+``admit``     validate once -> exact sub-model -> KV reservation -> buffer lease
+``prepare``   copy inputs, set slices, CSRs and KV sequence -> submit queue
+``submit``    (the only caller of ``infer``) cancel/deadline check -> infer -> Submitted
+``complete``  (the only caller of ``wait``, holding no lock) wait -> status -> output
+              check -> BF16->FP32 into the target -> KV commit -> undo slices ->
+              resolve -> return the lease (spec 6.5's order)
+
+Who drives the steps is not this module's business: :mod:`calfsm.runtime` runs them on a
+submitter and a completion thread, :class:`calfsm.scheduler.StepScheduler` one at a time
+from a seed. Admission is one path for both: :meth:`Pipeline.admit` with
+``wait=False`` tries; with ``wait=True`` (the caller's thread in threaded mode) the KV
+coordinator and the pool wait for capacity inside the same step, FIFO, bounded by the
+admission deadline. The pipeline tells its driver that something changed through
+:class:`Hooks` (the thread runtime rings doorbells there; step mode needs nothing).
+
+Every failure releases what was taken in reverse order. Before ``infer()`` succeeded a
+lease goes back to the pool and the KV reservation rolls back; after it, only the
+completion or recovery path touches them, and a failure leaves the KV ``Unknown`` and the
+slot quarantined (the device may have written them). Every accepted job ends exactly once,
+through :meth:`JobHandle._resolve`.
+
+Lock order: lifecycle -> admission (inside the KV coordinator) -> pool -> device
+(``_device_lock``) -> queues (``_lock``). No runtime call is made holding the queue lock;
+``wait`` is called holding no lock at all. The device lock is held only around one
+``infer`` (and its generation check) and the reading of a finished output: recovery
+passes through it once after leaving Ready, so no submit can race a reset.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from calfsm.drivers.base import Driver, EngineSlot, JobTag
+from calfsm.epoch import WARMUP_SEQ
+from calfsm.errors import (
+    CalfsmError,
+    CalrtCode,
+    Cancelled,
+    DeadlineExceeded,
+    ErrorCategory,
+    ExecutorBroken,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+    from_calrt,
+)
+from calfsm.job import InferenceResult, JobContext, JobHandle, Request
+from calfsm.lifecycle import Lifecycle
+from calfsm.machines.job import JOB_MACHINE, JobState
+from calfsm.machines.lifecycle import LifecycleState
+from calfsm.manifest import TaskKind
+from calfsm.recovery import Decision, FaultPolicy, Verdict
+from calfsm.staging import check_output, read_output
+
+__all__ = ["COUNTERS", "Hooks", "Pipeline", "PipelineTimeouts"]
+
+log = logging.getLogger("calfsm.pipeline")
+
+_fire = JOB_MACHINE.fire
+_fire_if = JOB_MACHINE.fire_if_declared
+_READY = LifecycleState.READY
+
+#: the counters :meth:`Pipeline.counts` reports, each bumped under the queue lock
+COUNTERS = ("accepted", "succeeded", "failed", "cancelled", "quarantined",
+            "stale_completions", "recoveries", "requeued")
+
+
+class Hooks:
+    """How the pipeline tells whoever drives it that work is there. The defaults do
+    nothing (step mode: the scheduler looks for itself)."""
+
+    def work_queued(self) -> None:
+        """A job was queued for submit, or an in-flight slot came free."""
+
+    def job_submitted(self) -> None:
+        """A job is waiting for its completion."""
+
+    def device_freed(self, hand_off: bool) -> None:
+        """Called under the queue lock when a job left the device; ``hand_off``: a queued
+        job can be submitted at once."""
+
+    def after_device_freed(self) -> None:
+        """Called by the step that freed the device, outside every lock."""
+
+    def changed(self) -> None:
+        """Queues or in-flight accounting changed (drains and recovery wait for this).
+        Called outside the queue lock, so it may take locks of its own."""
+
+
+class PipelineTimeouts:
+    """The timeouts of :class:`~calfsm.executor.ExecutorConfig` the steps use."""
+
+    __slots__ = ("admission_s", "default_deadline_s", "execution_s", "queue_s",
+                 "zombie_wait_s")
+
+    def __init__(self, *, admission_s: float, queue_s: float, execution_s: float,
+                 default_deadline_s: float, zombie_wait_s: float) -> None:
+        self.admission_s = admission_s
+        self.queue_s = queue_s
+        self.execution_s = execution_s
+        self.default_deadline_s = default_deadline_s
+        self.zombie_wait_s = zombie_wait_s
+
+
+class Pipeline:
+    """Queues, in-flight accounting and the admit/prepare/submit/complete steps."""
+
+    def __init__(self, driver: Driver, life: Lifecycle, faults: FaultPolicy, *,
+                 timeouts: PipelineTimeouts, max_inflight: int,
+                 engines: tuple[EngineSlot, ...], apply: Callable[[Verdict], None],
+                 drain: Callable[[str], bool]) -> None:
+        self.driver = driver
+        self.clock = driver.clock
+        self.life = life
+        self.faults = faults
+        self.t = timeouts
+        self.max_inflight = max_inflight
+        self.engines = engines
+        self._apply = apply             # the lifecycle carries out a policy decision
+        self._drain = drain             # ... and starts a drain for a suspect device
+        self.hooks = Hooks()
+        self._lock = threading.Lock()
+        self._device_lock = threading.Lock()      # a submit vs a reset of the device
+        self._submit_q: deque[JobContext] = deque()
+        self._complete_q: deque[JobContext] = deque()
+        self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
+        self._on_device: list[JobContext] = []      # submitted, wait not returned
+        self._inflight = 0
+        self._broken: str | None = None
+        self._ids = itertools.count(1)
+        self._counts = dict.fromkeys(COUNTERS, 0)
+        self._errors_by_category: dict[str, int] = {}
+        now = self.clock.now()
+        self._heartbeat = {"submitter": now, "completion": now}
+
+    # ---- observation ---------------------------------------------------------------
+    @property
+    def inflight(self) -> int:
+        return self._inflight
+
+    @property
+    def broken(self) -> str | None:
+        """Why the pipeline stopped for good (a worker died), or None."""
+        return self._broken
+
+    def counts(self) -> tuple[dict[str, int], dict[str, int]]:
+        """(counters, errors by category), a consistent snapshot."""
+        with self._lock:
+            return dict(self._counts), dict(self._errors_by_category)
+
+    def count(self, name: str) -> None:
+        with self._lock:
+            self._counts[name] += 1
+
+    def depths(self) -> tuple[int, int]:
+        """(in flight, waiting: queued for submit or for admission)."""
+        with self._lock:
+            return self._inflight, len(self._submit_q) + len(self._parked)
+
+    def heartbeat(self, worker: str) -> float:
+        return self._heartbeat[worker]
+
+    def beat(self, worker: str) -> None:
+        """A worker is alive and looking for work (clock time)."""
+        self._heartbeat[worker] = self.clock.now()
+
+    def completion_idle_s(self) -> float | None:
+        """Seconds since the completion side last made progress while jobs are on the
+        device (None: nothing on the device)."""
+        if self._inflight == 0:
+            return None
+        return self.clock.now() - self._heartbeat["completion"]
+
+    def on_device(self) -> list[JobContext]:
+        with self._lock:
+            return list(self._on_device)
+
+    def idle_on_device(self) -> bool:
+        """No job holds the device (submitted or about to be)."""
+        with self._lock:
+            return not self._on_device and self._inflight <= len(self._on_device)
+
+    def idle(self) -> bool:
+        """Nothing waits, is queued, on the device or waiting for its completion."""
+        with self._lock:
+            return not (self._parked or self._submit_q or self._complete_q
+                        or self._on_device)
+
+    def has_parked(self) -> bool:
+        return bool(self._parked)
+
+    def has_completions(self) -> bool:
+        return bool(self._complete_q)
+
+    def has_queued(self) -> bool:
+        return bool(self._submit_q)
+
+    def admission_fingerprint(self) -> int:
+        """Changes whenever something that could let a parked job proceed changed (KV
+        books, pool, generation, the parked jobs themselves)."""
+        epoch = self.life.epoch
+        return hash((len(self._parked), epoch.kv.stats() if epoch else None,
+                     epoch.pool.stats() if epoch else None, self.life.generation))
+
+    def next_deadline(self) -> float:
+        """Earliest deadline a parked or queued job waits for."""
+        with self._lock:
+            dl = [self._admission_deadline(j) for j in self._parked]
+            dl += [j.queue_deadline for j in self._submit_q]
+        return min(dl, default=math.inf)
+
+    # ---- request side: accept -> admit -> prepare ----------------------------------
+    def accept(self, request: Request, canceller: Callable[[JobContext], None]
+               ) -> JobContext:
+        """Gate, then make the job and its handle; raises only for a closed or non-Ready
+        executor (or a bad ``request`` type). Every accepted job has one outcome."""
+        if not isinstance(request, Request):
+            raise InvalidArgument(f"enqueue takes a Request, got {type(request).__name__}",
+                                  stage="request")
+        if self._broken is not None:
+            raise ExecutorBroken(f"executor is broken: {self._broken}", stage="admission")
+        self.life.gate()
+        now = self.clock.now()
+        deadline_s = request.deadline_s if request.deadline_s is not None \
+            else self.t.default_deadline_s
+        past = request.past_len
+        if past is None:
+            pos = request.positions
+            past = int(pos[0]) if pos is not None and len(pos) else 0
+        job = JobContext(
+            job_id=next(self._ids), request=request, generation=self.life.generation,
+            seq_id=request.seq_id, kind=request.kind, past_len=past,
+            token_count=_token_count(request),
+            deadline=now + deadline_s if deadline_s > 0 else now)
+        job.engine = request.engine
+        job.timings.accepted = now
+        job.epoch = self.life.epoch
+        job.handle = JobHandle(job, canceller)
+        self.count("accepted")
+        return job
+
+    def validate(self, job: JobContext) -> None:
+        """Spec 6.3 checks 1-6, once, before any resource is taken."""
+        ctx = _ctx(job, None)
+        if job.deadline <= job.timings.accepted:
+            raise DeadlineExceeded("deadline already past at enqueue", stage="validate",
+                                   **ctx)
+        req = job.request
+        _check_request(req, job, job.epoch.contract(job.kind), ctx)
+        if req.engine is not EngineSlot.AUTO and req.engine not in self.engines:
+            raise InvalidArgument(f"engine {req.engine.name} not in use", stage="validate",
+                                  **ctx)
+
+    def start(self, job: JobContext, *, wait: bool) -> None:
+        """Validate, admit and prepare ``job``; every failure goes to its handle.
+
+        ``wait=False``: a job that cannot be admitted now is parked (FIFO) for
+        :meth:`admit_parked`; ``wait=True``: admission waits for capacity in this call."""
+        try:
+            self.validate(job)
+            if wait:
+                self.admit(job, wait=True)
+                self.prepare(job)
+                return
+            with self._lock:
+                parked = bool(self._parked)
+                if parked:
+                    self._parked.append(job)
+            if parked:
+                return
+            if self.admit(job, wait=False):
+                self.prepare(job)
+            else:
+                with self._lock:
+                    self._parked.append(job)
+        except CalfsmError as e:
+            if job.epoch is not None and job.epoch.retired and not isinstance(e, Cancelled):
+                # the device was reset under this preparation: say so, not "bad state"
+                e = Unavailable(f"the device was reset while the job was prepared ({e})",
+                                retry_after_s=self.life.retry_after_s,
+                                calrt_code=e.calrt_code, **_ctx(job, e.stage or "prepare"))
+            self.fail_before_submit(job, e)
+
+    def _admission_deadline(self, job: JobContext) -> float:
+        return min(job.deadline, job.timings.accepted + self.t.admission_s)
+
+    def admit(self, job: JobContext, *, wait: bool) -> bool:
+        """KV reservation, then a buffer lease. ``wait=False``: False when either must
+        wait (what was taken is kept for the next try); raises on errors."""
+        epoch = job.epoch
+        deadline = self._admission_deadline(job)
+        if not wait and self.clock.now() >= deadline:
+            raise DeadlineExceeded("admission deadline passed", **_ctx(job, "admission"))
+        engine = self._engine_for(job)
+        if wait:
+            cancelled = self._cancel_probe(job)
+            job.kv = epoch.kv.reserve(job.seq_id, job.past_len, job.token_count, deadline,
+                                      job_id=job.job_id, cancelled=cancelled)
+            _fire(job, "admit")
+            job.lease = epoch.pool.acquire_wait(job.kind, deadline, cancelled=cancelled,
+                                                clock=self.clock, engine=engine)
+        else:
+            if job.kv is None:
+                job.kv = epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
+                                              job_id=job.job_id)
+                if job.kv is None:
+                    return False
+                _fire(job, "admit")
+            try:
+                job.lease = epoch.pool.acquire(job.kind, engine)
+            except ResourceExhausted:
+                return False
+        job.timings.admitted = self.clock.now()
+        return True
+
+    def _engine_for(self, job: JobContext) -> EngineSlot:
+        """The engine a job's buffers come from: the request's own choice, else the one
+        engine in use (ping/pong alternates by job id)."""
+        if job.engine is not EngineSlot.AUTO:
+            return job.engine
+        return self.engines[job.job_id % len(self.engines)]
+
+    def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
+        life = self.life
+        return lambda: job.cancel_requested or life.closing
+
+    def prepare(self, job: JobContext) -> None:
+        """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""
+        _fire(job, "prepare")
+        lease = job.lease
+        lease.bind(job_id=job.job_id, seq_id=job.seq_id)
+        t0 = self.clock.now()
+        lease.load(job.seq_id, job.request.tokens, job.request.positions)
+        now = self.clock.now()
+        job.timings.h2d_ms = (now - t0) * 1e3
+        job.timings.queued = now
+        job.queue_deadline = min(job.deadline, now + self.t.queue_s)
+        with self._lock:
+            if not (job.cancel_requested or self.life.closing):
+                _fire(job, "enqueue")
+                self._submit_q.append(job)
+                self.hooks.work_queued()
+                return
+        raise Cancelled("cancelled before submit", **_ctx(job, "prepare"))
+
+    def admit_parked(self) -> bool:
+        """Try to admit the head parked job (FIFO). True if it moved (or failed)."""
+        with self._lock:
+            if not self._parked:
+                return False
+            job = self._parked[0]
+        try:
+            if job.cancel_requested or self.life.closing:
+                raise Cancelled("cancelled while waiting for admission",
+                                **_ctx(job, "admission"))
+            if not self.admit(job, wait=False):
+                return False
+            with self._lock:
+                self._parked.popleft()
+            self.prepare(job)
+        except CalfsmError as e:
+            with self._lock:
+                if self._parked and self._parked[0] is job:
+                    self._parked.popleft()
+            self.fail_before_submit(job, e)
+        return True
+
+    # ---- cancel --------------------------------------------------------------------
+    def cancel(self, job: JobContext) -> None:
+        """Stop a job. Whoever owns it sees the flag at its next step boundary; a job
+        still waiting in the submit queue or for admission is finished here at once."""
+        removed = False
+        with self._lock:
+            job.cancel_requested = True
+            if job.state == JobState.QUEUED and job in self._submit_q:
+                self._submit_q.remove(job)
+                removed = True
+            elif job in self._parked:
+                self._parked.remove(job)
+                removed = True
+        self.hooks.changed()
+        if removed:
+            self.fail_before_submit(job, Cancelled("cancelled before submit",
+                                                   **_ctx(job, "cancel")))
+        elif job.epoch is not None:
+            job.epoch.kv.wake_all()
+            job.epoch.pool.wake_all()
+
+    def take_waiting(self) -> list[JobContext]:
+        """Remove and return every job that has not reached the device."""
+        with self._lock:
+            jobs = list(self._parked) + list(self._submit_q)
+            self._parked.clear()
+            self._submit_q.clear()
+        self.hooks.changed()
+        return jobs
+
+    def fail_waiting(self, err: CalfsmError) -> None:
+        """Fail every job that has not reached the device (each with its own copy)."""
+        for job in self.take_waiting():
+            self.fail_before_submit(job, type(err)(
+                err.message, category=err.category, stage=err.stage,
+                retry_after_s=err.retry_after_s))
+
+    def wake_waiters(self) -> None:
+        """Wake every job blocked for admission, so it sees a changed lifecycle."""
+        epoch = self.life.epoch
+        if epoch is not None:
+            epoch.kv.wake_all()
+            epoch.pool.wake_all()
+        self.hooks.changed()
+
+    # ---- submit --------------------------------------------------------------------
+    def submittable(self) -> bool:
+        """A job is queued, an in-flight slot is free and the device takes work."""
+        return bool(self._submit_q) and self._inflight < self.max_inflight \
+            and self.life.state == _READY
+
+    def submittable_now(self) -> bool:
+        """Submittable, and no error back-off in force."""
+        return self.submittable() and self.faults.backoff_until <= self.clock.now()
+
+    def take_expired(self) -> list[JobContext]:
+        """Remove and return the queued jobs whose queue deadline passed."""
+        with self._lock:
+            if not self._submit_q:
+                return []
+            now = self.clock.now()
+            expired = [j for j in self._submit_q if j.queue_deadline <= now]
+            for j in expired:
+                self._submit_q.remove(j)
+        if expired:
+            self.hooks.changed()
+        return expired
+
+    def fail_queue_deadline(self, job: JobContext) -> None:
+        """The queue deadline passed before ``infer`` succeeded: not submitted, so the
+        KV reservation rolls back and the lease returns (spec 9.1)."""
+        self.fail_before_submit(job, DeadlineExceeded(
+            "queue deadline passed before submit", **_ctx(job, "queue")))
+
+    def claim(self) -> JobContext | None:
+        """Pop the head of the submit queue with an in-flight slot, if it may go now."""
+        with self._lock:
+            self._heartbeat["submitter"] = self.clock.now()
+            if not self.submittable_now():
+                return None
+            job = self._submit_q.popleft()
+            self._inflight += 1
+            job.holds_inflight = True
+            return job
+
+    def submit_wait_s(self) -> float | None:
+        """How long a submitter with nothing to claim may sleep: until the first queue
+        deadline or the end of a back-off (None: nothing queued)."""
+        with self._lock:
+            if not self._submit_q:
+                return None
+            now = self.clock.now()
+            first = min(j.queue_deadline for j in self._submit_q) - now
+        backoff = self.faults.backoff_until - now
+        return max(0.0, min(first, backoff) if backoff > 0 else first)
+
+    def submit(self, job: JobContext) -> None:
+        """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
+        if job.cancel_requested or self.life.closing:
+            self.release_inflight(job)
+            self.fail_before_submit(job, Cancelled("cancelled before submit",
+                                                   **_ctx(job, "submit")))
+            return
+        if self.clock.now() >= job.queue_deadline:
+            self.release_inflight(job)
+            self.fail_queue_deadline(job)
+            return
+        epoch = job.epoch
+        slot = job.lease.slot
+        tag = JobTag(job.job_id, job.seq_id, job.generation)
+        handle = epoch.handles[job.kind]
+        with self._device_lock:     # no reset between this check and the job on the device
+            if epoch is not self.life.epoch or epoch.retired \
+                    or self.life.state != _READY:
+                rc = None
+            elif slot.engine is EngineSlot.AUTO:
+                rc = self.driver.infer(handle, slot.inp, slot.out, tag=tag)
+            else:
+                rc = self.driver.infer_fixed(handle, slot.inp, slot.out, slot.engine,
+                                             tag=tag)
+            if rc == 0:
+                job.timings.submitted = self.clock.now()
+                job.lease.mark_on_device()
+                epoch.kv.mark_submitted(job.kv)
+                with self._lock:
+                    _fire(job, "submit")
+                    self._on_device.append(job)
+                    self._complete_q.append(job)
+                    self.hooks.job_submitted()
+                return
+        if rc is None:
+            self.release_inflight(job)
+            self.fail_before_submit(job, Unavailable(
+                f"device left Ready ({self.life.state}) before the job was submitted",
+                retry_after_s=self.life.retry_after_s, **_ctx(job, "submit")))
+            return
+        self._submit_failed(job, from_calrt(rc, "submit", **_ctx(job, None)))
+
+    def _submit_failed(self, job: JobContext, err: CalfsmError) -> None:
+        """``infer`` returned an error. Busy and request errors prove the graph did not
+        run: roll back (FI05), or requeue when the policy says so. Device or unknown
+        errors leave the KV Unknown (FI06)."""
+        not_run = err.category in (ErrorCategory.TRANSIENT, ErrorCategory.REQUEST,
+                                   ErrorCategory.PROGRAMMING, ErrorCategory.LIFECYCLE)
+        verdict = self.faults.decide(err, self.clock.now(),
+                                     requeues=job.requeues if not_run else None)
+        if verdict.decision is Decision.REQUEUE:
+            job.requeues += 1
+            with self._lock:
+                self._submit_q.appendleft(job)
+                self._counts["requeued"] += 1
+            self.release_inflight(job)
+            log.info("job %s requeued after %s", job.job_id, err.message,
+                     extra=err.context())
+            return
+        self.release_inflight(job)
+        if not_run:
+            self.fail_before_submit(job, err)
+        else:
+            self._withhold(job, str(err))
+            _fire(job, "fail")
+            self._finish(job, err, "failed")
+        self._apply(verdict)
+
+    def device_barrier(self) -> None:
+        """Wait for a submit in progress to finish. Called by recovery after the
+        lifecycle left Ready: from then on no ``infer`` can reach the device until the
+        new generation is Ready, so a reset never races a submit."""
+        with self._device_lock:
+            pass
+
+    def release_inflight(self, job: JobContext) -> None:
+        """The job no longer occupies the device: off the on-device list, its in-flight
+        slot given back (idempotent), whoever drives the pipeline told."""
+        with self._lock:
+            if job in self._on_device:
+                self._on_device.remove(job)
+            if job.holds_inflight:
+                job.holds_inflight = False
+                self._inflight -= 1
+                self.hooks.device_freed(not self.life.closing and self.submittable_now())
+                if self._submit_q or self.life.closing:
+                    self.hooks.work_queued()
+        self.hooks.changed()
+
+    # ---- complete ------------------------------------------------------------------
+    def next_completion(self) -> JobContext | None:
+        """Pop the oldest submitted job whose Wait is due."""
+        with self._lock:
+            return self._complete_q.popleft() if self._complete_q else None
+
+    def completion_timeout_s(self, job: JobContext) -> float:
+        """How long the Wait of ``job`` may block (its execution deadline; a slice for a
+        job already given up)."""
+        if job.ended:
+            return self.t.zombie_wait_s
+        return max(0.0, job.timings.submitted + self.t.execution_s - self.clock.now())
+
+    def complete(self, job: JobContext) -> None:
+        """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
+        slot = job.lease.slot
+        zombie = job.ended         # already failed by its execution deadline
+        t0 = self.clock.now()
+        rc = self.driver.wait(slot.out, self.completion_timeout_s(job))
+        t1 = self.clock.now()
+        self._heartbeat["completion"] = t1
+        job.timings.device_wait_ms += (t1 - t0) * 1e3
+        if rc == CalrtCode.TIMEOUT:
+            if not zombie:
+                self._execution_timeout(job)
+            if self.life.state == LifecycleState.FAILED and not self.life.closing:
+                log.error("abandoning job %s on a failed device; its buffers stay "
+                          "quarantined until the process exits", job.job_id,
+                          extra=_ctx(job, "wait"))
+                return
+            with self._lock:               # keep waiting: the device still owns it
+                self._complete_q.append(job)
+                self.hooks.job_submitted()
+            return
+        self.release_inflight(job)         # the device is free: the next job goes first
+        self.hooks.after_device_freed()
+        job.lease.mark_off_device()
+        if zombie:
+            self._late_completion(job, rc)
+            return
+        contract = slot.contract
+        undo_error: CalfsmError | None = None
+        with self._device_lock:     # no reset between the fence check and device calls
+            current = job.epoch is self.life.epoch and not job.epoch.retired
+            if current and rc == 0:
+                reading = read_output(self.driver, slot.out, contract)
+                try:                # input slices are done with: the job ran (see below)
+                    job.lease.undo_slices()
+                except CalfsmError as e:    # the slot goes to quarantine on return (FI15)
+                    undo_error = e
+        if undo_error is not None:
+            log.warning("undo_slices failed after the job ran: %s", undo_error,
+                        extra=undo_error.context())
+        if not current:
+            self._late_completion(job, rc)
+            return
+        _fire(job, "complete")
+        try:
+            if rc != 0:
+                raise from_calrt(rc, "wait", **_ctx(job, None))
+            t2 = self.clock.now()
+            logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
+                                  job.request.target, _ctx(job, None))
+            job.timings.d2h_ms = (self.clock.now() - t2) * 1e3
+        except CalfsmError as e:
+            self._completion_failed(job, e)
+            return
+        # Spec 6.5 orders KV commit -> undo slices -> resolve -> return the lease. The
+        # slices were undone above, in the same device-lock section as the output reads
+        # (one lock trip per job): the commit is host bookkeeping of a KV the device has
+        # already written, and the undo touches only this slot's tensor views, so the two
+        # commute. The result is resolved before the lease goes back, as the spec says.
+        t3 = self.clock.now()
+        job.epoch.kv.commit(job.kv)
+        now = self.clock.now()
+        job.timings.completed = now
+        job.timings.postprocess_ms = (now - t3) * 1e3
+        lease, job.lease = job.lease, None
+        if JOB_MACHINE.fire(job, "succeed"):
+            self.count("succeeded")
+            job.handle._resolve(InferenceResult(
+                job.job_id, job.seq_id, job.generation, job.kind, job.token_count, logits,
+                job.timings), None)
+        else:                                       # cancelled after submit (FI12)
+            _fire(job, "fail")
+            self.count("cancelled")
+            job.handle._resolve(None, Cancelled(
+                "cancelled after submit; the job ran, its result was dropped",
+                **_ctx(job, "complete")))
+        job.epoch.pool.release(lease)
+        self.faults.succeeded()
+
+    def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
+        """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
+        Unknown (the device ran), the slot is quarantined, the fault policy decides."""
+        self._withhold(job, str(err))
+        _fire(job, "quarantine")
+        self._finish(job, err, "quarantined")
+        self._apply(self.faults.decide(err, self.clock.now()))
+
+    def _execution_timeout(self, job: JobContext) -> None:
+        """Wait timed out past the execution deadline (FI07): no logits, KV Unknown,
+        the buffers stay with the device (quarantined, kept alive), admission stops and
+        recovery decides; the job's caller is told now."""
+        err = DeadlineExceeded("execution deadline passed; the job may still be running "
+                               "on the device", category=ErrorCategory.TRANSIENT,
+                               calrt_code=int(CalrtCode.TIMEOUT), **_ctx(job, "wait"))
+        job.epoch.kv.mark_unknown(job.kv, "execution timeout")
+        _fire(job, "quarantine")
+        self._finish(job, err, "quarantined")
+        self._drain(f"execution deadline passed for job {job.job_id}")
+
+    def _late_completion(self, job: JobContext, rc: int) -> None:
+        """Wait returned for a job already failed by its execution deadline, or for a job
+        of a retired generation (FI14): resolve only its own job, touch nothing of the
+        current generation (no KV, no pool slot, no metric of it)."""
+        old = job.epoch
+        if old is not self.life.epoch or old.retired:
+            self.count("stale_completions")
+            log.warning("stale completion of generation %s fenced", job.generation, extra={
+                "job_id": job.job_id, "seq_id": job.seq_id, "generation": job.generation,
+                "calrt_code": rc, "stage": "stale_completion"})
+        self._withhold(job, "completion after the job was given up or its generation reset")
+        if not job.ended:
+            _fire_if(job, "quarantine")
+            self._finish(job, Unavailable(
+                f"completion of generation {job.generation} arrived after a reset; "
+                "result discarded", **_ctx(job, "stale_completion")), "quarantined")
+
+    # ---- ending a job --------------------------------------------------------------
+    def fail_before_submit(self, job: JobContext, err: CalfsmError) -> None:
+        """Fail a job the device never ran: undo slices, return the lease, roll back KV."""
+        if isinstance(err, Cancelled):
+            _fire_if(job, "cancel")
+        epoch = job.epoch
+        if job.lease is not None:
+            try:
+                job.lease.undo_slices()
+            except CalfsmError as e:
+                log.warning("undo_slices failed while failing a job: %s", e,
+                            extra=e.context())
+            lease, job.lease = job.lease, None
+            epoch.pool.release(lease)
+        if job.kv is not None and job.kv.state == "Reserved":
+            epoch.kv.rollback(job.kv)
+        _fire_if(job, "fail")
+        self._finish(job, err, "cancelled" if isinstance(err, Cancelled) else "failed")
+
+    def _withhold(self, job: JobContext, reason: str) -> None:
+        """The device may have run (or may still run) the job: never claim a rollback.
+        An open KV reservation becomes Unknown and the slot is quarantined, both in the
+        job's own generation (a retired one is fenced: no device call)."""
+        if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
+            job.epoch.kv.mark_unknown(job.kv, reason)
+        if job.lease is not None:
+            job.epoch.pool.quarantine(job.lease, reason)
+            job.lease = None
+
+    def _finish(self, job: JobContext, err: CalfsmError, outcome: str) -> None:
+        err.with_context(**_ctx(job, None))
+        job.timings.completed = self.clock.now()
+        cat = err.category.value
+        with self._lock:
+            self._counts[outcome] += 1
+            self._errors_by_category[cat] = self._errors_by_category.get(cat, 0) + 1
+        if not isinstance(err, Cancelled):
+            log.warning("job failed: %s", err.message, extra=err.context())
+        if not job.ended:
+            job.handle._resolve(None, err)
+
+    def step_crashed(self, job: JobContext, stage: str, exc: BaseException) -> None:
+        """An unexpected exception in a submit or completion step (a bug, or a driver
+        raising where it must return a code). Never stuck: the job fails with Internal,
+        its in-flight slot comes back if it still held one, its slot and KV are treated
+        as suspect, and the generation is recovered like after an unknown error."""
+        log.error("unexpected error in the %s step of job %s", stage, job.job_id,
+                  exc_info=exc, extra=_ctx(job, stage))
+        self.release_inflight(job)
+        err = Internal(f"unexpected {type(exc).__name__} in {stage}: {exc}",
+                       category=ErrorCategory.UNKNOWN, **_ctx(job, stage))
+        try:
+            self._withhold(job, str(err))
+        except Exception:
+            log.exception("cleaning up after the crashed step of job %s", job.job_id)
+        if not job.ended:
+            if not _fire_if(job, "quarantine"):
+                _fire_if(job, "fail")
+            self._finish(job, err, "failed")
+        self._apply(self.faults.decide(err, self.clock.now()))
+
+    def break_(self, reason: str) -> None:
+        """A worker died: admit nothing more and fail every job that has not ended, so
+        nobody waits forever. Jobs on the device keep their (quarantined) buffers."""
+        self._broken = reason
+        with self._lock:
+            stuck = list(self._complete_q) + list(self._on_device)
+            self._complete_q.clear()
+        for job in self.take_waiting():
+            self.fail_before_submit(job, ExecutorBroken(
+                f"executor is broken: {reason}", **_ctx(job, "broken")))
+        for job in dict.fromkeys(stuck):
+            if not job.ended:
+                self._withhold(job, reason)
+                if not _fire_if(job, "quarantine"):
+                    _fire_if(job, "fail")
+                self._finish(job, ExecutorBroken(f"executor is broken: {reason}",
+                                                 **_ctx(job, "broken")), "failed")
+        self.hooks.changed()
+
+    # ---- step mode -----------------------------------------------------------------
+    def expire_waiting(self) -> None:
+        """Fail every parked job past its admission deadline and every queued job past
+        its queue deadline."""
+        now = self.clock.now()
+        with self._lock:
+            late = [j for j in self._parked if self._admission_deadline(j) <= now]
+            for j in late:
+                self._parked.remove(j)
+        for j in late:
+            self.fail_before_submit(j, DeadlineExceeded(
+                "admission deadline passed", **_ctx(j, "admission")))
+        for j in self.take_expired():
+            self.fail_queue_deadline(j)
+
+    def submit_next(self) -> bool:
+        """Expire, then submit the head of the queue if an in-flight slot is free (on a
+        virtual clock a back-off is jumped over). True if anything moved."""
+        expired = self.take_expired()
+        for j in expired:
+            self.fail_queue_deadline(j)
+        if expired:
+            return True
+        if self.submittable() and self.faults.backoff_until > self.clock.now() \
+                and self.clock.virtual:
+            self.clock.advance_to(self.faults.backoff_until)
+        job = self.claim()
+        if job is None:
+            return False
+        self.submit(job)
+        return True
+
+    def complete_next(self) -> bool:
+        job = self.next_completion()
+        if job is None:
+            return False
+        self.complete(job)
+        return True
+
+
+def _token_count(request: Request) -> int:
+    tokens = request.tokens
+    return 0 if tokens is None else len(tokens)
+
+
+def _check_request(req: Request, job: JobContext, contract: Any, ctx: dict[str, Any]
+                   ) -> None:
+    """The request against the sub-model contract (spec 6.3)."""
+    n = job.token_count
+    ctx = dict(ctx, stage="validate")
+    if n <= 0:
+        raise InvalidArgument("token_count must be > 0", **ctx)
+    if job.past_len < 0:
+        raise InvalidArgument(f"past_len must be >= 0, got {job.past_len}", **ctx)
+    if job.past_len + n > contract.max_seq:
+        raise InvalidArgument(
+            f"past_len {job.past_len} + token_count {n} exceeds max_seq "
+            f"{contract.max_seq}", **ctx)
+    if req.seq_count != 1 or req.seq_count > contract.max_batch:
+        raise InvalidArgument(f"the {job.kind.value} graph takes one sequence per job "
+                              f"(max_batch {contract.max_batch}), got {req.seq_count}",
+                              **ctx)
+    if not 0 <= job.seq_id < WARMUP_SEQ:
+        raise InvalidArgument(f"seq_id must be in [0, {WARMUP_SEQ}), got {job.seq_id}",
+                              **ctx)
+    if req.positions is None:
+        raise InvalidArgument("positions missing", **ctx)
+    if len(req.positions) != n:
+        raise InvalidArgument(f"{n} tokens but {len(req.positions)} positions", **ctx)
+    if job.kind is TaskKind.DECODE and n != 1:
+        raise InvalidArgument(f"a decode job carries one token, got {n}", **ctx)
+    if n > contract.max_tokens:
+        raise InvalidArgument(
+            f"{n} tokens exceed tensor {contract.token_or_embed.name!r} "
+            f"({contract.max_tokens} elements)", **ctx)
+    pos = req.positions
+    if pos.item(0) != job.past_len or (n > 1 and not np.array_equal(
+            pos, np.arange(job.past_len, job.past_len + n))):
+        raise InvalidArgument(
+            f"positions must run {job.past_len}..{job.past_len + n - 1}", **ctx)
+    toks = req.tokens
+    vocab = contract.vocab
+    if n == 1:          # a decode: no numpy reductions on the per-token path
+        lo = hi = toks.item(0)
+    else:
+        lo, hi = int(toks.min()), int(toks.max())
+    if lo < 0 or hi >= vocab:
+        raise InvalidArgument(f"token ids must be in [0, {vocab})", **ctx)
+    if req.target is not None:
+        t = req.target
+        if t.dtype != np.float32 or t.ndim != 1 or t.shape[0] < vocab \
+                or not t.flags.c_contiguous:
+            raise InvalidArgument(
+                f"target must be a contiguous 1-D float32 array of >= {vocab} "
+                f"elements, got {t.dtype} {t.shape}", **ctx)
+
+
+def _ctx(job: JobContext, stage: str | None) -> dict[str, Any]:
+    ctx: dict[str, Any] = {"job_id": job.job_id, "seq_id": job.seq_id,
+                           "generation": job.generation}
+    if stage is not None:
+        ctx["stage"] = stage
+    return ctx

@@ -1,0 +1,56 @@
+"""Reading and checking one job's output: the one copy used by the pipeline, the warm-up
+golden and the direct path.
+
+A job's output is trusted only after three checks, in this order: the device's status is
+``DONE_OK`` (a CCU exception can come with a successful Wait, FI08), ``output_bytes``
+succeeded, and the logits row is inside what the device produced and finite (FI09,
+FI10). :func:`read_output` makes the two device calls (the pipeline makes them under its
+device lock, next to ``undo_slice``); :func:`check_output` judges what they returned and
+converts the one needed row into the caller's float32 target.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from calfsm.drivers.base import Driver, OutputStatus
+from calfsm.errors import ErrorCategory, Unavailable, from_calrt
+from calfsm.logits import extract_logits
+from calfsm.manifest import SubmodelContract
+
+__all__ = ["OutputReading", "check_output", "read_output"]
+
+#: (status, output_bytes code, bytes produced)
+OutputReading = tuple[int, int, int]
+
+
+def read_output(driver: Driver, out: Any, contract: SubmodelContract) -> OutputReading:
+    """The device calls that tell how a finished job ended (no judgement yet)."""
+    status = driver.status(out)
+    code, produced = driver.output_bytes(out, contract.logits.name)
+    return status, code, produced
+
+
+def check_output(reading: OutputReading, logits_bf16: np.ndarray,
+                 contract: SubmodelContract, token_count: int,
+                 target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
+    """Raise the classified error of a bad ending; else the float32 logits of the last
+    token, written into ``target`` (allocated when None)."""
+    status, code, produced = reading
+    if status != OutputStatus.DONE_OK:
+        raise Unavailable(f"device reported {_status_name(status)} although Wait "
+                          "succeeded", category=ErrorCategory.DEVICE, stage="status", **ctx)
+    if code != 0:
+        raise from_calrt(code, "output", **ctx)
+    if target is None:
+        target = np.empty(contract.vocab, dtype=np.float32)
+    return extract_logits(logits_bf16, produced, contract, token_count, target)
+
+
+def _status_name(status: int) -> str:
+    try:
+        return OutputStatus(status).name
+    except ValueError:
+        return f"status {status}"
