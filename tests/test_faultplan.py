@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+from pathlib import Path
 
 import pytest
 from hypothesis import given
@@ -188,3 +190,20 @@ def test_fault_points_tables_agree() -> None:
         assert p.fail_effect in ("code", "refuse")
         assert (p.default_code is None) == (p.fail_effect == "refuse")
         assert FILTERS[p.name] == p.filters and EFFECTS[p.name] == p.effects
+
+
+def test_the_protocol_page_lists_every_fault_point_as_the_code_does() -> None:
+    page = (Path(__file__).resolve().parents[1] / "docs" / "driver-protocol.md").read_text()
+    rows = {}
+    for line in page.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if len(cells) == 5 and cells[0].startswith("`") and cells[0] != "`point`":
+            rows[cells[0].strip("`")] = cells
+    assert list(rows) == list(POINTS)
+    for p in FAULT_POINTS:
+        _, calls, effects, filters, default = rows[p.name]
+        assert re.findall(r"`(\w+)`", calls) == list(p.calls)
+        assert set(re.findall(r"\b(seq_id|job_id|name)\b", filters)) == p.filters
+        code = re.search(r"\((\d+)\)", default)
+        assert (int(code.group(1)) if code else None) == p.default_code
+        assert effects.split(",")[0].split()[0] == p.fail_effect

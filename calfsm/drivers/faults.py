@@ -2,29 +2,39 @@
 
 Theory of operation
 -------------------
-A :class:`FaultPlan` is a tuple of :class:`FaultRule`\\ s. A rule names a *point* (a driver
-call: ``"infer"``, ``"wait"``, ``"set_csr"``, ...) and an *effect* (``"code"``, ``"hang"``,
-``"nan"``, ...). Both drivers that take a plan — :class:`~calfsm.drivers.sim.SimDriver`
-and the native emulator behind ``CalrtDriver`` — apply it with the same counting rules,
-so one plan means the same thing on both:
+A :class:`FaultPlan` is a tuple of :class:`FaultRule`\\ s. A rule names a *point* and an
+*effect* (``"code"``, ``"hang"``, ``"nan"``, ...). :data:`FAULT_POINTS` lists every point
+(a :class:`FaultPoint`: the driver calls that reach it, its effects, filters and default
+code): each protocol call that returns a CalRT code or a KV answer reaches exactly one,
+named after it (``infer_fixed`` reaches ``infer``; every reset kind ``reset``); the calls
+of :data:`UNFAULTED_CALLS` return no code. Both drivers that take a plan —
+:class:`~calfsm.drivers.sim.SimDriver` and the native emulator behind ``CalrtDriver`` —
+apply it with the same counting rules, so one plan means the same thing on both:
 
 1. A call *reaches* its point when it would otherwise succeed: every argument check of
    ``docs/driver-protocol.md`` passed (``kv_can_allocate``/``kv_apply``: the honest answer
-   would be True; ``wait``: the buffer's job is still pending). Calls that fail on their
-   own never count and are never replaced.
-2. Each rule has an optional filter (:data:`FILTERS` says which point has which):
+   would be True; ``wait``: the buffer's job is still pending; ``model``: the name was
+   found; ``kv_release``: also for a sequence that has nothing to release). Calls that
+   fail on their own never count and are never replaced.
+2. Each rule has optional filters (:attr:`FaultPoint.filters` says which point has which):
 
-   - ``seq_id``: at ``infer``/``wait`` the job's :class:`~calfsm.drivers.base.JobTag`
-     ``seq_id`` (without a tag: the input buffer's KV sequence); at ``kv_apply`` and
-     ``set_kv_seq`` the ``seq`` argument; at ``set_csr``/``slice_tensor``/``map_buffer``
-     the KV sequence the input buffer is set to at that moment (none on an output buffer
-     or before ``set_kv_seq``: the rule does not match);
-   - ``job_id``: the JobTag's ``job_id`` at ``infer``/``wait`` (no tag: no match);
-   - ``name``: the CSR or tensor name of ``set_csr``/``map_buffer``/``slice_tensor``.
+   - ``seq_id``: at ``infer`` the job's :class:`~calfsm.drivers.base.JobTag` ``seq_id``
+     (without a tag: the input buffer's KV sequence); at ``wait`` and ``output_bytes`` the
+     KV sequence of the buffer's last job; at ``kv_apply``, ``kv_release`` and
+     ``set_kv_seq`` the ``seq`` argument; at ``set_csr``, ``map_buffer``,
+     ``slice_tensor``, ``undo_slice`` and ``destroy_buffers`` the KV sequence the input
+     buffer is set to at that moment (none on an output buffer or before ``set_kv_seq``:
+     the rule does not match);
+   - ``job_id``: the JobTag's ``job_id`` of the job at ``infer``, ``wait`` and
+     ``output_bytes`` (no tag: no match);
+   - ``name``: the CSR name (``set_csr``), tensor name (``map_buffer``, ``slice_tensor``,
+     ``undo_slice``, ``output_bytes``) or model name (``model``).
 
    A filter at a point that has nothing to match is refused when the rule is built, so a
-   rule can never silently not fire. A rule's *match ordinal* counts the calls that
-   reached its point and passed its filter: 1, 2, 3, ...
+   rule can never silently not fire; so is a value outside the C type the emulator gets
+   (``code`` a non-zero int32; ``seq_id`` below 2**31; the counters and ``job_id``
+   int64; ``name`` under 256 UTF-8 bytes). A rule's *match ordinal* counts the calls
+   that reached its point and passed its filters: 1, 2, 3, ...
 3. A rule fires at match ordinals ``nth, nth + every, nth + 2*every, ...`` (only ``nth``
    when ``every`` is None), at most ``count`` times (None: once without ``every``,
    unlimited with it). :meth:`FaultRule.always` fires on every match.
@@ -33,8 +43,9 @@ so one plan means the same thing on both:
 
 Effects by point (:data:`EFFECTS`):
 
-- ``code``: the call returns ``code`` instead and changes nothing (``wait``: time does not
-  move either, the job stays pending). Default codes per point are in
+- ``code`` (every point but the two KV answers): the call returns ``code`` instead and
+  changes nothing (``wait``: time does not move either, the job stays pending; calls that
+  return ``(code, value)`` return ``(code, None)``). Default codes per point are in
   :data:`DEFAULT_CODES` (``set_csr`` NOT_FOUND, ``infer`` DEVICE_BUSY, ``wait`` TIMEOUT,
   ``reset`` SOFT_RESET_FAILED, ...).
 - ``refuse`` (``kv_can_allocate``, ``kv_apply``): the call returns False, nothing changes.
