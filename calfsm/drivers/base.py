@@ -51,13 +51,13 @@ import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Protocol, Self, runtime_checkable
+from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 
 import attrs
 import numpy as np
 
 from calfsm.clock import Clock
-from calfsm.errors import ManifestError
+from calfsm.errors import CalrtCode, ManifestError
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
 
 __all__ = [
@@ -68,11 +68,13 @@ __all__ = [
     "ClosesOnExit",
     "Driver",
     "EngineSlot",
+    "HandleChecks",
     "JobTag",
     "ModelHandle",
     "OutputStatus",
     "ResetKind",
     "is_int",
+    "tensor_table",
 ]
 
 
@@ -238,6 +240,60 @@ class ClosesOnExit:
 
     def close(self) -> None:
         raise NotImplementedError(f"{type(self).__name__} must define close()")
+
+
+class HandleChecks:
+    """The handle checks of the shipped drivers, written once (a mixin; a driver of your
+    own may use it or not).
+
+    The subclass names its handle types in ``_MODEL`` and ``_BUF`` and keeps ``_closed``,
+    ``_epoch`` (bumped by every configuration or full reset) and ``_configured`` (truthy
+    while a calbin is configured). A model handle has ``driver``, ``epoch`` and
+    ``tensors`` (name -> ``(TensorInfo, is_input)``); a buffer ``driver``, ``model``,
+    ``epoch``, ``destroyed`` and ``is_input``."""
+
+    _MODEL: ClassVar[type]
+    _BUF: ClassVar[type]
+    _closed: bool
+    _epoch: int
+    _configured: Any
+
+    def _model_ok(self, m: Any) -> bool:
+        """A model handle of this driver and of the current configuration."""
+        return (isinstance(m, self._MODEL) and m.driver is self and m.epoch == self._epoch
+                and bool(self._configured))
+
+    def _buf_ok(self, b: Any) -> bool:
+        """A buffer of this driver, not destroyed, of the current configuration."""
+        return (isinstance(b, self._BUF) and b.driver is self and not b.destroyed
+                and b.epoch == self._epoch and bool(self._configured))
+
+    def _tensor(self, buf: Any, tensor: Any) -> tuple[int, TensorInfo | None]:
+        """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
+        driver or a stale/foreign buffer is INVALID_STATE before any name check, then an
+        unknown name NOT_FOUND, then a tensor of the other direction WRONG_DIRECTION."""
+        if self._closed or not self._buf_ok(buf):
+            return _INVALID_STATE, None
+        entry = buf.model.tensors.get(tensor) if isinstance(tensor, str) else None
+        if entry is None:
+            return _NOT_FOUND, None
+        info, is_input = entry
+        if is_input != buf.is_input:
+            return _WRONG_DIRECTION, None
+        return 0, info
+
+
+def tensor_table(info: ModelInfo) -> dict[str, tuple[TensorInfo, bool]]:
+    """A model's tensors by name: ``(TensorInfo, is_input)`` (what :class:`HandleChecks`
+    reads from ``model.tensors``)."""
+    table = {t.name: (t, True) for t in info.inputs}
+    table.update({t.name: (t, False) for t in info.outputs})
+    return table
+
+
+_INVALID_STATE = int(CalrtCode.INVALID_STATE)
+_NOT_FOUND = int(CalrtCode.NOT_FOUND)
+_WRONG_DIRECTION = int(CalrtCode.WRONG_DIRECTION)
 
 
 @runtime_checkable

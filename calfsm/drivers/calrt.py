@@ -12,8 +12,8 @@ or both versions, raised at construction, never a crash later.
 
 Every C call goes through one place, :meth:`CalrtDriver._c`, which records the trace and
 returns the CalRT code; the few calls that must succeed for the driver to stay coherent
-(reading model metadata after ``configure``) raise through :func:`calfsm.errors.check`
-with the function name and arguments.
+(reading model metadata after ``configure``) raise the classified error of
+:func:`calfsm.errors.from_calrt` naming the function and its arguments.
 
 Handles are small Python objects wrapping the library's 64-bit handles (index +
 generation), tagged with their driver and configuration epoch, so a handle of another
@@ -64,9 +64,11 @@ from calfsm.drivers.base import (
     Capabilities,
     ClosesOnExit,
     EngineSlot,
+    HandleChecks,
     JobTag,
     OutputStatus,
     ResetKind,
+    tensor_table,
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan
@@ -244,7 +246,7 @@ def calbin_text(calbin: Calbin) -> bytes:
 
 
 class _Model:
-    __slots__ = ("__weakref__", "driver", "epoch", "handle", "info", "name")
+    __slots__ = ("__weakref__", "driver", "epoch", "handle", "info", "name", "tensors")
 
     def __init__(self, driver: CalrtDriver, handle: int, info: ModelInfo, epoch: int) -> None:
         self.driver = driver
@@ -252,6 +254,7 @@ class _Model:
         self.info = info
         self.name = info.name
         self.epoch = epoch
+        self.tensors = tensor_table(info)
 
     def __repr__(self) -> str:
         return f"<calrt model {self.name!r}>"
@@ -323,9 +326,10 @@ def _release(dev: _Device, handle: int, maps: dict[str, np.ndarray]) -> None:
     dev.release(handle, maps)
 
 
-def check(rc: int, fn: str, *args: Any) -> None:
-    """The status check of calls that must succeed: raises the classified CalRT error
-    naming the function, its arguments and the code."""
+def _must_succeed(rc: int, fn: str, *args: Any) -> None:
+    """For the calls the driver cannot stay coherent without (opening the device, reading
+    model metadata, emulator set-up): raises the classified CalRT error naming the
+    function, its arguments and the code."""
     if rc != 0:
         shown = ", ".join(repr(a) for a in args)
         raise from_calrt(rc, fn, f"{fn}({shown}) returned {rc} ({code_name(rc)})")
@@ -347,10 +351,12 @@ def _cname(name: Any) -> bytes:
 # ---------------------------------------------------------------------------------------
 
 
-class CalrtDriver(ClosesOnExit):
+class CalrtDriver(ClosesOnExit, HandleChecks):
     """The Driver protocol over a CalRT ABI library. See the module docstring."""
 
     name = "calrt"
+    _MODEL = _Model
+    _BUF = _Buf
 
     def __init__(self, manifest_or_calbin: Manifest | Calbin | None = None, *,
                  library: str | os.PathLike | None = None, faults: FaultPlan | None = None,
@@ -397,7 +403,7 @@ class CalrtDriver(ClosesOnExit):
                     stage="driver")
             latency = capabilities = None
         out = self._ffi.new("calrt_device_t *")
-        check(self._lib.calrt_device_open(options.encode(), out), "calrt_device_open")
+        _must_succeed(self._lib.calrt_device_open(options.encode(), out), "calrt_device_open")
         self._dev = _Device(self._lib, int(out[0]))
         self._finalizer = weakref.finalize(self, _Device.close, self._dev)
         try:
@@ -406,7 +412,7 @@ class CalrtDriver(ClosesOnExit):
             self.close()
             raise
         caps = self._ffi.new("calrt_capabilities_t *")
-        check(self._lib.calrt_get_capabilities(self._h, caps), "calrt_get_capabilities")
+        _must_succeed(self._lib.calrt_get_capabilities(self._h, caps), "calrt_get_capabilities")
         self._caps = Capabilities(
             resets=frozenset(k for k, bit in _RESET_BITS.items() if caps.resets & bit),
             parallel_mode=bool(caps.parallel_mode),
@@ -428,15 +434,16 @@ class CalrtDriver(ClosesOnExit):
             return
         lib, h = self._lib, self._h
         if self._virtual:
-            check(lib.calrt_emu_set_clock(h, 1), "calrt_emu_set_clock", 1)
-            check(lib.calrt_emu_advance_to(h, _ns(self.clock.now())), "calrt_emu_advance_to")
+            _must_succeed(lib.calrt_emu_set_clock(h, 1), "calrt_emu_set_clock", 1)
+            _must_succeed(lib.calrt_emu_advance_to(h, _ns(self.clock.now())),
+                          "calrt_emu_advance_to")
         if latency is not None:
             jitter = float(getattr(latency, "jitter", 0.0) or 0.0)
-            check(lib.calrt_emu_set_latency(
+            _must_succeed(lib.calrt_emu_set_latency(
                 h, float(latency.h2d_s_per_byte), float(latency.prefill_per_token_s),
                 float(latency.decode_s), float(latency.d2h_s_per_byte), jitter,
                 self.seed & 0xFFFFFFFF), "calrt_emu_set_latency", latency)
-        check(lib.calrt_emu_set_kv_capacity(h, min(self._kv_capacity, _U64_MAX)),
+        _must_succeed(lib.calrt_emu_set_kv_capacity(h, min(self._kv_capacity, _U64_MAX)),
               "calrt_emu_set_kv_capacity")
         if capabilities is not None:
             c = self._ffi.new("calrt_capabilities_t *")
@@ -444,7 +451,7 @@ class CalrtDriver(ClosesOnExit):
             c.parallel_mode = int(capabilities.parallel_mode)
             c.fixed_engine_slots = int(capabilities.fixed_engine_slots)
             c.engine_slots = int(capabilities.engine_slots)
-            check(lib.calrt_emu_set_capabilities(h, c), "calrt_emu_set_capabilities")
+            _must_succeed(lib.calrt_emu_set_capabilities(h, c), "calrt_emu_set_capabilities")
         for rule in self.faults.rules:   # every field is in range of its C type (FaultRule)
             r = self._ffi.new("calrt_emu_rule_t *")
             r.point = getattr(lib, f"CALRT_EMU_POINT_{rule.point.upper()}")
@@ -461,7 +468,7 @@ class CalrtDriver(ClosesOnExit):
             r.code = rule.effective_code if rule.effect == "code" else 0
             r.n_bytes = -1 if rule.n_bytes is None else rule.n_bytes
             r.index = rule.index
-            check(lib.calrt_emu_add_rule(h, r), "calrt_emu_add_rule")
+            _must_succeed(lib.calrt_emu_add_rule(h, r), "calrt_emu_add_rule")
 
     # ---- the one call path ------------------------------------------------------------
     @property
@@ -497,7 +504,7 @@ class CalrtDriver(ClosesOnExit):
     # ---- identity ---------------------------------------------------------------------
     def version(self) -> str:
         buf = self._ffi.new("char[]", 64)
-        check(self._lib.calrt_runtime_version(buf, 64), "calrt_runtime_version")
+        _must_succeed(self._lib.calrt_runtime_version(buf, 64), "calrt_runtime_version")
         return self._ffi.string(buf).decode()
 
     def capabilities(self) -> Capabilities:
@@ -510,30 +517,6 @@ class CalrtDriver(ClosesOnExit):
     @property
     def is_emulator(self) -> bool:
         return self._emulator
-
-    # ---- handle checks ----------------------------------------------------------------
-    def _model_ok(self, m: Any) -> bool:
-        return isinstance(m, _Model) and m.driver is self and m.epoch == self._epoch \
-            and self._configured
-
-    def _buf_ok(self, b: Any) -> bool:
-        return isinstance(b, _Buf) and b.driver is self and not b.destroyed \
-            and b.epoch == self._epoch and self._configured
-
-    def _tensor(self, buf: _Buf, name: Any) -> tuple[int, TensorInfo | None]:
-        """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
-        driver or a stale/foreign buffer is INVALID_STATE before any name check."""
-        if self._closed or not self._buf_ok(buf):
-            return _INVALID_STATE, None
-        info = buf.model.info
-        if isinstance(name, str):
-            for t in info.inputs:
-                if t.name == name:
-                    return (_OK, t) if buf.is_input else (_WRONG_DIRECTION, None)
-            for t in info.outputs:
-                if t.name == name:
-                    return (_WRONG_DIRECTION, None) if buf.is_input else (_OK, t)
-        return _NOT_FOUND, None
 
     # ---- configuration ----------------------------------------------------------------
     def configure(self, calbin: Calbin) -> int:
@@ -560,17 +543,17 @@ class CalrtDriver(ClosesOnExit):
             rc = lib.calrt_model_at(h, i, mh)
             if rc == _OUT_OF_RANGE:
                 break
-            check(rc, "calrt_model_at", i)
-            check(lib.calrt_model_info(h, mh[0], mi), "calrt_model_info")
+            _must_succeed(rc, "calrt_model_at", i)
+            _must_succeed(lib.calrt_model_info(h, mh[0], mi), "calrt_model_info")
             tensors = []
             for k in range(mi.n_inputs + mi.n_outputs):
-                check(lib.calrt_model_tensor(h, mh[0], k, ti), "calrt_model_tensor")
+                _must_succeed(lib.calrt_model_tensor(h, mh[0], k, ti), "calrt_model_tensor")
                 tensors.append(TensorInfo(
                     ffi.string(ti.name).decode(), tuple(ti.shape[j] for j in range(ti.ndim)),
                     DType(ffi.string(ti.dtype).decode()), int(ti.byte_size)))
             csrs = []
             for k in range(mi.n_csrs):
-                check(lib.calrt_model_csr(h, mh[0], k, csr, 256), "calrt_model_csr")
+                _must_succeed(lib.calrt_model_csr(h, mh[0], k, csr, 256), "calrt_model_csr")
                 csrs.append(ffi.string(csr).decode())
             info = ModelInfo(
                 name=ffi.string(mi.name).decode(), kind=_KINDS.get(mi.kind),
@@ -800,7 +783,7 @@ class CalrtDriver(ClosesOnExit):
             if self._closed:
                 return 0
             n = self._ffi.new("uint32_t *")
-            check(self._c("calrt_pending_jobs", n), "calrt_pending_jobs")
+            _must_succeed(self._c("calrt_pending_jobs", n), "calrt_pending_jobs")
             if n[0] == 0:
                 with self._dev.lock:
                     self._dev.parked.clear()

@@ -62,9 +62,11 @@ from calfsm.drivers.base import (
     Capabilities,
     ClosesOnExit,
     EngineSlot,
+    HandleChecks,
     JobTag,
     OutputStatus,
     ResetKind,
+    tensor_table,
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan, FaultRule
@@ -155,8 +157,7 @@ class _Model:
         self.info = info
         self.name = info.name
         self.epoch = epoch
-        self.tensors = {t.name: (t, True) for t in info.inputs}
-        self.tensors.update({t.name: (t, False) for t in info.outputs})
+        self.tensors = tensor_table(info)
         self.input_names = tuple(t.name for t in info.inputs)
         tok, pos = info.inputs[0], info.inputs[1]
         out = info.outputs[0]
@@ -250,10 +251,12 @@ def _traced(call: str, record: Callable[..., tuple]) -> Callable[[_F], _F]:
     return wrap
 
 
-class SimDriver(ClosesOnExit):
+class SimDriver(ClosesOnExit, HandleChecks):
     """The simulated device. See the module docstring and ``docs/driver-protocol.md``."""
 
     name = "sim"
+    _MODEL = _Model
+    _BUF = _Buf
 
     def __init__(self, manifest_or_calbin: Manifest | Calbin | None = None, *, seed: int = 0,
                  faults: FaultPlan | None = None, clock: Clock | None = None,
@@ -379,15 +382,6 @@ class SimDriver(ClosesOnExit):
     def capabilities(self) -> Capabilities:
         return self._caps
 
-    # ---- handle checks ----------------------------------------------------------------
-    def _model_ok(self, m: Any) -> bool:
-        return (isinstance(m, _Model) and m.driver is self and m.epoch == self._epoch
-                and self._configured is not None)
-
-    def _buf_ok(self, b: Any) -> bool:
-        return (isinstance(b, _Buf) and b.driver is self and not b.destroyed
-                and b.epoch == self._epoch and self._configured is not None)
-
     # ---- configuration ----------------------------------------------------------------
     @_traced("configure", lambda calbin: (("models", _calbin_label(calbin)),))
     def configure(self, calbin: Calbin) -> int:
@@ -491,19 +485,6 @@ class SimDriver(ClosesOnExit):
         if buf.job is not None:
             return _DEVICE_BUSY
         return self._fault_code(call, **where)
-
-    def _tensor(self, buf: _Buf, tensor: str) -> tuple[int, Any]:
-        """(0, TensorInfo) of a tensor of the buffer's direction, or the code: a closed
-        driver or a stale/foreign buffer is INVALID_STATE before any name check."""
-        if self._closed or not self._buf_ok(buf):
-            return _INVALID_STATE, None
-        entry = buf.model.tensors.get(tensor) if isinstance(tensor, str) else None
-        if entry is None:
-            return _NOT_FOUND, None
-        info, is_input = entry
-        if is_input != buf.is_input:
-            return _WRONG_DIRECTION, None
-        return _OK, info
 
     @_traced("map_buffer", lambda buf, tensor, host: (
         ("buf", _label(buf)), ("tensor", str(tensor)),
