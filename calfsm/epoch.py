@@ -19,11 +19,11 @@ import numpy as np
 
 from calfsm import refmodel
 from calfsm.buffers import BufferPool
-from calfsm.drivers.base import SEQ_LIMIT, Calbin, Driver, EngineSlot, JobTag, OutputStatus
+from calfsm.drivers.base import SEQ_LIMIT, Calbin, Driver, EngineSlot, JobTag
 from calfsm.errors import CalfsmError, Internal, ManifestError, check, from_calrt
 from calfsm.kv import KvCoordinator
-from calfsm.logits import extract_logits
 from calfsm.manifest import Manifest, ModelGeneration, SubmodelContract, TaskKind
+from calfsm.staging import check_output, read_output
 
 __all__ = ["WARMUP_PROMPT", "WARMUP_SEQ", "Epoch", "build_epoch", "warm_up"]
 
@@ -141,9 +141,25 @@ def warm_up(driver: Driver, epoch: Epoch, timeout_s: float) -> None:
                            generation=epoch.generation, stage="warmup")
     except CalfsmError as e:
         e.with_context(generation=epoch.generation, stage="warmup")
+        _release_warmup(driver, epoch, quiet=True)
         raise
-    finally:
-        driver.kv_release(WARMUP_SEQ, 0)
+    except BaseException:
+        _release_warmup(driver, epoch, quiet=True)
+        raise
+    _release_warmup(driver, epoch, quiet=False)
+
+
+def _release_warmup(driver: Driver, epoch: Epoch, *, quiet: bool) -> None:
+    """Release the warm-up sequence; every code is checked. ``quiet``: another error is
+    already on its way out, so a failed release is logged instead of hiding it."""
+    code = driver.kv_release(WARMUP_SEQ, 0)
+    if code == 0:
+        return
+    err = from_calrt(code, "warmup_kv_release", seq_id=WARMUP_SEQ,
+                     generation=epoch.generation)
+    if not quiet:
+        raise err
+    log.warning("releasing the warm-up sequence failed: %s", err, extra=err.context())
 
 
 def _run_direct(driver: Driver, epoch: Epoch, kind: TaskKind, seq: int, tokens: list[int],
@@ -164,12 +180,8 @@ def _run_direct(driver: Driver, epoch: Epoch, kind: TaskKind, seq: int, tokens: 
         lease.mark_on_device()
         check(driver.wait(slot.out, timeout_s), "warmup_wait", **ctx)
         lease.mark_off_device()
-        status = driver.status(slot.out)
-        if status != OutputStatus.DONE_OK:
-            raise Internal(f"warm-up job ended {status.name}", stage="warmup_status", **ctx)
-        code, produced = driver.output_bytes(slot.out, contract.logits.name)
-        check(code, "warmup_output", **ctx)
-        extract_logits(slot.logits, produced, contract, n, dst)
+        check_output(read_output(driver, slot.out, contract), slot.logits_bf16, contract, n,
+                     dst, ctx)
         lease.undo_slices()
         clean = True
     finally:

@@ -44,8 +44,6 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from calfsm.drivers.base import Driver, EngineSlot, JobTag
 from calfsm.epoch import WARMUP_SEQ
 from calfsm.errors import (
@@ -65,8 +63,8 @@ from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.lifecycle import Lifecycle
 from calfsm.machines.job import JOB_MACHINE, JobState
 from calfsm.machines.lifecycle import LifecycleState
-from calfsm.manifest import TaskKind
 from calfsm.recovery import Decision, FaultPolicy, Verdict
+from calfsm.request import check_request
 from calfsm.staging import check_output, read_output
 
 __all__ = ["COUNTERS", "Hooks", "Pipeline", "PipelineTimeouts"]
@@ -240,14 +238,10 @@ class Pipeline:
         now = self.clock.now()
         deadline_s = request.deadline_s if request.deadline_s is not None \
             else self.t.default_deadline_s
-        past = request.past_len
-        if past is None:
-            pos = request.positions
-            past = int(pos[0]) if pos is not None and len(pos) else 0
         job = JobContext(
             job_id=next(self._ids), request=request, generation=self.life.generation,
-            seq_id=request.seq_id, kind=request.kind, past_len=past,
-            token_count=_token_count(request),
+            seq_id=request.seq_id, kind=request.kind, past_len=request.past_len,
+            token_count=request.token_count,
             deadline=now + deadline_s if deadline_s > 0 else now)
         job.engine = request.engine
         job.timings.accepted = now
@@ -263,7 +257,8 @@ class Pipeline:
             raise DeadlineExceeded("deadline already past at enqueue", stage="validate",
                                    **ctx)
         req = job.request
-        _check_request(req, job, job.epoch.contract(job.kind), ctx)
+        check_request(req, job.epoch.contract(job.kind), seq_limit=WARMUP_SEQ,
+                      context=dict(ctx, stage="validate"))
         if req.engine is not EngineSlot.AUTO and req.engine not in self.engines:
             raise InvalidArgument(f"engine {req.engine.name} not in use", stage="validate",
                                   **ctx)
@@ -814,63 +809,6 @@ class Pipeline:
             return False
         self.complete(job)
         return True
-
-
-def _token_count(request: Request) -> int:
-    tokens = request.tokens
-    return 0 if tokens is None else len(tokens)
-
-
-def _check_request(req: Request, job: JobContext, contract: Any, ctx: dict[str, Any]
-                   ) -> None:
-    """The request against the sub-model contract (spec 6.3)."""
-    n = job.token_count
-    ctx = dict(ctx, stage="validate")
-    if n <= 0:
-        raise InvalidArgument("token_count must be > 0", **ctx)
-    if job.past_len < 0:
-        raise InvalidArgument(f"past_len must be >= 0, got {job.past_len}", **ctx)
-    if job.past_len + n > contract.max_seq:
-        raise InvalidArgument(
-            f"past_len {job.past_len} + token_count {n} exceeds max_seq "
-            f"{contract.max_seq}", **ctx)
-    if req.seq_count != 1 or req.seq_count > contract.max_batch:
-        raise InvalidArgument(f"the {job.kind.value} graph takes one sequence per job "
-                              f"(max_batch {contract.max_batch}), got {req.seq_count}",
-                              **ctx)
-    if not 0 <= job.seq_id < WARMUP_SEQ:
-        raise InvalidArgument(f"seq_id must be in [0, {WARMUP_SEQ}), got {job.seq_id}",
-                              **ctx)
-    if req.positions is None:
-        raise InvalidArgument("positions missing", **ctx)
-    if len(req.positions) != n:
-        raise InvalidArgument(f"{n} tokens but {len(req.positions)} positions", **ctx)
-    if job.kind is TaskKind.DECODE and n != 1:
-        raise InvalidArgument(f"a decode job carries one token, got {n}", **ctx)
-    if n > contract.max_tokens:
-        raise InvalidArgument(
-            f"{n} tokens exceed tensor {contract.token_or_embed.name!r} "
-            f"({contract.max_tokens} elements)", **ctx)
-    pos = req.positions
-    if pos.item(0) != job.past_len or (n > 1 and not np.array_equal(
-            pos, np.arange(job.past_len, job.past_len + n))):
-        raise InvalidArgument(
-            f"positions must run {job.past_len}..{job.past_len + n - 1}", **ctx)
-    toks = req.tokens
-    vocab = contract.vocab
-    if n == 1:          # a decode: no numpy reductions on the per-token path
-        lo = hi = toks.item(0)
-    else:
-        lo, hi = int(toks.min()), int(toks.max())
-    if lo < 0 or hi >= vocab:
-        raise InvalidArgument(f"token ids must be in [0, {vocab})", **ctx)
-    if req.target is not None:
-        t = req.target
-        if t.dtype != np.float32 or t.ndim != 1 or t.shape[0] < vocab \
-                or not t.flags.c_contiguous:
-            raise InvalidArgument(
-                f"target must be a contiguous 1-D float32 array of >= {vocab} "
-                f"elements, got {t.dtype} {t.shape}", **ctx)
 
 
 def _ctx(job: JobContext, stage: str | None) -> dict[str, Any]:
