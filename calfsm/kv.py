@@ -6,8 +6,8 @@ Theory of operation
 CalRT 0.7.6's ``KvManager::Apply()`` answers a bare bool, so the old adapter spun on it
 forever when the cache was full (S01) and aborted the server when a second apply failed
 (S02). The :class:`KvCoordinator` owns the KV manager for one generation and admits
-jobs through one FIFO queue guarded by one condition variable (the spec's
-``admission_mu``):
+jobs through one FIFO queue guarded by one lock (the spec's ``admission_mu``); each
+waiter sleeps on its own condition of that lock, so a change wakes only whom it serves:
 
 - A request is validated first, before any runtime call: lengths (InvalidArgument),
   ``past_len + token_count <= max_seq`` and within uint32 (InvalidArgument; 40960 + one
@@ -18,11 +18,16 @@ jobs through one FIFO queue guarded by one condition variable (the spec's
 - Admission is first-come-first-served. Only the head of the queue talks to the
   device: when the token budget has room it asks ``kv_can_allocate(1)`` and then
   ``kv_apply(seq, target)`` once, *without* holding the lock. If either says no, it waits
-  on the condition until a commit, rollback, mark_unknown, sequence reset, shutdown or
+  until a commit, rollback, mark_unknown, sequence reset, shutdown or
   :meth:`KvCoordinator.wake_all` notifies, or the deadline passes; each wake-up retries
   once and re-checks the deadline (DeadlineExceeded), cancellation (Cancelled) and
   shutdown (Unavailable). A change that lands while the head was calling the device is
   not lost: a version counter makes it retry at once instead of sleeping. No polling.
+- No thundering herd: a grant, an end of a reservation, a reset or a waiter leaving
+  wakes at most the (new) head, and only when the token budget has room for it; the
+  others sleep until they are the head. Their own deadline bounds each sleep, and
+  ``wake_all``, ``shutdown`` and ``fence`` wake everyone (to see a cancel, a moved
+  virtual clock or the shutdown). ``stats().wakeups`` counts the wake-ups.
 - :meth:`KvCoordinator.try_reserve` is the same admission without waiting, for the
   deterministic step scheduler: None when it would have to wait.
 
@@ -34,7 +39,8 @@ the output checked out (the sequence's committed length becomes ``target_len``);
 from Reserved or Submitted when the outcome cannot be proven: the sequence is then
 refused until :meth:`KvCoordinator.reset_sequence` (``kv_release(seq, 0)``). An illegal
 operation raises :class:`~calfsm.errors.IllegalTransition` from the machine and changes
-nothing. Every end of a reservation gives its tokens back to the budget and notifies.
+nothing. Every end of a reservation gives its tokens back to the budget and wakes the
+head.
 
 Rewinding: ``past_len`` below the committed length is allowed (a new prompt on a reused
 sequence id: the job overwrites positions from ``past_len`` on). ``old_len`` is then
@@ -54,8 +60,8 @@ a reset). A reservation of another generation, or of another coordinator, handed
 :class:`~calfsm.errors.FailedPrecondition` and nothing changes: a stale completion must
 never touch the new generation's KV (FI14).
 
-Clocks: deadlines are in the coordinator's ``clock`` time. On a :class:`RealClock` the
-condition wait is bounded by the time left. On a virtual clock a blocking
+Clocks: deadlines are in the coordinator's ``clock`` time. On a :class:`RealClock` a
+waiter's sleep is bounded by the time left. On a virtual clock a blocking
 :meth:`~KvCoordinator.reserve` never hangs either: it waits at most the *virtual* time
 left, measured in real seconds, and re-reads the virtual clock on every wake-up; whoever
 advances a virtual clock while threads wait should call :meth:`~KvCoordinator.wake_all`
@@ -146,6 +152,7 @@ class KvStats:
     unknown: int
     open: int              #: granted and not ended
     waiting: int           #: requests in the admission queue
+    wakeups: int           #: times a waiter woke from its sleep, ever (notified or timed out)
     budget_used: int
     token_budget: int
     sequences: int         #: sequences with KV or an open reservation
@@ -167,6 +174,8 @@ class _Seq:
 class _Waiter:
     seq_id: int
     tokens: int
+    #: what it sleeps on (on the admission lock); made at its first wait
+    cond: threading.Condition | None = None
 
 
 class KvCoordinator:
@@ -186,7 +195,6 @@ class KvCoordinator:
         self.generation = generation
         self.clock: Clock = clock or RealClock()
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._seqs: dict[int, _Seq] = {}
         self._queue: deque[_Waiter] = deque()
         self._version = 0
@@ -197,6 +205,7 @@ class KvCoordinator:
         #: reservations ended, by their terminal state (Committed, RolledBack, Unknown)
         self._ended: dict[str, int] = dict.fromkeys(KV_MACHINE.terminal, 0)
         self._n_open = 0
+        self._n_wakeups = 0
 
     # ---- validation -----------------------------------------------------------------------
     def _ctx(self, seq_id: Any, job_id: Any) -> dict[str, Any]:
@@ -265,6 +274,7 @@ class KvCoordinator:
         return w
 
     def _leave_locked(self, w: _Waiter) -> None:
+        was_head = bool(self._queue) and self._queue[0] is w
         try:
             self._queue.remove(w)
         except ValueError:
@@ -275,14 +285,32 @@ class KvCoordinator:
             if seq.open is None and seq.alloc == 0 and seq.committed == 0 \
                     and seq.state is SeqState.READY:
                 del self._seqs[w.seq_id]
-        self._cond.notify_all()  # the head may have changed
+        if was_head:
+            self._wake_head_locked()  # pass the head role on: nobody is stranded
+
+    def _wake_head_locked(self) -> None:
+        """Something changed that lets the head try: wake it alone, if the token budget
+        has room for it (only the head may take capacity, so waking others is waste). A
+        head that is not asleep (calling the device) sees the change by the version."""
+        if self._queue:
+            head = self._queue[0]
+            if head.cond is not None and \
+                    self._budget_used + head.tokens <= self.token_budget:
+                head.cond.notify()
+
+    def _wake_every_locked(self) -> None:
+        self._version += 1
+        for w in self._queue:
+            if w.cond is not None:
+                w.cond.notify()
 
     def _can_try_locked(self, w: _Waiter) -> bool:
         return (bool(self._queue) and self._queue[0] is w
                 and self._budget_used + w.tokens <= self.token_budget)
 
     def _device_grow(self, seq_id: int, target: int) -> bool:
-        """Ask the device for room (no lock held): ``canAllocate(1)`` then one ``Apply``."""
+        """Ask the device for room (no lock held): ``canAllocate(1)`` then one ``Apply``.
+        Both answer a bool in the driver protocol (CalRT's bare bool): no code to check."""
         return bool(self.driver.kv_can_allocate(1)) and bool(
             self.driver.kv_apply(seq_id, target))
 
@@ -299,7 +327,7 @@ class KvCoordinator:
         self._budget_used += w.tokens
         self._n_reserved += 1
         self._n_open += 1
-        self._cond.notify_all()  # the next waiter is now the head
+        self._wake_head_locked()  # the next waiter is now the head
         return r
 
     # ---- admission --------------------------------------------------------------------------
@@ -310,8 +338,9 @@ class KvCoordinator:
         condition variable) until the device has room or ``deadline`` (clock time).
 
         ``cancelled`` is polled at every wake-up (wake waiters with :meth:`wake_all` after
-        setting the flag); it is called with the admission lock held, so it must be a
-        cheap flag read that takes no lock."""
+        setting the flag: a waiter that is not the head is woken by nothing else); it is
+        called with the admission lock held, so it must be a cheap flag read that takes
+        no lock."""
         target = self._validate(seq_id, past_len, token_count, job_id)
         ctx = self._ctx(seq_id, job_id)
         if deadline <= self.clock.now():
@@ -329,7 +358,7 @@ class KvCoordinator:
                     if cancelled is not None and cancelled():
                         raise Cancelled("cancelled while waiting for KV", **ctx)
                     if not self._can_try_locked(w):
-                        self._wait_locked(deadline, real_limit, ctx)
+                        self._wait_locked(w, deadline, real_limit, ctx)
                         continue
                     version = self._version
                     lock.release()
@@ -340,19 +369,22 @@ class KvCoordinator:
                     if granted:
                         return self._grant_locked(w, past_len, target, job_id)
                     if self._version == version:  # nothing changed since we asked
-                        self._wait_locked(deadline, real_limit, ctx)
+                        self._wait_locked(w, deadline, real_limit, ctx)
             except BaseException:
                 self._leave_locked(w)
                 raise
 
-    def _wait_locked(self, deadline: float, real_limit: float | None,
+    def _wait_locked(self, w: _Waiter, deadline: float, real_limit: float | None,
                      ctx: dict[str, Any]) -> None:
         left = deadline - self.clock.now()
         if real_limit is not None:
             left = min(left, real_limit - time.monotonic())
         if left <= 0:
             raise DeadlineExceeded("no KV capacity before the admission deadline", **ctx)
-        self._cond.wait(min(left, _MAX_WAIT_S))  # re-checked in the caller's loop
+        if w.cond is None:
+            w.cond = threading.Condition(self._lock)
+        w.cond.wait(min(left, _MAX_WAIT_S))  # re-checked in the caller's loop
+        self._n_wakeups += 1
 
     def try_reserve(self, seq_id: int, past_len: int, token_count: int, *,
                     job_id: int | None = None) -> KvReservation | None:
@@ -381,8 +413,7 @@ class KvCoordinator:
         """Wake every waiter so it re-checks cancellation, shutdown and its deadline (and
         the head retries the device: call it too when capacity was freed elsewhere)."""
         with self._lock:
-            self._version += 1
-            self._cond.notify_all()
+            self._wake_every_locked()
 
     notify = wake_all
 
@@ -412,7 +443,7 @@ class KvCoordinator:
         self._budget_used -= r.tokens
         self._n_open -= 1
         self._version += 1
-        self._cond.notify_all()
+        self._wake_head_locked()
 
     def mark_submitted(self, r: KvReservation) -> None:
         """``infer`` succeeded: from now on the device may have written the KV."""
@@ -491,13 +522,16 @@ class KvCoordinator:
             if code == 0:
                 del self._seqs[seq_id]
             self._version += 1
-            self._cond.notify_all()
+            self._wake_head_locked()  # the device may have room now
         if code != 0:
             raise from_calrt(code, "kv_reset", **ctx)
 
     def _release(self, seq_id: int, keep_len: int) -> int:
         """``kv_release`` unless fenced: after a reset the device's KV belongs to the new
-        generation, so an old reservation's books close without a device call."""
+        generation, so an old reservation's books close without a device call. The code
+        is returned, never dropped: both callers close the books and then raise it
+        through :func:`~calfsm.errors.from_calrt` (the sequence left Unknown if it was a
+        reservation's release)."""
         if self._fenced:
             return 0
         return self.driver.kv_release(seq_id, keep_len)
@@ -515,8 +549,7 @@ class KvCoordinator:
         reservations can still be committed, rolled back or marked Unknown (drain)."""
         with self._lock:
             self._shutdown = True
-            self._version += 1
-            self._cond.notify_all()
+            self._wake_every_locked()
 
     # ---- introspection ----------------------------------------------------------------------
     def sequence_length(self, seq_id: int) -> int:
@@ -571,7 +604,7 @@ class KvCoordinator:
                 committed=self._ended[KvState.COMMITTED],
                 rolled_back=self._ended[KvState.ROLLED_BACK],
                 unknown=self._ended[KvState.UNKNOWN], open=self._n_open,
-                waiting=len(self._queue),
+                waiting=len(self._queue), wakeups=self._n_wakeups,
                 budget_used=self._budget_used, token_budget=self.token_budget,
                 sequences=len(self._seqs),
                 unknown_sequences=sum(s.state is SeqState.UNKNOWN
