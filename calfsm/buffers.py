@@ -38,11 +38,17 @@ Locking: one pool lock (``pool_mu`` in the spec), never held across a runtime ca
 Lease operations that call the runtime (slice, CSR, KV sequence) take no pool lock: a
 lease has one owner at a time, that is what move-only means.
 
-Blocking acquire on a virtual clock: :meth:`BufferPool.acquire_wait` waits on the
-condition for at most the virtual time left until the deadline, in real seconds, and
-re-reads the clock on every wake-up; whoever advances a virtual clock while threads wait
-should call :meth:`BufferPool.wake_all` so they re-check their deadlines. Deterministic
-step schedulers use the non-blocking :meth:`BufferPool.acquire`.
+Blocking acquire: :meth:`BufferPool.acquire_wait` queues first-come-first-served per
+(kind, engine) and each waiter sleeps on its own condition of the pool lock. A returned
+slot wakes only the head of the queue that may take it (and the head of that kind's
+``AUTO`` queue, which may take any engine's slot); a head that leaves (served, deadline,
+cancel) wakes the next one if a slot is free for it. :meth:`BufferPool.wake_all` and
+:meth:`BufferPool.retire` wake everyone. ``stats().wakeups`` counts the wake-ups.
+
+On a virtual clock a waiter sleeps at most the virtual time left until the deadline, in
+real seconds, and re-reads the clock on every wake-up; whoever advances a virtual clock
+while threads wait should call :meth:`BufferPool.wake_all` so they re-check their
+deadlines. Deterministic step schedulers use the non-blocking :meth:`BufferPool.acquire`.
 """
 
 from __future__ import annotations
@@ -74,6 +80,7 @@ from calfsm.errors import (
     Unavailable,
     Unsupported,
     check,
+    code_name,
     from_calrt,
 )
 from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
@@ -109,6 +116,8 @@ class PoolStats:
     leased: int
     quarantined: int
     retired: bool = False
+    waiting: int = 0   #: blocked ``acquire_wait`` callers
+    wakeups: int = 0   #: times a blocked caller woke from its sleep, ever
 
 
 @attrs.define(eq=False, slots=True, repr=False)
@@ -479,7 +488,6 @@ class BufferPool:
         self.generation = generation
         self._slots: tuple[BufferSlot, ...] = tuple(slots)
         self._lock = threading.Lock()
-        self._cond = threading.Condition(self._lock)
         self._free: dict[tuple[TaskKind, EngineSlot], deque[BufferSlot]] = {}
         self._kinds: dict[TaskKind, list[EngineSlot]] = {}
         for s in self._slots:
@@ -488,8 +496,10 @@ class BufferPool:
             if s.engine not in engines:
                 engines.append(s.engine)
         self._n_free = len(self._slots)
-        #: blocked acquirers per (kind, engine), served first-come-first-served
-        self._waiting: dict[tuple[TaskKind, EngineSlot], deque[object]] = {}
+        #: blocked acquirers per (kind, engine), served first-come-first-served; each
+        #: sleeps on its own condition of the pool lock
+        self._waiting: dict[tuple[TaskKind, EngineSlot], deque[threading.Condition]] = {}
+        self._n_wakeups = 0
         self._n_leased = 0
         self._n_quarantined = 0
         self._retired = False
@@ -570,8 +580,8 @@ class BufferPool:
                      engine: EngineSlot = EngineSlot.AUTO,
                      cancelled: Callable[[], bool] | None = None,
                      clock: Clock | None = None) -> BufferLease:
-        """Lease a slot, waiting on the pool's condition (never polling) until one is
-        returned. ``deadline`` is in ``clock`` time (default: a :class:`RealClock`).
+        """Lease a slot, waiting in FIFO order (never polling) until one is returned to
+        this caller. ``deadline`` is in ``clock`` time (default: a :class:`RealClock`).
         Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
         with :meth:`wake_all`) or Unavailable (pool retired). ``cancelled`` is called with
         the pool lock held: it must be a cheap flag read that takes no lock."""
@@ -580,7 +590,7 @@ class BufferPool:
         real_limit = (time.monotonic() + (deadline - clock.now())
                       if getattr(clock, "virtual", False) else None)
         key = (kind, engine)
-        ticket: object | None = None        # our place in the FIFO, taken only to wait
+        ticket: threading.Condition | None = None  # our place in the FIFO, only to wait
         with self._lock:
             try:
                 while True:
@@ -604,20 +614,38 @@ class BufferPool:
                                                "deadline", stage="lease",
                                                generation=self.generation)
                     if ticket is None:
-                        ticket = object()
+                        ticket = threading.Condition(self._lock)
                         self._waiting.setdefault(key, deque()).append(ticket)
-                    self._cond.wait(min(left, _MAX_WAIT_S))  # loop re-checks everything
+                    ticket.wait(min(left, _MAX_WAIT_S))  # the loop re-checks everything
+                    self._n_wakeups += 1
             finally:
                 if ticket is not None:
                     queue = self._waiting[key]
+                    was_head = queue[0] is ticket
                     queue.remove(ticket)
-                    if queue:
-                        self._cond.notify_all()   # the next waiter is now the head
+                    if was_head:
+                        self._wake_head_locked(key)  # pass the head role on
+
+    def _wake_head_locked(self, key: tuple[TaskKind, EngineSlot]) -> None:
+        """Wake the head waiter of ``key`` alone, if a slot it may take is free: only
+        the head may take one (FIFO), so waking anyone else is waste."""
+        queue = self._waiting.get(key)
+        if not queue:
+            return
+        kind, engine = key
+        engines = self._kinds[kind] if engine is EngineSlot.AUTO else (engine,)
+        if any(self._free[(kind, e)] for e in engines):
+            queue[0].notify()
+
+    def _wake_every_locked(self) -> None:
+        for queue in self._waiting.values():
+            for ticket in queue:
+                ticket.notify()
 
     def wake_all(self) -> None:
         """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
         with self._lock:
-            self._cond.notify_all()
+            self._wake_every_locked()
 
     # ---- returning ------------------------------------------------------------------------
     def _own(self, lease: BufferLease) -> _LeaseCore:
@@ -672,9 +700,11 @@ class BufferPool:
                     self._free[(slot.kind, slot.engine)].append(slot)
                     self._n_leased -= 1
                     self._n_free += 1
-                    if self._waiting.get((slot.kind, slot.engine)) or \
-                            self._waiting.get((slot.kind, EngineSlot.AUTO)):
-                        self._cond.notify_all()   # FIFO: only the head may take it
+                    # FIFO: only a head may take it; the engine's own queue and the
+                    # kind's AUTO queue both may (at most two wake-ups, one wins)
+                    self._wake_head_locked((slot.kind, slot.engine))
+                    if slot.engine is not EngineSlot.AUTO:
+                        self._wake_head_locked((slot.kind, EngineSlot.AUTO))
                     return True
         if on_device:
             err = LeaseError(f"{slot!r} returned while its job may still be on the device; "
@@ -715,7 +745,7 @@ class BufferPool:
                     freed.append(slot)
             self._n_free -= len(freed)
             self._n_quarantined += len(freed)
-            self._cond.notify_all()
+            self._wake_every_locked()
         for slot in freed:
             _destroy(self.driver, slot)
 
@@ -731,7 +761,9 @@ class BufferPool:
     def stats(self) -> PoolStats:
         with self._lock:
             return PoolStats(self.generation, len(self._slots), self._n_free,
-                             self._n_leased, self._n_quarantined, self._retired)
+                             self._n_leased, self._n_quarantined, self._retired,
+                             waiting=sum(map(len, self._waiting.values())),
+                             wakeups=self._n_wakeups)
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -781,10 +813,16 @@ def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
 
 
 def _destroy(driver: Driver, slot: BufferSlot) -> None:
+    """Best-effort cleanup: a failed ``destroy_buffers`` is classified and logged, not
+    raised. Its callers are already failing (a build that raised) or retiring a
+    generation after a reset, whose handles the device may have dropped; raising would
+    hide the first error or stop the retirement halfway. The slot is never lent again."""
     if slot.destroyed:
         return
     code = driver.destroy_buffers(slot.inp, slot.out)
     slot.destroyed = True
     if code != 0:
-        log.warning("destroy_buffers of %s returned %d", slot, code,
-                    extra={"generation": slot.generation, "stage": "buffers"})
+        err = from_calrt(code, "destroy_buffers",
+                         f"destroy_buffers of {slot!r} returned {code_name(code)}",
+                         generation=slot.generation)
+        log.warning("%s", err, extra=err.context())

@@ -395,6 +395,22 @@ def test_retire_destroys_free_slots_and_quarantines_leased_ones_on_return():
     assert drv.names().count("destroy_buffers") == 3
 
 
+
+def test_a_failed_destroy_on_retire_is_logged_classified_and_the_retirement_finishes(
+        caplog):
+    drv, pool = make_pool()
+    drv.fail["destroy_buffers"] = int(CalrtCode.DEVICE_UNAVAILABLE)
+    with caplog.at_level("WARNING", logger="calfsm.buffers"):
+        pool.retire()
+    assert drv.names().count("destroy_buffers") == 2       # both tried, none raised
+    records = [r for r in caplog.records if getattr(r, "stage", None) == "destroy_buffers"]
+    assert len(records) == 2
+    r = records[0]
+    assert (r.calrt_code, r.error, r.generation) == (
+        int(CalrtCode.DEVICE_UNAVAILABLE), "Unavailable", 0)
+    assert "DEVICE_UNAVAILABLE" in r.getMessage() and r.category == "device"
+    assert assert_invariant(pool).quarantined == 2
+
 # ---- stateful: any sequence keeps the books straight -----------------------------------
 
 class PoolMachine(RuleBasedStateMachine):
@@ -595,7 +611,6 @@ def test_blocking_acquire_is_first_come_first_served() -> None:
 
     _, pool = make_pool(slots_per_engine=1)
     held = pool.acquire(TaskKind.DECODE)
-    key = (TaskKind.DECODE, EngineSlot.AUTO)
     order: list[str] = []
     leases: dict[str, object] = {}
 
@@ -606,7 +621,7 @@ def test_blocking_acquire_is_first_come_first_served() -> None:
 
     def queued(n: int) -> None:
         limit = _time.monotonic() + 10
-        while len(pool._waiting.get(key, ())) < n:
+        while pool.stats().waiting < n:
             assert _time.monotonic() < limit, "waiter never queued"
             _time.sleep(0.001)
 
@@ -627,6 +642,118 @@ def test_blocking_acquire_is_first_come_first_served() -> None:
     pool.release(leases["B"])
     assert_invariant(pool)
 
+
+
+def queue_acquirers(pool: BufferPool, n: int, *, then=None, cancel_flags=None,
+                    engine: EngineSlot = EngineSlot.AUTO):
+    """Start ``n`` threads in ``acquire_wait(DECODE)``, one after the other, each asleep
+    in the queue (its ``cancelled`` hook ran under the pool lock) before the next starts.
+    ``then(lease)`` runs in the thread once served. Returns (threads, outcomes in the
+    order served, as (index, lease or error))."""
+    outcomes: list = []
+    threads = []
+    for i in range(n):
+        waiting = threading.Event()
+        flag = cancel_flags[i] if cancel_flags else None
+
+        def cancelled(waiting=waiting, flag=flag) -> bool:
+            waiting.set()
+            return bool(flag and flag.is_set())
+
+        def run(i=i, cancelled=cancelled) -> None:
+            try:
+                lease = pool.acquire_wait(TaskKind.DECODE, RealClock().now() + 30,
+                                          engine=engine, cancelled=cancelled)
+            except CalfsmError as e:
+                outcomes.append((i, e))
+                return
+            outcomes.append((i, lease))
+            if then is not None:
+                then(lease)
+
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        assert waiting.wait(10)
+        threads.append(t)
+    return threads, outcomes
+
+
+def join_all(threads) -> None:
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "a waiter was stranded"
+
+
+def test_each_return_wakes_only_the_head_not_the_herd() -> None:
+    """50 waiters for one slot: each return wakes the next waiter alone, so the wake-ups
+    stay within a few per grant (notify_all made ~n per grant)."""
+    n = 50
+    _, pool = make_pool(slots_per_engine=1)
+    held = pool.acquire(TaskKind.DECODE)
+    threads, outcomes = queue_acquirers(pool, n, then=pool.release)
+    assert pool.stats().waiting == n and pool.stats().wakeups == 0
+    pool.release(held)
+    join_all(threads)
+    assert [i for i, _ in outcomes] == list(range(n))  # FIFO kept
+    s = assert_invariant(pool)
+    assert (s.waiting, s.leased) == (0, 0)
+    assert s.wakeups <= 3 * n + n, f"{s.wakeups} wake-ups for {n} grants"
+    assert s.wakeups == n  # in this chain: one each, nobody woken to find no slot
+
+
+def test_a_cancelled_head_passes_a_free_slot_on() -> None:
+    """The head leaves (cancelled) when a slot was returned for it: the next waiter is
+    woken and served, with no wake_all from anyone."""
+    _, pool = make_pool(slots_per_engine=1)
+    held = pool.acquire(TaskKind.DECODE)
+    flags = [threading.Event(), threading.Event()]
+    threads, outcomes = queue_acquirers(pool, 2, cancel_flags=flags)
+    flags[0].set()          # seen by the head only at its next wake-up
+    pool.release(held)      # wakes the head alone; it leaves and wakes the next
+    join_all(threads)
+    assert [i for i, _ in outcomes] == [0, 1]
+    assert isinstance(outcomes[0][1], Cancelled) and outcomes[1][1].valid
+    pool.release(outcomes[1][1])
+    assert assert_invariant(pool).waiting == 0
+
+
+def test_a_returned_slot_reaches_a_waiter_for_its_engine_or_for_any() -> None:
+    """A PING slot serves the head waiting for PING or the head waiting for any engine;
+    a waiter for PONG is not woken by it."""
+    _, pool = make_pool(engines=(EngineSlot.PING, EngineSlot.PONG))
+    held = [pool.acquire(TaskKind.DECODE, e) for e in (EngineSlot.PING, EngineSlot.PONG)]
+    t_any, any_out = queue_acquirers(pool, 1)
+    t_pong, pong_out = queue_acquirers(pool, 1, engine=EngineSlot.PONG)
+    pool.release(held[0])
+    join_all(t_any)
+    assert any_out[0][1].engine is EngineSlot.PING and not pong_out
+    before = pool.stats().wakeups
+    pool.release(any_out[0][1])   # a PING slot: nobody waiting may take it
+    assert pool.stats().wakeups == before and t_pong[0].is_alive()
+    pool.release(held[1])
+    join_all(t_pong)
+    assert pong_out[0][1].engine is EngineSlot.PONG
+    pool.release(pong_out[0][1])
+
+
+def test_retire_and_wake_all_reach_the_waiters_behind_the_head() -> None:
+    """Only the head is woken by a return; a cancel (wake_all) and a retirement must
+    still reach every waiter in the queue."""
+    _, pool = make_pool(slots_per_engine=1)
+    pool.acquire(TaskKind.DECODE)
+    flags = [threading.Event() for _ in range(4)]
+    threads, outcomes = queue_acquirers(pool, 4, cancel_flags=flags)
+    flags[2].set()
+    flags[3].set()
+    pool.wake_all()
+    join_all(threads[2:])
+    assert sorted(i for i, _ in outcomes) == [2, 3]
+    assert all(isinstance(o, Cancelled) for _, o in outcomes)
+    assert pool.stats().waiting == 2
+    pool.retire()
+    join_all(threads[:2])
+    assert all(isinstance(o, Unavailable) for _, o in outcomes[2:])
+    assert pool.stats().waiting == 0
 
 def test_load_programs_the_slot_for_one_job() -> None:
     """load(): inputs copied, only sliceable tensors sliced, KV sequence bound, and the
