@@ -64,7 +64,7 @@ from calfsm.errors import check
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.job import Request
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.reference import DirectRunner
+from calfsm.direct import DirectRunner
 from calfsm.scheduler import StepScheduler
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -117,7 +117,7 @@ class FloorPath:
     def __init__(self, manifest, decode_s: float) -> None:
         self.runner = DirectRunner(_sim(manifest, decode_s), manifest)
         self.row = np.empty(self.runner.vocab, np.float32)
-        self._set = self.runner._sets[TaskKind.DECODE]     # the direct path's decode set
+        self._set = self.runner.sets[TaskKind.DECODE]     # the direct path's decode set
         self._to_submit, self._to_complete = Doorbell(), Doorbell()
         self._done = threading.Lock()
         self._done.acquire()
@@ -144,7 +144,7 @@ class FloorPath:
         self._to_complete.ring()
 
     def _complete(self) -> None:
-        self.runner._collect(self._set, self._seq)
+        self.runner.collect(self._set, self._seq)
         u = self.row.view(np.uint32)             # the direct path's BF16 -> FP32
         np.copyto(u, self._set.logits[0])
         u <<= np.uint32(16)
@@ -160,7 +160,7 @@ class FloorPath:
             t0 = clock()
             s.tok[0] = tok                  # DirectRunner.decode_bf16, over three threads
             s.pos[0] = pos
-            r._program(s, seq, 1, pos + 1)
+            r.program(s, seq, 1, pos + 1)
             self._to_submit.ring()
             if not self._done.acquire(timeout=30.0):
                 raise RuntimeError("floor path: no completion within 30 s (see the "

@@ -31,7 +31,7 @@ import numpy as np
 from calfsm import refmodel
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.reference import DirectRunner
+from calfsm.direct import DirectRunner
 
 
 def cpu_per_step(fn, steps: int) -> float:

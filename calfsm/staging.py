@@ -20,7 +20,7 @@ from calfsm.errors import ErrorCategory, Unavailable, from_calrt
 from calfsm.logits import extract_logits
 from calfsm.manifest import SubmodelContract
 
-__all__ = ["OutputReading", "check_output", "read_output"]
+__all__ = ["OutputReading", "check_ending", "check_output", "read_output"]
 
 #: (status, output_bytes code, bytes produced)
 OutputReading = tuple[int, int, int]
@@ -33,17 +33,23 @@ def read_output(driver: Driver, out: Any, contract: SubmodelContract) -> OutputR
     return status, code, produced
 
 
-def check_output(reading: OutputReading, logits_bf16: np.ndarray,
-                 contract: SubmodelContract, token_count: int,
-                 target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
-    """Raise the classified error of a bad ending; else the float32 logits of the last
-    token, written into ``target`` (allocated when None)."""
-    status, code, produced = reading
+def check_ending(reading: OutputReading, ctx: dict[str, Any]) -> None:
+    """Raise the classified error of a job that did not end well (status, output code)."""
+    status, code, _ = reading
     if status != OutputStatus.DONE_OK:
         raise Unavailable(f"device reported {_status_name(status)} although Wait "
                           "succeeded", category=ErrorCategory.DEVICE, stage="status", **ctx)
     if code != 0:
         raise from_calrt(code, "output", **ctx)
+
+
+def check_output(reading: OutputReading, logits_bf16: np.ndarray,
+                 contract: SubmodelContract, token_count: int,
+                 target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
+    """Raise the classified error of a bad ending; else the float32 logits of the last
+    token, written into ``target`` (allocated when None)."""
+    check_ending(reading, ctx)
+    produced = reading[2]
     if target is None:
         target = np.empty(contract.vocab, dtype=np.float32)
     return extract_logits(logits_bf16, produced, contract, token_count, target)

@@ -1,7 +1,7 @@
 """Acceptance, spec section 13.1 (correctness), through the executor.
 
 - The 100 golden prompts give the same 16 greedy tokens through the executor as through
-  the direct synchronous path (:class:`calfsm.reference.DirectRunner`): all 100 in
+  the direct synchronous path (:class:`calfsm.direct.DirectRunner`): all 100 in
   threaded mode from several caller threads at once, 20 in step mode under seeded
   interleavings.
 - Prompt lengths 1, 2, 15, 16, 17, 127, 128, 1024, 4095, 4096 and 40959 work on
@@ -33,7 +33,7 @@ from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.job import InferenceResult, JobHandle, Request
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.reference import DirectRunner, golden_prompts
+from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.scheduler import StepScheduler
 from tests import refmodel_pure as pure
 from tests.executor_helpers import MODES, TINY, calls, make_executor

@@ -1,8 +1,8 @@
 """CalrtDriver (native emulator, real time) against SimDriver, bit for bit.
 
-For the 100 golden prompts (:func:`calfsm.reference.golden_prompts`, V = 1024 on the tiny
+For the 100 golden prompts (:func:`calfsm.direct.golden_prompts`, V = 1024 on the tiny
 manifest) the prefill logits (the BF16 bits of the row the host reads), four decode steps'
-logits and the greedy tokens through :class:`~calfsm.reference.DirectRunner` are the same
+logits and the greedy tokens through :class:`~calfsm.direct.DirectRunner` are the same
 on both drivers.
 """
 
@@ -14,7 +14,7 @@ from calfsm import refmodel
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
-from calfsm.reference import DirectRunner, golden_prompts
+from calfsm.direct import DirectRunner, golden_prompts
 
 DECODE_STEPS = 4
 

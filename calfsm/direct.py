@@ -14,6 +14,8 @@ the call, so a failure raises the classified :class:`~calfsm.errors.CalfsmError`
 Nothing is allocated per job except the float32 row handed back (``out=`` avoids even
 that); :meth:`DirectRunner.generate` picks greedy tokens straight from the BF16 bits.
 
+:mod:`calfsm.staging` judges each output, as it does for the executor and the warm-up.
+
 :func:`golden_prompts` is the fixed set of 100 prompts the acceptance golden uses (the
 executor's golden reuses it).
 """
@@ -23,19 +25,14 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
+import ml_dtypes
 import numpy as np
 
 from calfsm import refmodel
-from calfsm.drivers.base import Calbin, Driver, OutputStatus
-from calfsm.errors import (
-    ErrorCategory,
-    Internal,
-    InvalidArgument,
-    ResourceExhausted,
-    Unavailable,
-    check,
-)
+from calfsm.drivers.base import Calbin, Driver
+from calfsm.errors import Internal, InvalidArgument, ResourceExhausted, check
 from calfsm.manifest import Manifest, TaskKind
+from calfsm.staging import check_ending, check_output, read_output
 
 __all__ = ["GOLDEN_SEED", "DirectRunner", "golden_prompts"]
 
@@ -43,11 +40,12 @@ __all__ = ["GOLDEN_SEED", "DirectRunner", "golden_prompts"]
 GOLDEN_SEED = 20240613
 
 
-class _Set:
+class DirectSet:
     """One sub-model's handle, buffers and mapped host arrays."""
 
-    __slots__ = ("cur", "handle", "inp", "kind", "logits", "max_tokens", "out", "out_name",
-                 "out_size", "pos", "pos_name", "rows", "tok", "tok_name", "total", "vocab")
+    __slots__ = ("bf16", "contract", "cur", "handle", "inp", "kind", "logits", "max_tokens",
+                 "out", "out_name", "out_size", "pos", "pos_name", "reading", "rows", "tok",
+                 "tok_name", "total", "vocab")
 
 
 class DirectRunner:
@@ -66,12 +64,13 @@ class DirectRunner:
         code, models = driver.get_all_models()
         check(code, "get_all_models")
         resolved = manifest.resolve(models or ())
-        self._sets: dict[TaskKind, _Set] = {}
+        self.sets: dict[TaskKind, DirectSet] = {}
         for sub in manifest.submodels:
             if sub.kind not in (TaskKind.PREFILL_IDS, TaskKind.DECODE):
                 continue
-            s = _Set()
+            s = DirectSet()
             s.kind = sub.kind
+            s.contract = sub
             code, s.handle = driver.model(resolved[sub.kind].name)
             check(code, "model")
             code, bufs = driver.create_buffers(s.handle)
@@ -92,20 +91,21 @@ class DirectRunner:
             s.rows = sub.rows
             s.vocab = sub.vocab
             s.max_tokens = sub.max_tokens
+            s.bf16 = s.logits.reshape(-1).view(ml_dtypes.bfloat16)
             s.logits = s.logits.reshape(s.rows, s.vocab)
-            self._sets[sub.kind] = s
-        if TaskKind.DECODE not in self._sets or TaskKind.PREFILL_IDS not in self._sets:
+            self.sets[sub.kind] = s
+        if TaskKind.DECODE not in self.sets or TaskKind.PREFILL_IDS not in self.sets:
             raise InvalidArgument("the direct path needs a prefill_ids and a decode "
                                   "sub-model", stage="resolve")
-        self.vocab = self._sets[TaskKind.DECODE].vocab
+        self.vocab = self.sets[TaskKind.DECODE].vocab
 
     # ---- one job ----------------------------------------------------------------------
-    def _run(self, s: _Set, seq_id: int, n: int, total: int) -> None:
-        self._program(s, seq_id, n, total)
+    def _run(self, s: DirectSet, seq_id: int, n: int, total: int) -> None:
+        self.program(s, seq_id, n, total)
         check(self.driver.infer(s.handle, s.inp, s.out), "infer", seq_id=seq_id)
-        self._collect(s, seq_id)
+        self.collect(s, seq_id)
 
-    def _program(self, s: _Set, seq_id: int, n: int, total: int) -> None:
+    def program(self, s: DirectSet, seq_id: int, n: int, total: int) -> None:
         """Everything before ``infer``: KV room, both CSRs and the KV sequence."""
         d = self.driver
         ctx = {"seq_id": seq_id}
@@ -116,26 +116,26 @@ class DirectRunner:
         check(d.set_csr(s.inp, s.total, total), "set_csr", **ctx)
         check(d.set_kv_seq(s.inp, seq_id), "set_kv_seq", **ctx)
 
-    def _collect(self, s: _Set, seq_id: int) -> None:
-        """Everything after ``infer``: wait, status, and the output's byte count."""
-        d = self.driver
+    def collect(self, s: DirectSet, seq_id: int) -> None:
+        """Everything after ``infer``: wait, then status and the output's byte count,
+        judged as the executor judges them (:mod:`calfsm.staging`)."""
         ctx = {"seq_id": seq_id}
-        check(d.wait(s.out, self.timeout_s), "wait", **ctx)
-        st = d.status(s.out)
-        if st != OutputStatus.DONE_OK:
-            raise Unavailable(f"job ended {OutputStatus(st).name}", stage="status",
-                              category=ErrorCategory.DEVICE, **ctx)
-        code, nbytes = d.output_bytes(s.out, s.out_name)
-        check(code, "output_bytes", **ctx)
-        if nbytes != s.out_size:
-            raise Internal(f"device produced {nbytes} bytes of {s.out_name!r}, expected "
-                           f"{s.out_size}", stage="output", **ctx)
+        check(self.driver.wait(s.out, self.timeout_s), "wait", **ctx)
+        s.reading = reading = read_output(self.driver, s.out, s.contract)
+        check_ending(reading, ctx)
+        if reading[2] != s.out_size:            # the BF16 rows are read directly
+            raise Internal(f"device produced {reading[2]} bytes of {s.out_name!r}, "
+                           f"expected {s.out_size}", stage="output", **ctx)
+
+    def _f32(self, s: DirectSet, seq_id: int, n: int, out: np.ndarray | None) -> np.ndarray:
+        """The float32 logits of the last token: bounds-, size- and finite-checked."""
+        return check_output(s.reading, s.bf16, s.contract, n, out, {"seq_id": seq_id})
 
     def prefill_bf16(self, seq_id: int, tokens: Sequence[int], past_len: int = 0
                      ) -> np.ndarray:
         """Run a prefill; the BF16 row of the last token (a view of the mapped output,
         valid until the next prefill)."""
-        s = self._sets[TaskKind.PREFILL_IDS]
+        s = self.sets[TaskKind.PREFILL_IDS]
         n = len(tokens)
         if n < 1 or n > s.max_tokens or past_len < 0:
             raise InvalidArgument(f"prefill of {n} tokens after {past_len} (at most "
@@ -150,7 +150,7 @@ class DirectRunner:
 
     def decode_bf16(self, seq_id: int, token: int, pos: int) -> np.ndarray:
         """Run one decode step; the BF16 row (a view of the mapped output)."""
-        s = self._sets[TaskKind.DECODE]
+        s = self.sets[TaskKind.DECODE]
         s.tok[0] = token
         s.pos[0] = pos
         self._run(s, seq_id, 1, pos + 1)
@@ -159,12 +159,14 @@ class DirectRunner:
     def prefill(self, seq_id: int, tokens: Sequence[int], past_len: int = 0, *,
                 out: np.ndarray | None = None) -> np.ndarray:
         """Prefill ``tokens`` at positions ``past_len...``; the last token's logits (float32)."""
-        return _to_f32(self.prefill_bf16(seq_id, tokens, past_len), out)
+        self.prefill_bf16(seq_id, tokens, past_len)
+        return self._f32(self.sets[TaskKind.PREFILL_IDS], seq_id, len(tokens), out)
 
     def decode(self, seq_id: int, token: int, pos: int, *,
                out: np.ndarray | None = None) -> np.ndarray:
         """Decode ``token`` at position ``pos``; its logits (float32)."""
-        return _to_f32(self.decode_bf16(seq_id, token, pos), out)
+        self.decode_bf16(seq_id, token, pos)
+        return self._f32(self.sets[TaskKind.DECODE], seq_id, 1, out)
 
     def generate(self, seq_id: int, prompt: Sequence[int], n_tokens: int, *,
                  release: bool = True) -> list[int]:
@@ -188,18 +190,9 @@ class DirectRunner:
 
     def close(self) -> None:
         """Destroy the buffers (the driver stays open and configured)."""
-        for s in self._sets.values():
+        for s in self.sets.values():
             self.driver.destroy_buffers(s.inp, s.out)
-        self._sets = {}
-
-
-def _to_f32(row: np.ndarray, out: np.ndarray | None) -> np.ndarray:
-    if out is None:
-        out = np.empty(row.shape, np.float32)
-    u = out.view(np.uint32)
-    np.copyto(u, row)
-    u <<= np.uint32(16)
-    return out
+        self.sets = {}
 
 
 def golden_prompts(n: int = 100, *, vocab: int = 1024, max_len: int = 4096,
