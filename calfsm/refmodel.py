@@ -8,6 +8,8 @@ wrap modulo 2**32:
 
 - the *hash chain*: ``h_p = step(kv[seq][p-1], token, p)`` per token, one 32-bit word of
   "KV cache" per position (:func:`chain_into`);
+- an *embedding row* folds its exact bytes into one 32-bit word (:func:`embed_words`) that
+  steps the chain as a token id would;
 - the *logits* of a hash: ``V`` BF16 values derived from ``fmix32(h ^ v * 0x27D4EB2F)``
   (:func:`logits_bf16`), rounded to nearest even exactly as the spec says;
 - the prefill *tile layout*: the last chunk of ``tile_d0`` tokens, the host reads row
@@ -36,6 +38,7 @@ __all__ = [
     "LogitsKernel",
     "chain",
     "chain_into",
+    "embed_words",
     "fmix32",
     "greedy",
     "kernel",
@@ -63,6 +66,35 @@ def fmix32(x: int) -> int:
     x = (x * C2) & M32
     x ^= x >> 16
     return x
+
+
+def _fmix32_into(u: np.ndarray, t: np.ndarray) -> None:
+    """``fmix32`` of every element of the ``uint32`` array ``u``, in place (``t``: scratch
+    of the same shape)."""
+    np.right_shift(u, 16, out=t)
+    u ^= t
+    u *= np.uint32(C1)
+    np.right_shift(u, 13, out=t)
+    u ^= t
+    u *= np.uint32(C2)
+    np.right_shift(u, 16, out=t)
+    u ^= t
+
+
+def embed_words(rows: np.ndarray) -> np.ndarray:
+    """The word each row of a 2-D array steps the chain with, over the row's bytes in
+    memory order (as the host tensor holds it, whatever the dtype): ``fmix32`` of the
+    sum (mod 2**32) of ``fmix32(256 * i + byte_i)``. Returns ``uint32[n]``."""
+    b = np.ascontiguousarray(rows).view(np.uint8)
+    n = b.shape[0]
+    if n == 0:
+        return np.empty(0, np.uint32)
+    x = b.reshape(n, -1).astype(np.uint32)
+    x += np.arange(x.shape[1], dtype=np.uint32) * np.uint32(256)
+    _fmix32_into(x, np.empty_like(x))
+    s = x.sum(axis=1, dtype=np.uint32)
+    _fmix32_into(s, np.empty_like(s))
+    return s
 
 
 def step(h_prev: int, token: int, pos: int) -> int:
@@ -153,8 +185,6 @@ class LogitsKernel:
         self._bits = self._t
         self._hi = self._u.view(np.uint16)[1::2]   # high halves (little-endian)
         self._scale = np.float32(2.0 ** -20)
-        self._c1 = np.uint32(C1)
-        self._c2 = np.uint32(C2)
         self._sign = np.uint32(0x80000000)
         self._round = np.uint32(0x7FFF)
         self._one = np.uint32(1)
@@ -164,15 +194,7 @@ class LogitsKernel:
         1-D view of length ``vocab``). Allocates nothing."""
         u, t = self._u, self._t
         np.bitwise_xor(self._vmul, np.uint32(h & M32), out=u)
-        # fmix32, in place
-        np.right_shift(u, 16, out=t)
-        u ^= t
-        u *= self._c1
-        np.right_shift(u, 13, out=t)
-        u ^= t
-        u *= self._c2
-        np.right_shift(u, 16, out=t)
-        u ^= t
+        _fmix32_into(u, t)
         # (int32)(u >> 8) - 2**23 == arithmetic (u ^ 0x80000000) >> 8 (flip, sign-extend)
         u ^= self._sign
         np.right_shift(self._i, 8, out=self._i)

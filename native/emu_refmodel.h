@@ -33,4 +33,8 @@ static inline uint16_t ref_logit_bf16(uint32_t h, uint32_t v) {
 /* Write the vocab logits of hash h into row[0..vocab). */
 void ref_logits_row(uint32_t h, uint16_t *row, size_t vocab);
 
+/* The word an embedding row of nbytes bytes steps the chain with, in place of a token id:
+ * fmix32 of the sum (mod 2^32) of fmix32(256 * i + row[i]). */
+uint32_t ref_embed_word(const uint8_t *row, size_t nbytes);
+
 #endif

@@ -26,6 +26,14 @@ def step(h_prev: int, token: int, pos: int) -> int:
     return fmix32(h_prev ^ ((token * 0x9E3779B1) & MASK) ^ ((pos * 0x85EBCA77) & MASK))
 
 
+def embed_word(row: bytes) -> int:
+    """The 32-bit word an embedding row (its exact bytes) contributes in place of a token."""
+    total = 0
+    for i, b in enumerate(row):
+        total = (total + fmix32((256 * i + b) & MASK)) & MASK
+    return fmix32(total)
+
+
 def hashes(tokens: list[int], start: int = 0, kv: dict[int, int] | None = None) -> list[int]:
     """Hashes of ``tokens`` at positions ``start, start+1, ...`` against a KV dict
     (``pos -> word``; missing words read 0), which is updated."""
@@ -70,7 +78,8 @@ def greedy(row: list[int]) -> int:
 
 
 def generate(prompt: list[int], n_tokens: int, vocab: int) -> list[int]:
-    """Greedy tokens: the first from the prompt's last logits, then one per decode."""
+    """Greedy tokens: the first from the prompt's last logits, then one per decode. A
+    prompt of embedding rows is ``[embed_word(row) for row in rows]``."""
     kv: dict[int, int] = {}
     h = hashes(prompt, 0, kv)[-1]
     out = []
