@@ -274,3 +274,16 @@ def test_fuzzer_uses_the_given_model_factory() -> None:
     run_state_machine_as_test(fuzz_machine(door(), make_model=make),
                               settings=settings(QUICK, max_examples=5))
     assert made and all(d.state in {"closed", "open", "locked", "broken"} for d in made)
+
+
+def test_the_package_imports_without_pytest_or_hypothesis() -> None:
+    import subprocess
+    import sys
+    code = ("import sys; sys.modules['pytest'] = sys.modules['hypothesis'] = None; "
+            "import calfsm.testing, calfsm.testing.refmodel_pure; "
+            "from calfsm.testing import Edge, ExplorationReport, MachineLike, explore, "
+            "fuzz_machine; print(sorted(m for m in sys.modules if m.startswith('calfsm.testing')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["['calfsm.testing',", "'calfsm.testing.modelcheck',",
+                                  "'calfsm.testing.refmodel_pure']"]

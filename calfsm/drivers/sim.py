@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 The simulated device follows ``docs/driver-protocol.md`` rule by rule; the conformance
-suite in ``tests/drivers/`` checks it (and the native emulator) against that page.
+suite (:mod:`calfsm.testing.conformance`) checks it (and the native emulator) against that page.
 
 *Jobs.* ``infer`` checks its arguments, then queues a job and computes its finish time
 from the :class:`LatencyModel` and the pipeline state — nothing is read from host memory.
@@ -148,9 +148,9 @@ class LatencyModel:
 class _Model:
     """A configured model handle (``ModelHandle``)."""
 
-    __slots__ = ("computable", "csr_cur", "csr_names", "csr_total", "decode", "driver", "epoch",
-                 "info", "input_names", "max_seq", "max_tokens", "name", "out_name", "out_size",
-                 "pos_name", "rows", "tensors", "tok_name", "vocab")
+    __slots__ = ("computable", "csr_cur", "csr_names", "csr_total", "decode", "driver", "embeds",
+                 "epoch", "info", "input_names", "max_seq", "max_tokens", "name", "out_name",
+                 "out_size", "pos_name", "row_bytes", "rows", "tensors", "tok_name", "vocab")
 
     def __init__(self, driver: SimDriver, info: ModelInfo, epoch: int) -> None:
         self.driver = driver
@@ -163,16 +163,21 @@ class _Model:
         out = info.outputs[0]
         self.tok_name, self.pos_name, self.out_name = tok.name, pos.name, out.name
         self.out_size = out.byte_size
-        self.max_tokens = math.prod(tok.shape)
+        self.embeds = info.kind is TaskKind.PREFILL_EMBEDS
+        # bytes of one token's input: an id, or an embedding row of shape[-1] values
+        self.row_bytes = tok.dtype.itemsize * (tok.shape[-1] if self.embeds else 1)
+        self.max_tokens = math.prod(tok.shape) * tok.dtype.itemsize // self.row_bytes
         self.max_seq = 0    # set by configure: the calbin's largest prefill context
         self.vocab = out.shape[-1]
         self.decode = info.kind is TaskKind.DECODE
         self.rows = 1 if self.decode else (info.tile_d0 or 1)
         self.csr_cur, self.csr_total = info.csr_names[0], info.csr_names[1]
         self.csr_names = frozenset(info.csr_names)
-        self.computable = (info.kind in (TaskKind.DECODE, TaskKind.PREFILL_IDS)
-                           and tok.dtype in (DType.S32, DType.U32)
-                           and pos.dtype in (DType.S32, DType.U32)
+        by_id = (info.kind in (TaskKind.DECODE, TaskKind.PREFILL_IDS)
+                 and tok.dtype in (DType.S32, DType.U32))
+        by_row = (self.embeds and len(tok.shape) >= 2
+                  and tok.dtype in (DType.F32, DType.F16, DType.BF16))
+        self.computable = ((by_id or by_row) and pos.dtype in (DType.S32, DType.U32)
                            and out.dtype in (DType.BF16, DType.U16))
 
     def __repr__(self) -> str:
@@ -717,8 +722,18 @@ class SimDriver(ClosesOnExit, HandleChecks):
         tok_arr, pos_arr = inp.maps[model.tok_name], inp.maps[model.pos_name]
         tok_region = inp.slices.get(model.tok_name)
         pos_region = inp.slices.get(model.pos_name)
-        tokens = tok_arr if tok_region is None else \
-            tok_arr[tok_region[0] // 4:(tok_region[0] + tok_region[1]) // 4]
+        if model.embeds:    # one word per embedding row (reference-model.md)
+            raw = tok_arr.view(np.uint8)
+            if tok_region is not None:
+                raw = raw[tok_region[0]:tok_region[0] + tok_region[1]]
+            if len(raw) % model.row_bytes:
+                self._finish(job, OutputStatus.DONE_CCU_EXCEPTION, 0)
+                return
+            tokens = refmodel.embed_words(raw.reshape(-1, model.row_bytes))
+        elif tok_region is None:
+            tokens = tok_arr
+        else:
+            tokens = tok_arr[tok_region[0] // 4:(tok_region[0] + tok_region[1]) // 4]
         positions = pos_arr if pos_region is None else \
             pos_arr[pos_region[0] // 4:(pos_region[0] + pos_region[1]) // 4]
         n = len(tokens)

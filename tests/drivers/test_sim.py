@@ -15,8 +15,8 @@ from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.errors import CalrtCode as C
 from calfsm.errors import InvalidArgument
 from calfsm.manifest import TaskKind, builtin_manifest
-from tests.drivers.test_determinism import _workload
-from tests.drivers.util import prepare, run, setup, small_calbin
+from calfsm.testing.conformance.test_determinism import _workload
+from calfsm.testing.conformance.util import prepare, run, setup, small_calbin
 
 CB = small_calbin(vocab=64, max_seq=128)
 
@@ -179,7 +179,7 @@ def test_kv_words_survive_growth() -> None:
     dec = setup(d, CB, TaskKind.DECODE)
     for p in range(100):                     # allocation grows one position per step
         assert run(d, dec, 9, [p % 64], p) == OutputStatus.DONE_OK
-    from tests import refmodel_pure as pure
+    from calfsm.testing import refmodel_pure as pure
     h = pure.hashes([p % 64 for p in range(100)])[-1]
     assert dec.logits.reshape(-1).tolist() == pure.logits_bf16(h, 64)
     assert d.kv_allocated(9) == 100

@@ -9,7 +9,7 @@ import cffi
 from calfsm.drivers import calrt
 from calfsm.drivers.calrt import EMULATOR, REQUIRED, calbin_text, cdef_from_header, load_library
 from calfsm.errors import CalrtCode
-from tests.drivers.util import small_calbin
+from calfsm.testing.conformance.util import small_calbin
 from tests.native.util import NATIVE
 
 HEADER = (NATIVE / "calrt_c.h").read_text("utf-8")

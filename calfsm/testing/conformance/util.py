@@ -1,0 +1,136 @@
+"""Helpers of the driver conformance suite: small calbins and a raw job runner that
+uses only the public Driver protocol (so the suite runs unchanged on every driver)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import attrs
+import numpy as np
+
+from calfsm.drivers.base import Calbin, Driver, OutputStatus
+from calfsm.manifest import DType, ModelInfo, TaskKind, TensorInfo, builtin_manifest
+
+__all__ = ["OK", "Bufs", "configure", "generate", "greedy", "last_row", "prepare",
+           "qwen3_calbin", "run", "setup", "small_calbin"]
+
+OK = 0
+
+
+def small_calbin(vocab: int = 1024, max_seq: int = 8192, tile_d0: int = 16,
+                 prefix: str = "t") -> Calbin:
+    """A prefill_ids + decode calbin with the given vocabulary and context."""
+    def t(name: str, shape: tuple[int, ...], dt: DType) -> TensorInfo:
+        return TensorInfo(name, shape, dt, int(np.prod(shape)) * dt.itemsize)
+    prefill = ModelInfo(
+        name=f"{prefix}_prefill_ids", kind=TaskKind.PREFILL_IDS,
+        inputs=(t("input_ids", (1, max_seq), DType.S32),
+                t("position_ids", (1, max_seq), DType.S32)),
+        outputs=(t("logits", (1, tile_d0, vocab), DType.BF16),),
+        csr_names=("cur_seq", "total_seq"), tile_d0=tile_d0)
+    decode = ModelInfo(
+        name=f"{prefix}_decode", kind=TaskKind.DECODE,
+        inputs=(t("input_ids", (1, 1), DType.S32), t("position_ids", (1, 1), DType.S32)),
+        outputs=(t("logits", (1, 1, vocab), DType.BF16),),
+        csr_names=("cur_seq", "total_seq"))
+    return Calbin((prefill, decode), sha256=f"{prefix}-{vocab}-{max_seq}")
+
+
+def qwen3_calbin() -> Calbin:
+    return Calbin.from_manifest(builtin_manifest("qwen3-b1"))
+
+
+@attrs.define
+class Bufs:
+    """One model's handle, buffers and mapped host arrays."""
+
+    model: object
+    inp: object
+    out: object
+    tok: np.ndarray
+    pos: np.ndarray
+    logits: np.ndarray
+    info: ModelInfo
+
+    @property
+    def vocab(self) -> int:
+        return self.info.outputs[0].shape[-1]
+
+    @property
+    def rows(self) -> int:
+        return self.info.tile_d0 or 1
+
+
+def configure(d: Driver, calbin: Calbin) -> dict[str, ModelInfo]:
+    assert d.configure(calbin) == OK
+    code, models = d.get_all_models()
+    assert code == OK
+    return {m.name: m for m in models}
+
+
+def setup(d: Driver, calbin: Calbin, kind: TaskKind, *, engine=None) -> Bufs:
+    """Buffers for the calbin's model of ``kind`` with every tensor mapped."""
+    info = next(m for m in calbin.models if m.kind is kind)
+    code, h = d.model(info.name)
+    assert code == OK
+    code, bufs = d.create_buffers(h) if engine is None else d.create_buffers(h, engine)
+    assert code == OK
+    inp, out = bufs
+    tok_i, pos_i = info.inputs[0], info.inputs[1]
+    out_i = info.outputs[0]
+    tok = np.zeros(tok_i.shape, tok_i.dtype.host_dtype)
+    pos = np.zeros(pos_i.shape, pos_i.dtype.host_dtype)
+    logits = np.zeros(out_i.shape, out_i.dtype.host_dtype)
+    assert d.map_buffer(inp, tok_i.name, tok) == OK
+    assert d.map_buffer(inp, pos_i.name, pos) == OK
+    assert d.map_buffer(out, out_i.name, logits) == OK
+    return Bufs(h, inp, out, tok, pos, logits, info)
+
+
+def prepare(d: Driver, b: Bufs, seq: int, tokens: Sequence[int], start: int, *,
+            apply: bool = True, cur: int | None = None, total: int | None = None) -> None:
+    """Write ``tokens`` at positions ``start...`` into ``b``, slice, set CSRs/seq, apply KV."""
+    n = len(tokens)
+    tf, pf = b.tok.reshape(-1), b.pos.reshape(-1)
+    tf[:n] = tokens
+    pf[:n] = np.arange(start, start + n)
+    if b.info.kind is not TaskKind.DECODE:
+        assert d.slice_tensor(b.inp, b.info.inputs[0].name, 0, 4 * n) == OK
+        assert d.slice_tensor(b.inp, b.info.inputs[1].name, 0, 4 * n) == OK
+    assert d.set_csr(b.inp, b.info.csr_names[0], n if cur is None else cur) == OK
+    assert d.set_csr(b.inp, b.info.csr_names[1], start + n if total is None else total) == OK
+    assert d.set_kv_seq(b.inp, seq) == OK
+    if apply:
+        assert d.kv_apply(seq, start + n)
+
+
+def run(d: Driver, b: Bufs, seq: int, tokens: Sequence[int], start: int = 0,
+        **kw) -> OutputStatus:
+    """Prepare, infer, wait; returns the status (the caller checks it)."""
+    prepare(d, b, seq, tokens, start, **kw)
+    assert d.infer(b.model, b.inp, b.out) == OK
+    assert d.wait(b.out, 1e6) == OK
+    return d.status(b.out)
+
+
+def last_row(b: Bufs, n: int) -> np.ndarray:
+    """The BF16 row of the last of ``n`` tokens."""
+    return b.logits.reshape(b.rows, b.vocab)[(n - 1) % b.rows]
+
+
+def greedy(row: np.ndarray) -> int:
+    return int((row.astype(np.uint32) << 16).view(np.float32).argmax())
+
+
+def generate(d: Driver, pre: Bufs, dec: Bufs, seq: int, prompt: Sequence[int],
+             n_tokens: int) -> list[int]:
+    assert run(d, pre, seq, prompt) == OutputStatus.DONE_OK
+    tok = greedy(last_row(pre, len(prompt)))
+    out = [tok]
+    pos = len(prompt)
+    while len(out) < n_tokens:
+        assert run(d, dec, seq, [tok], pos) == OutputStatus.DONE_OK
+        tok = greedy(dec.logits.reshape(-1))
+        out.append(tok)
+        pos += 1
+    return out
