@@ -1,14 +1,22 @@
 """calfsm: run LLM inference jobs on the Calculet NPU and stay correct when it misbehaves.
 
-The public API is re-exported here; see README.md and docs/.
+The public API is re-exported here (``from calfsm import DeviceExecutor, Request``); see
+README.md and docs/architecture.md. ``CalrtDriver`` is imported on first use: it loads
+cffi and the native library.
 """
 
+from typing import TYPE_CHECKING, Any
+
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.drivers.sim import SimDriver
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
     Cancelled,
     DeadlineExceeded,
     ErrorCategory,
+    ExecutorBroken,
+    ExecutorClosed,
     FailedPrecondition,
     IllegalTransition,
     Incompatible,
@@ -21,6 +29,8 @@ from calfsm.errors import (
     Unsupported,
     from_calrt,
 )
+from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Health
+from calfsm.job import InferenceResult, JobHandle, JobTimings
 from calfsm.manifest import (
     DType,
     Manifest,
@@ -30,26 +40,48 @@ from calfsm.manifest import (
     TensorContract,
     builtin_manifest,
 )
+from calfsm.recovery import RecoveryPolicy
+from calfsm.request import Request
+from calfsm.scheduler import StepScheduler
+
+if TYPE_CHECKING:
+    from calfsm.drivers.calrt import CalrtDriver
 
 __version__ = "0.1.0"
 
 __all__ = [
     "CalfsmError",
     "CalrtCode",
+    "CalrtDriver",
     "Cancelled",
     "DType",
     "DeadlineExceeded",
+    "DeviceExecutor",
     "ErrorCategory",
+    "ExecutorBroken",
+    "ExecutorClosed",
+    "ExecutorConfig",
+    "ExecutorStats",
     "FailedPrecondition",
+    "FaultPlan",
+    "FaultRule",
+    "Health",
     "IllegalTransition",
     "Incompatible",
+    "InferenceResult",
     "Internal",
     "InvalidArgument",
+    "JobHandle",
+    "JobTimings",
     "LeaseError",
     "Manifest",
     "ManifestError",
     "ModelGeneration",
+    "RecoveryPolicy",
+    "Request",
     "ResourceExhausted",
+    "SimDriver",
+    "StepScheduler",
     "SubmodelContract",
     "TaskKind",
     "TensorContract",
@@ -59,3 +91,10 @@ __all__ = [
     "builtin_manifest",
     "from_calrt",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "CalrtDriver":          # cffi and the native library load only when used
+        from calfsm.drivers.calrt import CalrtDriver
+        return CalrtDriver
+    raise AttributeError(f"module 'calfsm' has no attribute {name!r}")
