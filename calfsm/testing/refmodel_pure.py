@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import struct
 
+__all__ = ["H_INIT", "MASK", "bf16_to_float", "embed_word", "fmix32", "generate", "greedy",
+           "hashes", "logit_bf16", "logits_bf16", "prefill_tile", "step"]
+
 MASK = 0xFFFFFFFF
 H_INIT = 0x811C9DC5
 
@@ -24,6 +27,14 @@ def fmix32(x: int) -> int:
 
 def step(h_prev: int, token: int, pos: int) -> int:
     return fmix32(h_prev ^ ((token * 0x9E3779B1) & MASK) ^ ((pos * 0x85EBCA77) & MASK))
+
+
+def embed_word(row: bytes) -> int:
+    """The 32-bit word an embedding row (its exact bytes) contributes in place of a token."""
+    total = 0
+    for i, b in enumerate(row):
+        total = (total + fmix32((256 * i + b) & MASK)) & MASK
+    return fmix32(total)
 
 
 def hashes(tokens: list[int], start: int = 0, kv: dict[int, int] | None = None) -> list[int]:
@@ -70,7 +81,8 @@ def greedy(row: list[int]) -> int:
 
 
 def generate(prompt: list[int], n_tokens: int, vocab: int) -> list[int]:
-    """Greedy tokens: the first from the prompt's last logits, then one per decode."""
+    """Greedy tokens: the first from the prompt's last logits, then one per decode. A
+    prompt of embedding rows is ``[embed_word(row) for row in rows]``."""
     kv: dict[int, int] = {}
     h = hashes(prompt, 0, kv)[-1]
     out = []

@@ -84,12 +84,20 @@ def test_a_name_registered_twice_is_refused(monkeypatch) -> None:
         driver_class("sim")
 
 
-def test_modules_are_imported_only_when_asked_for() -> None:
+def test_modules_are_imported_only_when_asked_for(monkeypatch, tmp_path) -> None:
+    (tmp_path / "calfsm_probe_driver.py").write_text("class Probe:\n    pass\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    _with_entry_points(monkeypatch, ("probe", "calfsm_probe_driver:Probe"))
+    assert "probe" in driver_names()
+    assert "calfsm_probe_driver" not in sys.modules
+    assert driver_class("probe").__module__ == "calfsm_probe_driver"
+    monkeypatch.delitem(sys.modules, "calfsm_probe_driver")
+
+
+def test_the_cffi_driver_is_not_imported_until_asked_for() -> None:
     code = ("import sys; from calfsm.drivers import driver_names, driver_class; "
-            "driver_names(); a = 'calfsm.drivers.calrt' in sys.modules; "
-            "s = 'calfsm.drivers.sim' in sys.modules; driver_class('calrt'); "
-            "print(a, s, 'calfsm.drivers.calrt' in sys.modules, "
-            "'calfsm.drivers.sim' in sys.modules)")
+            "driver_names(); driver_class('sim'); a = 'calfsm.drivers.calrt' in sys.modules; "
+            "driver_class('calrt'); print(a, 'calfsm.drivers.calrt' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True).stdout.split()
-    assert out == ["False", "False", "True", "False"]
+    assert out == ["False", "True"]
