@@ -16,8 +16,9 @@ blocks.
     (executor: ``enqueue`` with the caller's float32 row as ``target`` + ``result`` +
     greedy pick; direct: ``DirectRunner.decode`` into a float32 row + greedy pick),
     P50 and P99, at 10 ms, 2 ms and 0 ms of device time per decode. The ratios
-    executor/direct are the spec figures (the issue's targets: P50 <= 1.02x, P99 <=
-    1.03x at 10 ms); "overhead" is executor minus direct at P50, in microseconds per job.
+    executor/direct are the spec figures (the spec's gate 13.3 for the per-job path:
+    P50 <= 1.03x, P99 <= 1.05x at 10 ms); "overhead" is executor minus direct at P50,
+    in microseconds per job.
     A third path, the *floor* (:class:`FloorPath`), is the direct path's own work split
     over the executor's three threads and nothing else: what the hand-offs alone cost
     on this interpreter and machine. The executor's own cost is executor minus floor.
@@ -58,13 +59,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calfsm.clock import RealClock
+from calfsm.direct import DirectRunner
 from calfsm.doorbell import Doorbell
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.errors import check
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.job import Request
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.direct import DirectRunner
 from calfsm.scheduler import StepScheduler
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
@@ -358,9 +359,9 @@ def profile_executor(manifest, jobs: int, top: int) -> float:
     print("\ncumulative, executor stages (µs/job, profiled):")
     for _tt, ct, nc, name in sorted(rows, key=lambda x: -x[1]):
         if name.startswith("calfsm/") and any(
-                k in name for k in (":_accept", ":_validate", ":_try_admit", ":_prepare",
-                                    ":_submit", ":_complete", ":enqueue", ":step",
-                                    ":_admit_parked", ":_release_lease", ":extract_logits",
+                k in name for k in (":accept", ":validate", ":admit", ":prepare",
+                                    ":submit", ":complete", ":enqueue", ":step",
+                                    ":check_request", ":check_output", ":extract_logits",
                                     ":commit", ":try_reserve", ":acquire", ":release",
                                     ":_resolve", ":fire", ":undo_slices", ":write_inputs",
                                     ":greedy", ":snapshot")):
@@ -407,9 +408,10 @@ def main(argv: list[str] | None = None) -> int:
               flush=True)
         if decode_s == 0.010:
             r50, r99 = e["p50"] / d["p50"], e["p99"] / d["p99"]
-            verdicts.append(("P50 ratio @10ms <= 1.02", r50 <= 1.02, f"{r50:.4f} (floor "
+            # spec gate 13.3 for the per-job path (issue 12)
+            verdicts.append(("P50 ratio @10ms <= 1.03", r50 <= 1.03, f"{r50:.4f} (floor "
                              f"{f['p50'] / d['p50']:.4f})"))
-            verdicts.append(("P99 ratio @10ms <= 1.03", r99 <= 1.03, f"{r99:.4f} (floor "
+            verdicts.append(("P99 ratio @10ms <= 1.05", r99 <= 1.05, f"{r99:.4f} (floor "
                              f"{f['p99'] / d['p99']:.4f})"))
     print("\n(b) four sequences at once, one executor (max_inflight 1), vs direct path "
           "(one sequence)")

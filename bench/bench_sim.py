@@ -29,9 +29,9 @@ import tracemalloc
 import numpy as np
 
 from calfsm import refmodel
+from calfsm.direct import DirectRunner
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.direct import DirectRunner
 
 
 def cpu_per_step(fn, steps: int) -> float:
