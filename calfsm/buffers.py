@@ -84,6 +84,7 @@ from calfsm.errors import (
     from_calrt,
 )
 from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
+from calfsm.request import check_embeds
 
 __all__ = [
     "BufferLease",
@@ -283,18 +284,17 @@ class BufferLease:
 
         Checked locally (InvalidArgument, nothing written): at least one token, equal
         lengths, no more than the tensor holds, values representable in the host dtype
-        and positions non-negative. For ``PREFILL_EMBEDS`` ``tokens`` is ``(n, hidden)``.
+        and positions non-negative. For ``PREFILL_EMBEDS`` ``tokens`` is ``(n, hidden)``
+        in the tensor's dtype (:func:`calfsm.request.check_embeds`), copied bit for bit.
         """
         core = self._live()
         slot = core.slot
         ctx = self._ctx(core)
         tok = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
         pos = positions if type(positions) is np.ndarray else np.asarray(positions)
-        if slot.kind is TaskKind.PREFILL_EMBEDS:
-            hidden = slot.contract.token_or_embed.shape[-1]
-            if tok.ndim != 2 or tok.shape[1] != hidden:
-                raise InvalidArgument(f"embeddings must be (n, {hidden}), got {tok.shape}",
-                                      stage="prepare", **ctx)
+        embeds = slot.kind is TaskKind.PREFILL_EMBEDS
+        if embeds:
+            check_embeds(tok, slot.contract, {"stage": "prepare", **ctx})
         elif tok.ndim != 1:
             raise InvalidArgument(f"tokens must be 1-D, got shape {tok.shape}",
                                   stage="prepare", **ctx)
@@ -311,7 +311,7 @@ class BufferLease:
         if n > capacity:
             raise InvalidArgument(f"{n} tokens exceed the {slot.kind.value} tensor "
                                   f"capacity of {capacity}", stage="prepare", **ctx)
-        tok_range = _check_values(tok, slot.tokens.dtype, "tokens", ctx)
+        tok_range = None if embeds else _check_values(tok, slot.tokens.dtype, "tokens", ctx)
         pos_range = _check_values(pos, slot.positions.dtype, "positions", ctx) \
             or _value_range(pos)
         if pos_range[0] < 0:
@@ -321,7 +321,9 @@ class BufferLease:
             slot.tokens[0] = tok_range[0]       # a decode: two scalar stores, no copies
             slot.positions[0] = pos_range[0]
         else:
-            slot.tokens[:tok.size] = tok.reshape(-1)
+            flat = tok.reshape(-1)
+            # embeddings keep their bits (BF16 is held as uint16): a view, never a cast
+            slot.tokens[:tok.size] = flat.view(slot.tokens.dtype) if embeds else flat
             slot.positions[:n] = pos
         return n
 

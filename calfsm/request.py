@@ -33,7 +33,7 @@ from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
-__all__ = ["EMBED_DTYPES", "Request", "check_request"]
+__all__ = ["EMBED_DTYPES", "Request", "check_embeds", "check_request"]
 
 _I64 = np.dtype(np.int64)
 _I64_MIN, _I64_MAX = -2**63, 2**63 - 1
@@ -291,7 +291,7 @@ def check_request(request: Request, contract: SubmodelContract, *, seq_limit: in
         raise InvalidArgument(f"positions must run {past}..{past + n - 1}", **context)
     vocab = contract.vocab
     if kind is TaskKind.PREFILL_EMBEDS:
-        _check_embeds(request.tokens, contract, context)
+        check_embeds(request.tokens, contract, context)
     else:
         toks = request.tokens
         if n == 1:          # a decode: no numpy reductions on the per-token path
@@ -307,17 +307,20 @@ def check_request(request: Request, contract: SubmodelContract, *, seq_limit: in
                               f"vocabulary of {vocab}", **context)
 
 
-def _check_embeds(embeds: np.ndarray, contract: SubmodelContract,
-                  context: Mapping[str, Any]) -> None:
+def check_embeds(embeds: np.ndarray, contract: SubmodelContract,
+                 context: Mapping[str, Any]) -> None:
+    """Check an embeddings array fits the contract's embedding tensor: ``(n, hidden)`` in
+    the tensor's dtype (:data:`EMBED_DTYPES`). Raises InvalidArgument with ``context``."""
     tensor = contract.token_or_embed
     want = EMBED_DTYPES.get(tensor.dtype)
     if want is None:
         raise InvalidArgument(f"embedding tensor {tensor.name!r} is {tensor.dtype.value}, "
                               "not a float dtype calfsm can write", **context)
     if embeds.dtype != want:
-        raise InvalidArgument(f"embeds are {_EMBED_NAMES[embeds.dtype]}, tensor "
-                              f"{tensor.name!r} takes {tensor.dtype.value}", **context)
+        got = _EMBED_NAMES.get(embeds.dtype, str(embeds.dtype))
+        raise InvalidArgument(f"embeds are {got}, tensor {tensor.name!r} takes "
+                              f"{tensor.dtype.value}", **context)
     hidden = tensor.shape[-1]
-    if embeds.shape[1] != hidden:
-        raise InvalidArgument(f"embeds rows hold {embeds.shape[1]} values, tensor "
-                              f"{tensor.name!r} takes {hidden} (hidden size)", **context)
+    if embeds.ndim != 2 or embeds.shape[1] != hidden:
+        raise InvalidArgument(f"embeds must be (n, {hidden}) for tensor {tensor.name!r} "
+                              f"(hidden size {hidden}), got {embeds.shape}", **context)

@@ -336,11 +336,24 @@ static int64_t rd_pos(const void *base, uint64_t off, uint64_t i, int is_signed)
     return is_signed ? (int64_t)(int32_t)v : (int64_t)v;
 }
 
+/* Bytes of one token's input: an id, or for prefill_embeds an embedding row. */
+static uint64_t token_bytes(const emu_model *m) {
+    const emu_tensor *t = &m->tensors[0];
+    return m->kind == CALRT_KIND_PREFILL_EMBEDS
+        ? (uint64_t)t->itemsize * (uint64_t)t->shape[t->ndim - 1] : t->itemsize;
+}
+
 static int computable(const emu_model *m) {
     if (m->n_inputs < 2 || m->n_outputs < 1 || m->n_csrs < 2) return 0;
-    if (m->kind != CALRT_KIND_DECODE && m->kind != CALRT_KIND_PREFILL_IDS) return 0;
     const emu_tensor *t = &m->tensors[0], *p = &m->tensors[1], *o = &m->tensors[m->n_inputs];
-    int ok_t = !strcmp(t->dtype, "S32") || !strcmp(t->dtype, "U32");
+    int ok_t;
+    if (m->kind == CALRT_KIND_DECODE || m->kind == CALRT_KIND_PREFILL_IDS)
+        ok_t = !strcmp(t->dtype, "S32") || !strcmp(t->dtype, "U32");
+    else if (m->kind == CALRT_KIND_PREFILL_EMBEDS)
+        ok_t = t->ndim >= 2 && (!strcmp(t->dtype, "F32") || !strcmp(t->dtype, "F16")
+                                || !strcmp(t->dtype, "BF16"));
+    else
+        return 0;
     int ok_p = !strcmp(p->dtype, "S32") || !strcmp(p->dtype, "U32");
     int ok_o = !strcmp(o->dtype, "BF16") || !strcmp(o->dtype, "U16");
     return ok_t && ok_p && ok_o;
@@ -364,7 +377,10 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
     const emu_tensor *pt = &m->tensors[1], *lt = &m->tensors[m->n_inputs];
     const void *tok = in->maps[0].ptr, *pos = in->maps[1].ptr;
     uint64_t toff = active_off(in, 0), poff = active_off(in, 1);
-    uint64_t n = active_bytes(in, 0, &m->tensors[0]) / 4;
+    uint64_t row = token_bytes(m), tbytes = active_bytes(in, 0, &m->tensors[0]);
+    int embeds = m->kind == CALRT_KIND_PREFILL_EMBEDS;
+    if (tbytes % row) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    uint64_t n = tbytes / row;
     uint64_t np = active_bytes(in, 1, pt) / 4;
     int pos_signed = strcmp(pt->dtype, "S32") == 0;
     int decode = m->kind == CALRT_KIND_DECODE;
@@ -412,7 +428,9 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
         return CALRT_STATUS_DONE_CCU_EXCEPTION;
     }
     for (uint64_t i = 0; i < n; i++) {
-        uint32_t p = rd_u32(pos, poff, i), t = rd_u32(tok, toff, i);
+        uint32_t p = rd_u32(pos, poff, i);
+        uint32_t t = embeds ? ref_embed_word((const uint8_t *)tok + toff + i * row, row)
+                            : rd_u32(tok, toff, i);
         uint32_t h = ref_step(p == 0 ? REF_H_INIT : words[p - 1], t, p);
         words[p] = h;
         if (i >= start) hs[i - start] = h;
@@ -720,11 +738,11 @@ int32_t calrt_configure(calrt_device_t h, const char *calbin, size_t nbytes) {
     }
     cfg->serial = next_serial();
     d->cfg = cfg;
-    cfg->max_seq = 0;  /* the largest token tensor of a non-decode model */
+    cfg->max_seq = 0;  /* the most tokens (or embedding rows) of a non-decode model */
     for (uint32_t i = 0; i < cfg->n_models; i++) {
         emu_model *m = &cfg->models[i];
         if (m->kind == CALRT_KIND_DECODE) continue;
-        int64_t e = (int64_t)(m->tensors[0].byte_size / m->tensors[0].itemsize);
+        int64_t e = (int64_t)(m->tensors[0].byte_size / token_bytes(m));
         if (e > cfg->max_seq) cfg->max_seq = e;
     }
     RETURN(CALRT_SUCCESS);

@@ -1,18 +1,23 @@
 """The reference model against an independent pure-Python oracle, and the golden.
 
-The golden: the 100 fixed prompts of :func:`calfsm.reference.golden_prompts`, 16 greedy
+The golden: the 100 fixed prompts of :func:`calfsm.direct.golden_prompts`, 16 greedy
 tokens each through the direct path on SimDriver (the ``tiny`` manifest, V=1024), equal
-to the pure-Python model; plus a few prompts on ``qwen3-b1`` (V=151936).
+to the pure-Python model; plus a few prompts on ``qwen3-b1`` (V=151936); plus a fixed
+embeddings prompt on both drivers (the emulator and SimDriver).
 """
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calfsm import refmodel
+from calfsm.buffers import BufferPool
+from calfsm.direct import DirectRunner, golden_prompts
+from calfsm.drivers.base import OutputStatus
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
 from calfsm.errors import (
@@ -23,10 +28,12 @@ from calfsm.errors import (
     InvalidArgument,
     ResourceExhausted,
     Unavailable,
+    check,
 )
-from calfsm.manifest import builtin_manifest
-from calfsm.reference import DirectRunner, golden_prompts
+from calfsm.manifest import DType, Manifest, TaskKind, builtin_manifest
+from calfsm.request import EMBED_DTYPES
 from tests import refmodel_pure as pure
+from tests.embeds_helpers import EMBEDS_GOLDEN_TOKENS, golden_embeds, tiny_with_embeds_dtype
 
 u32 = st.integers(0, 2**32 - 1)
 
@@ -199,3 +206,119 @@ def test_direct_decode_matches_prefill() -> None:
     b = r.decode(0, 6, 2, out=out)
     assert b is out
     assert np.array_equal(a, b)
+
+
+# ---- embeddings ---------------------------------------------------------------------------
+#
+# A prefill_embeds job steps the hash chain with one word per embedding row, a function of
+# the row's exact bytes (docs/reference-model.md, "Embedding rows"). The golden: a fixed
+# 17 x 64 BF16 prompt (17 rows: a second output chunk) prefilled through the emulator and
+# the simulated device, then greedy decodes, equal to the pure model.
+
+def _drivers():
+    from calfsm.drivers.calrt import CalrtDriver
+    return [pytest.param(lambda m: SimDriver(m, trace=False), id="sim"),
+            pytest.param(lambda m: CalrtDriver.virtual(manifest_or_calbin=m), id="emulator")]
+
+
+class _EmbedsRunner:
+    """The direct path's runner, plus one buffer set of the prefill_embeds graph
+    programmed through ``BufferLease.load``."""
+
+    def __init__(self, driver, manifest: Manifest) -> None:
+        self.driver = driver
+        self.direct = DirectRunner(driver, manifest, timeout_s=10.0)
+        self.sub = manifest.submodel(TaskKind.PREFILL_EMBEDS)
+        code, self.handle = driver.model(self.sub.exact_name)
+        check(code, "model")
+        self.pool = BufferPool.build(driver, 0, {self.sub.kind: (self.handle, self.sub)})
+
+    def prefill_bf16(self, seq: int, embeds: np.ndarray, past_len: int = 0) -> np.ndarray:
+        d, sub, n = self.driver, self.sub, len(embeds)
+        assert d.kv_apply(seq, past_len + n)
+        lease = self.pool.acquire(sub.kind)
+        lease.bind(seq_id=seq)
+        lease.load(seq, embeds, np.arange(past_len, past_len + n))
+        slot = lease.slot
+        check(d.infer(self.handle, slot.inp, slot.out), "infer")
+        lease.mark_on_device()
+        check(d.wait(slot.out, 10.0), "wait")
+        lease.mark_off_device()
+        assert d.status(slot.out) == OutputStatus.DONE_OK
+        assert d.output_bytes(slot.out, sub.logits.name) == (0, sub.logits.byte_size)
+        row = slot.logits.reshape(sub.rows, sub.vocab)[refmodel.tile_row(n, sub.rows)].copy()
+        lease.undo_slices()
+        self.pool.release(lease)
+        return row
+
+    def generate(self, seq: int, embeds: np.ndarray, n_tokens: int, past_len: int = 0
+                 ) -> list[int]:
+        out = [refmodel.greedy(self.prefill_bf16(seq, embeds, past_len))]
+        pos = past_len + len(embeds)
+        while len(out) < n_tokens:
+            out.append(refmodel.greedy(self.direct.decode_bf16(seq, out[-1], pos)))
+            pos += 1
+        return out
+
+
+def _words(embeds: np.ndarray) -> list[int]:
+    return [pure.embed_word(row.tobytes()) for row in embeds]
+
+
+def test_embed_word_vectors() -> None:
+    row = np.array([1.0, -2.0, 0.5, 0.0], ml_dtypes.bfloat16)
+    assert row.tobytes().hex() == "803f00c0003f0000"
+    assert pure.embed_word(row.tobytes()) == 0x2ADA9C30
+    assert refmodel.embed_words(row.reshape(1, 4)).tolist() == [0x2ADA9C30]
+    assert pure.generate(_words(golden_embeds()), 4, 1024) == EMBEDS_GOLDEN_TOKENS
+
+
+@given(st.lists(st.binary(min_size=1, max_size=40), min_size=1, max_size=8)
+       .map(lambda rows: [r.ljust(40, b"\0") for r in rows]))
+def test_embed_words_match_pure(rows) -> None:
+    a = np.frombuffer(b"".join(rows), np.uint8).reshape(len(rows), 40)
+    assert refmodel.embed_words(a).tolist() == [pure.embed_word(r) for r in rows]
+    assert refmodel.embed_words(a.view(np.uint16)).tolist() == \
+        refmodel.embed_words(a).tolist()                 # bytes, whatever the dtype
+
+
+def test_every_byte_of_a_row_counts() -> None:
+    e = golden_embeds(1)
+    base = refmodel.embed_words(e)[0]
+    raw = e.view(np.uint8)
+    for i in range(raw.shape[1]):
+        flipped = raw.copy()
+        flipped[0, i] ^= 1
+        assert refmodel.embed_words(flipped)[0] != base, i
+
+
+def test_a_row_is_hashed_by_its_bytes_not_its_values() -> None:
+    a = np.zeros((1, 64), ml_dtypes.bfloat16)
+    b = a.copy()
+    b[0, 0] = -0.0                      # equal as numbers, not as bytes
+    assert np.array_equal(a, b) and a.tobytes() != b.tobytes()
+    assert refmodel.embed_words(a)[0] != refmodel.embed_words(b)[0]
+
+
+@pytest.mark.parametrize("make", _drivers())
+def test_golden_embeddings_prompt(make) -> None:
+    m = builtin_manifest("tiny")
+    embeds = golden_embeds()
+    with make(m) as driver:
+        runner = _EmbedsRunner(driver, m)
+        assert runner.generate(0, embeds, 4) == EMBEDS_GOLDEN_TOKENS
+        row = runner.prefill_bf16(1, embeds)
+        assert row.tolist() == pure.logits_bf16(pure.hashes(_words(embeds))[-1], 1024)
+
+
+@pytest.mark.parametrize("make", _drivers())
+@pytest.mark.parametrize("dtype", [DType.F32, DType.F16, DType.BF16])
+def test_embeddings_of_each_dtype_after_a_token_prefix(make, dtype) -> None:
+    """Embeddings after three token ids continue the same chain; every dtype's bytes."""
+    m = tiny_with_embeds_dtype(dtype)
+    embeds = golden_embeds(5, dtype=EMBED_DTYPES[dtype])
+    with make(m) as driver:
+        runner = _EmbedsRunner(driver, m)
+        runner.direct.prefill_bf16(2, [1, 2, 3])
+        got = runner.generate(2, embeds, 3, past_len=3)
+    assert got == pure.generate([1, 2, 3, *_words(embeds)], 3, 1024)
