@@ -192,6 +192,14 @@ class Lifecycle:
         """(manifest, calbin) warmed before the current known-good one, or None."""
         return self._rec.previous_good
 
+    def reject_current(self) -> Any:
+        """The current model met an artifact error: the one before it is the known-good
+        one again (and there is none before that). Returns it."""
+        with self._lock:
+            rec = self._rec
+            rec.known_good, rec.previous_good = rec.previous_good, None
+            return rec.known_good
+
     def begin_close(self) -> bool:
         """Stop admission for good. False if close already began."""
         with self._lock:
@@ -348,7 +356,7 @@ class DeviceLifecycle:
         old.retire()                            # destroy free buffers while handles live
         model = (old.manifest, old.calbin)
         if self._roll_back and life.previous_good() is not None:
-            model = life.previous_good()        # reject this generation's artifact
+            model = life.reject_current()       # this generation's artifact is refused
             log.warning("rolling back to the last known-good model after an artifact "
                         "error", extra={"generation": old.generation, "stage": "rollback"})
         try:
