@@ -79,9 +79,9 @@ def _is_int_type(t: type) -> bool:
 
 def _int_array(values: Any, field: str) -> np.ndarray:
     """``values`` as a 1-D ``int64`` array, or InvalidArgument naming ``field``."""
-    if type(values) is np.ndarray:
+    if isinstance(values, np.ndarray):
         a = values
-        if a.dtype == _I64 and a.ndim == 1:
+        if type(a) is np.ndarray and a.dtype == _I64 and a.ndim == 1:
             return a                    # already what we keep (a decode builds this)
         if a.ndim != 1:
             raise _bad(f"{field} must be 1-D, got shape {a.shape}")
@@ -90,7 +90,7 @@ def _int_array(values: Any, field: str) -> np.ndarray:
             raise _bad(f"{field} value {int(a.max())} does not fit int64")
         if kind not in "iu":
             raise _bad(f"{field} must be integers, got an array of {a.dtype}")
-        return a.astype(_I64)
+        return np.asarray(a, dtype=_I64)   # a plain array, also of a subclass
     if not isinstance(values, Sequence) or isinstance(values, str | bytes):
         raise _bad(f"{field} must be a sequence of integers, got {reprlib.repr(values)}")
     wrong = [t for t in set(map(type, values)) if not _is_int_type(t)]

@@ -37,6 +37,10 @@ class _Thing:
     pass
 
 
+class _IntArray(np.ndarray):
+    pass
+
+
 @pytest.mark.parametrize(("changes", "field"), [
     ({"tokens": [1.7, 2.2]}, "tokens[0]"),
     ({"tokens": [1, 2.0]}, "tokens[1]"),
@@ -109,6 +113,8 @@ def test_python_ints_lists_tuples_and_ranges_are_kept_exactly() -> None:
     assert _request(tokens=(5, 6)).tokens.tolist() == [5, 6]
     assert _request(tokens=range(3)).tokens.tolist() == [0, 1, 2]
     assert _request(tokens=[]).token_count == 0          # judged by check_request
+    sub = _request(tokens=np.arange(3, dtype=np.int32).view(_IntArray)).tokens
+    assert type(sub) is np.ndarray and sub.dtype == np.int64 and sub.tolist() == [0, 1, 2]
 
 
 def test_defaults_positions_from_past_len_and_past_len_from_positions() -> None:
