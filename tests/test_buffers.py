@@ -35,6 +35,12 @@ from calfsm.errors import (
     Unsupported,
 )
 from calfsm.manifest import TaskKind, builtin_manifest
+from tests.waiters import (
+    check_wake_all_and_stop_reach_everyone,
+    join_all,
+    queue_in_order,
+    served_after_a_cancelled_head,
+)
 
 TINY = builtin_manifest("tiny")
 PREFILL = TINY.submodel(TaskKind.PREFILL_IDS)
@@ -644,45 +650,14 @@ def test_blocking_acquire_is_first_come_first_served() -> None:
 
 
 
-def queue_acquirers(pool: BufferPool, n: int, *, then=None, cancel_flags=None,
-                    engine: EngineSlot = EngineSlot.AUTO):
-    """Start ``n`` threads in ``acquire_wait(DECODE)``, one after the other, each asleep
-    in the queue (its ``cancelled`` hook ran under the pool lock) before the next starts.
-    ``then(lease)`` runs in the thread once served. Returns (threads, outcomes in the
-    order served, as (index, lease or error))."""
-    outcomes: list = []
-    threads = []
-    for i in range(n):
-        waiting = threading.Event()
-        flag = cancel_flags[i] if cancel_flags else None
 
-        def cancelled(waiting=waiting, flag=flag) -> bool:
-            waiting.set()
-            return bool(flag and flag.is_set())
-
-        def run(i=i, cancelled=cancelled) -> None:
-            try:
-                lease = pool.acquire_wait(TaskKind.DECODE, RealClock().now() + 30,
-                                          engine=engine, cancelled=cancelled)
-            except CalfsmError as e:
-                outcomes.append((i, e))
-                return
-            outcomes.append((i, lease))
-            if then is not None:
-                then(lease)
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        assert waiting.wait(10)
-        threads.append(t)
-    return threads, outcomes
-
-
-def join_all(threads) -> None:
-    for t in threads:
-        t.join(10)
-        assert not t.is_alive(), "a waiter was stranded"
-
+def queue_acquirers(pool: BufferPool, n: int, *, engine: EngineSlot = EngineSlot.AUTO,
+                    **kw):
+    """``n`` threads queued in order in ``acquire_wait(DECODE)`` on ``engine``."""
+    return queue_in_order(
+        n, lambda i, cancelled: pool.acquire_wait(TaskKind.DECODE, RealClock().now() + 30,
+                                                  engine=engine, cancelled=cancelled),
+        **kw)
 
 def test_each_return_wakes_only_the_head_not_the_herd() -> None:
     """50 waiters for one slot: each return wakes the next waiter alone, so the wake-ups
@@ -702,18 +677,12 @@ def test_each_return_wakes_only_the_head_not_the_herd() -> None:
 
 
 def test_a_cancelled_head_passes_a_free_slot_on() -> None:
-    """The head leaves (cancelled) when a slot was returned for it: the next waiter is
-    woken and served, with no wake_all from anyone."""
     _, pool = make_pool(slots_per_engine=1)
     held = pool.acquire(TaskKind.DECODE)
-    flags = [threading.Event(), threading.Event()]
-    threads, outcomes = queue_acquirers(pool, 2, cancel_flags=flags)
-    flags[0].set()          # seen by the head only at its next wake-up
-    pool.release(held)      # wakes the head alone; it leaves and wakes the next
-    join_all(threads)
-    assert [i for i, _ in outcomes] == [0, 1]
-    assert isinstance(outcomes[0][1], Cancelled) and outcomes[1][1].valid
-    pool.release(outcomes[1][1])
+    lease = served_after_a_cancelled_head(lambda n, **kw: queue_acquirers(pool, n, **kw),
+                                          lambda: pool.release(held))
+    assert lease.valid
+    pool.release(lease)
     assert assert_invariant(pool).waiting == 0
 
 
@@ -737,23 +706,12 @@ def test_a_returned_slot_reaches_a_waiter_for_its_engine_or_for_any() -> None:
 
 
 def test_retire_and_wake_all_reach_the_waiters_behind_the_head() -> None:
-    """Only the head is woken by a return; a cancel (wake_all) and a retirement must
-    still reach every waiter in the queue."""
     _, pool = make_pool(slots_per_engine=1)
     pool.acquire(TaskKind.DECODE)
-    flags = [threading.Event() for _ in range(4)]
-    threads, outcomes = queue_acquirers(pool, 4, cancel_flags=flags)
-    flags[2].set()
-    flags[3].set()
-    pool.wake_all()
-    join_all(threads[2:])
-    assert sorted(i for i, _ in outcomes) == [2, 3]
-    assert all(isinstance(o, Cancelled) for _, o in outcomes)
-    assert pool.stats().waiting == 2
-    pool.retire()
-    join_all(threads[:2])
-    assert all(isinstance(o, Unavailable) for _, o in outcomes[2:])
-    assert pool.stats().waiting == 0
+    check_wake_all_and_stop_reach_everyone(
+        lambda n, **kw: queue_acquirers(pool, n, **kw), pool.wake_all, pool.retire,
+        lambda: pool.stats().waiting, Unavailable)
+
 
 def test_load_programs_the_slot_for_one_job() -> None:
     """load(): inputs copied, only sliceable tensors sliced, KV sequence bound, and the

@@ -33,6 +33,12 @@ from calfsm.errors import (
 )
 from calfsm.kv import KvCoordinator, KvReservation, KvState, SeqState
 from calfsm.manifest import builtin_manifest
+from tests.waiters import (
+    check_wake_all_and_stop_reach_everyone,
+    join_all,
+    queue_in_order,
+    served_after_a_cancelled_head,
+)
 
 TINY = builtin_manifest("tiny")
 FAR = 1e12  # a deadline that never passes (virtual clocks start at 0)
@@ -336,44 +342,12 @@ def test_admission_is_first_come_first_served():
 
 
 
-def queue_waiters(kv: KvCoordinator, n: int, *, first_seq: int = 100, then=None,
-                  deadline: float = FAR, cancel_flags=None):
-    """Start ``n`` threads reserving one token each, one after the other, each asleep in
-    the queue (its ``cancelled`` hook ran under the lock) before the next starts; so the
-    queue order is the start order. ``then(r)`` runs in the thread after the grant.
-    Returns (threads, outcomes in grant order)."""
-    outcomes: list = []
-    threads = []
-    for i in range(n):
-        waiting = threading.Event()
-        flag = cancel_flags[i] if cancel_flags else None
 
-        def cancelled(waiting=waiting, flag=flag) -> bool:
-            waiting.set()
-            return bool(flag and flag.is_set())
-
-        def run(seq=first_seq + i, cancelled=cancelled) -> None:
-            try:
-                r = kv.reserve(seq, 0, 1, deadline, cancelled=cancelled)
-            except CalfsmError as e:
-                outcomes.append(e)
-                return
-            outcomes.append(r)
-            if then is not None:
-                then(r)
-
-        t = threading.Thread(target=run, daemon=True)
-        t.start()
-        assert waiting.wait(10)
-        threads.append(t)
-    return threads, outcomes
-
-
-def join_all(threads) -> None:
-    for t in threads:
-        t.join(10)
-        assert not t.is_alive(), "a waiter was stranded"
-
+def queue_waiters(kv: KvCoordinator, n: int, *, deadline: float = FAR, **kw):
+    """``n`` threads queued in order, each reserving one token of sequence ``100 + i``."""
+    return queue_in_order(
+        n, lambda i, cancelled: kv.reserve(100 + i, 0, 1, deadline, cancelled=cancelled),
+        **kw)
 
 def test_each_end_wakes_only_the_head_not_the_herd():
     """50 waiters behind a budget of one token: each commit wakes the next waiter alone,
@@ -390,7 +364,7 @@ def test_each_end_wakes_only_the_head_not_the_herd():
     assert kv.stats().waiting == n and kv.stats().wakeups == 0
     kv.rollback(blocker)
     join_all(threads)
-    assert [r.seq_id for r in outcomes] == list(range(100, 100 + n))  # FIFO kept
+    assert [r.seq_id for _, r in outcomes] == list(range(100, 100 + n))  # FIFO kept
     s = kv.stats()
     grants = s.reserved - 1
     assert (grants, s.waiting, s.open) == (n, 0, 0)
@@ -399,17 +373,11 @@ def test_each_end_wakes_only_the_head_not_the_herd():
 
 
 def test_a_cancelled_head_passes_the_head_role_on():
-    """The head leaves (cancelled) when the capacity freed for it: the next waiter is
-    woken and served, with no wake_all from anyone."""
     _, kv = coordinator(token_budget=1)
     blocker = kv.try_reserve(1, 0, 1)
-    flags = [threading.Event(), threading.Event()]
-    threads, outcomes = queue_waiters(kv, 2, cancel_flags=flags)
-    flags[0].set()          # seen by the head only at its next wake-up
-    kv.rollback(blocker)    # wakes the head alone; it leaves and wakes the next
-    join_all(threads)
-    assert isinstance(outcomes[0], Cancelled)
-    assert isinstance(outcomes[1], KvReservation) and outcomes[1].seq_id == 101
+    r = served_after_a_cancelled_head(lambda n, **kw: queue_waiters(kv, n, **kw),
+                                      lambda: kv.rollback(blocker))
+    assert isinstance(r, KvReservation) and r.seq_id == 101
 
 
 def test_a_head_past_its_deadline_passes_the_head_role_on():
@@ -423,26 +391,16 @@ def test_a_head_past_its_deadline_passes_the_head_role_on():
     threads, outcomes = queue_waiters(kv, 1)
     assert isinstance(finish(head, head_out), DeadlineExceeded)
     join_all(threads)
-    assert isinstance(outcomes[0], KvReservation) and outcomes[0].seq_id == 100
+    assert isinstance(outcomes[0][1], KvReservation) and outcomes[0][1].seq_id == 100
 
 
 def test_shutdown_and_wake_all_reach_the_waiters_behind_the_head():
-    """Only the head is woken by capacity; a cancel (wake_all) and a shutdown must still
-    reach every waiter in the queue."""
     _, kv = coordinator(token_budget=1)
     kv.try_reserve(1, 0, 1)
-    flags = [threading.Event() for _ in range(4)]
-    threads, outcomes = queue_waiters(kv, 4, cancel_flags=flags)
-    flags[2].set()
-    flags[3].set()
-    kv.wake_all()
-    join_all(threads[2:])
-    assert all(isinstance(o, Cancelled) for o in outcomes)
-    assert kv.stats().waiting == 2
-    kv.shutdown()
-    join_all(threads[:2])
-    assert len(outcomes) == 4 and all(isinstance(o, Unavailable) for o in outcomes[2:])
-    assert kv.stats().waiting == 0
+    check_wake_all_and_stop_reach_everyone(
+        lambda n, **kw: queue_waiters(kv, n, **kw), kv.wake_all, kv.shutdown,
+        lambda: kv.stats().waiting, Unavailable)
+
 
 def test_cancel_and_wake_all_stop_a_waiter():
     _, kv = coordinator(token_budget=4)
