@@ -53,7 +53,7 @@ from transitions import Machine, MachineError
 from transitions.extensions.nesting import HierarchicalMachine
 
 from calfsm.errors import IllegalTransition
-from calfsm.machines._declared import DeclaredMachine
+from calfsm.machines import DeclaredMachine
 
 if TYPE_CHECKING:
     import hypothesis
