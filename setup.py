@@ -18,7 +18,8 @@ from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
-SOURCES = ["native/calrt_emu.c", "native/emu_calbin.c", "native/emu_refmodel.c"]
+SOURCES = ["native/calrt_emu.c", "native/emu_calbin.c", "native/emu_refmodel.c",
+           "native/calfsm_kernels.c"]
 NAME = "calfsm._native.libcalrt_emu"
 
 

@@ -7,6 +7,9 @@ tree) has no library yet: :func:`library_path` then compiles it once with the ma
 compiler (``$CC``, else ``cc``/``gcc``/``clang``) into this directory, and again whenever a
 source under ``native/`` is newer than the library. Set ``CALFSM_NO_AUTOBUILD=1`` to
 forbid that (a missing library is then reported, with the command that builds it).
+
+The same library also exports calfsm's host-side kernels (``native/calfsm_kernels.h``,
+not part of the CalRT ABI): :func:`load_kernels` opens them for :mod:`calfsm.logits`.
 """
 
 from __future__ import annotations
@@ -16,14 +19,15 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
-__all__ = ["HEADER_NAME", "LIBRARY_NAME", "SOURCES", "BuildError", "build_library",
-           "header_path", "library_path", "source_dir"]
+__all__ = ["HEADER_NAME", "KERNELS_VERSION", "LIBRARY_NAME", "SOURCES", "BuildError",
+           "build_library", "header_path", "library_path", "load_kernels", "source_dir"]
 
 LIBRARY_NAME = "libcalrt_emu.so"
 HEADER_NAME = "calrt_c.h"
 #: the emulator's translation units, relative to ``native/``
-SOURCES = ("calrt_emu.c", "emu_calbin.c", "emu_refmodel.c")
+SOURCES = ("calrt_emu.c", "emu_calbin.c", "emu_refmodel.c", "calfsm_kernels.c")
 #: flags of every build (setup.py uses the same)
 CFLAGS = ("-std=c11", "-O2", "-g", "-fPIC", "-pthread", "-Wall", "-Wextra",
           "-fvisibility=default")
@@ -37,7 +41,8 @@ BUILD_HINT = ('build it with `pip install -e ".[dev]"` (or `pip install .`) from
 
 
 class BuildError(RuntimeError):
-    """The emulator could not be compiled (no compiler, or it failed)."""
+    """The bundled library cannot be had: no compiler, a failed build, or (for
+    :func:`load_kernels`) a library without the kernels this package needs."""
 
 
 def source_dir() -> Path | None:
@@ -107,3 +112,36 @@ def library_path() -> Path:
     if not lib.is_file():
         raise BuildError(f"the bundled CalRT emulator {str(lib)!r} is not built: {BUILD_HINT}")
     return lib
+
+
+#: ``CALFSM_KERNELS_VERSION`` of native/calfsm_kernels.h that this package speaks
+KERNELS_VERSION = 1
+#: the declarations of native/calfsm_kernels.h (that header is not installed)
+KERNELS_CDEF = """
+uint32_t calfsm_kernels_version(void);
+int32_t calfsm_kernels_level(void);
+int64_t calfsm_bf16_to_f32_finite(const uint16_t *src, float *dst, uint64_t n);
+int64_t calfsm_bf16_to_f32_finite_at(const uint16_t *src, float *dst, uint64_t n,
+                                     int32_t level);
+"""
+
+
+def load_kernels() -> tuple[Any, Any]:
+    """``(ffi, lib)`` of the host kernels in the bundled library (cffi, ABI mode).
+
+    Raises :class:`BuildError` when the library cannot be had (see :func:`library_path`),
+    cannot be loaded, or lacks the kernels of :data:`KERNELS_VERSION` (an older build)."""
+    import cffi  # only who uses the kernels pays for the import
+
+    path = library_path()
+    ffi = cffi.FFI()
+    ffi.cdef(KERNELS_CDEF)
+    try:
+        lib = ffi.dlopen(str(path))
+        version = int(lib.calfsm_kernels_version())
+    except (OSError, AttributeError) as e:
+        raise BuildError(f"{str(path)!r} has no calfsm kernels: {e}") from None
+    if version != KERNELS_VERSION:
+        raise BuildError(f"{str(path)!r} has calfsm kernels version {version}, this "
+                         f"calfsm needs {KERNELS_VERSION}: {BUILD_HINT}")
+    return ffi, lib
