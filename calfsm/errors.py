@@ -313,7 +313,8 @@ class DeadlineExceeded(CalfsmError):
 
 
 class Unavailable(CalfsmError):
-    """The device is draining, recovering, failed, or the executor is shut down."""
+    """The device is draining, recovering or failed (a closed executor raises the
+    :class:`ExecutorClosed` subclass)."""
 
     http_status = 503
     grpc_code = "UNAVAILABLE"

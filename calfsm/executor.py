@@ -219,6 +219,10 @@ class DeviceExecutor:
         self._pipeline.wake_waiters()
         self._runtime.join_recovery(timeout)   # a recovery stops at its next step
         undrained = self._runtime.drain(timeout)
+        self._pipeline.abandon(undrained, lambda job: Unavailable(
+            f"shutdown did not drain within {timeout} s; the device still holds the job",
+            stage="shutdown", job_id=job.job_id, seq_id=job.seq_id,
+            generation=job.generation))
         alive = self._runtime.stop(timeout)
         self._life.fire_if_declared("close")
         if self.epoch is not None:

@@ -296,10 +296,11 @@ class DeviceLifecycle:
             self._roll_back = roll_back
         log.warning("draining generation %s: %s", life.generation, reason,
                     extra={"generation": life.generation, "stage": "drain"})
-        if not self.policy.hold_queued:
-            self.pipeline.fail_waiting(Unavailable(
-                f"device is recovering: {reason}", stage="admission",
-                retry_after_s=self.policy.retry_after_s))
+        # what has not reached the device fails now, retryable (it would run on a
+        # generation that is about to be reset)
+        self.pipeline.fail_waiting(Unavailable(
+            f"device is recovering: {reason}", stage="admission",
+            retry_after_s=self.policy.retry_after_s))
         self.pipeline.wake_waiters()
         if self.policy.auto_recover:
             self.on_recovery_due()
@@ -547,8 +548,7 @@ class DeviceLifecycle:
             raise Unavailable(life.reason or "model switch failed", stage="switch")
         generation = life.generation + 1
         try:
-            for seq in lost[0]:
-                check(self.driver.kv_release(seq, 0), "kv_release", seq_id=seq)
+            self._release_lost(kind, lost)
         except CalfsmError as e:
             err: CalfsmError | None = e
         else:
@@ -570,10 +570,9 @@ class DeviceLifecycle:
     def _rollback(self, err: CalfsmError, generation: int) -> None:
         life = self.life
         log.error("model switch failed, rolling back: %s", err, extra=err.context())
-        with life.locked():
-            if not life.fire("rollback"):
-                self.give_up(f"model switch failed and nothing to roll back to: {err}")
-                return
+        if not life.fire("rollback"):
+            self.give_up(f"model switch failed and nothing to roll back to: {err}")
+            return
         if life.epoch is not None and not life.epoch.retired:
             life.epoch.retire()
         rc = self.driver.reset(self._reconfigure_kind())

@@ -27,8 +27,10 @@ completion or recovery path touches them, and a failure leaves the KV ``Unknown`
 slot quarantined (the device may have written them). Every accepted job ends exactly once,
 through :meth:`JobHandle._resolve`.
 
-Lock order: lifecycle -> admission (inside the KV coordinator) -> pool -> device
-(``_device_lock``) -> queues (``_lock``). No runtime call is made holding the queue lock;
+Lock order: lifecycle -> the runtime's condition -> device (``_device_lock``) -> queues
+(``_lock``); the KV coordinator's, the pool's, a handle's and the fault policy's locks
+are leaves (nothing is taken while holding one). No runtime call is made holding the
+queue lock;
 ``wait`` is called holding no lock at all. The device lock is held only around one
 ``infer`` (and its generation check) and the reading of a finished output: recovery
 passes through it once after leaving Ready, so no submit can race a reset.
@@ -286,12 +288,33 @@ class Pipeline:
                 with self._lock:
                     self._parked.append(job)
         except CalfsmError as e:
-            if job.epoch is not None and job.epoch.retired and not isinstance(e, Cancelled):
-                # the device was reset under this preparation: say so, not "bad state"
-                e = Unavailable(f"the device was reset while the job was prepared ({e})",
-                                retry_after_s=self.life.retry_after_s,
-                                calrt_code=e.calrt_code, **_ctx(job, e.stage or "prepare"))
+            self._failed_to_start(job, e)
+        except Exception as e:          # a bug must not strand an accepted job
+            log.error("unexpected error preparing job %s", job.job_id, exc_info=e,
+                      extra=_ctx(job, "prepare"))
+            self._failed_to_start(job, Internal(
+                f"unexpected {type(e).__name__} while preparing: {e}",
+                category=ErrorCategory.UNKNOWN, **_ctx(job, "prepare")))
+
+    def _failed_to_start(self, job: JobContext, e: CalfsmError) -> None:
+        """A job that never reached the submit queue fails; a device error met on the
+        way is shown to the fault policy like one met at submit."""
+        life = self.life
+        stale = job.epoch is not None and (job.epoch.retired or job.epoch is not life.epoch)
+        if isinstance(e, Cancelled) and not job.cancel_requested and not life.closing:
+            # admission gave up because the device left Ready, not because of a cancel
+            e = Unavailable(f"device is {life.state} ({life.reason or 'recovering'})",
+                            retry_after_s=life.retry_after_s, **_ctx(job, "admission"))
+        elif stale and not isinstance(e, Cancelled):
+            # the device was reset under this preparation: say so, not "bad state"
+            e = Unavailable(f"the device was reset while the job was prepared ({e})",
+                            retry_after_s=life.retry_after_s,
+                            calrt_code=e.calrt_code, **_ctx(job, e.stage or "prepare"))
+        try:
             self.fail_before_submit(job, e)
+        finally:
+            if e.calrt_code is not None and not stale and not isinstance(e, Cancelled):
+                self._apply(self.faults.decide(e, self.clock.now()))
 
     def _admission_deadline(self, job: JobContext) -> float:
         return min(job.deadline, job.timings.accepted + self.t.admission_s)
@@ -334,7 +357,7 @@ class Pipeline:
 
     def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
         life = self.life
-        return lambda: job.cancel_requested or life.closing
+        return lambda: job.cancel_requested or life.closing or life.state != _READY
 
     def prepare(self, job: JobContext) -> None:
         """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""
@@ -370,11 +393,16 @@ class Pipeline:
             with self._lock:
                 self._parked.popleft()
             self.prepare(job)
-        except CalfsmError as e:
+        except Exception as e:
             with self._lock:
                 if self._parked and self._parked[0] is job:
                     self._parked.popleft()
-            self.fail_before_submit(job, e)
+            if not isinstance(e, CalfsmError):
+                log.error("unexpected error admitting job %s", job.job_id, exc_info=e,
+                          extra=_ctx(job, "admission"))
+                e = Internal(f"unexpected {type(e).__name__} while admitting: {e}",
+                             category=ErrorCategory.UNKNOWN, **_ctx(job, "admission"))
+            self._failed_to_start(job, e)
         return True
 
     # ---- cancel --------------------------------------------------------------------
@@ -548,6 +576,15 @@ class Pipeline:
         with self._device_lock:
             pass
 
+    def run_step(self, job: JobContext, stage: str, step: Callable[[JobContext], None]
+                 ) -> None:
+        """One step of one job; an unexpected exception never strands the job (or stops
+        the thread running it): see :meth:`step_crashed`."""
+        try:
+            step(job)
+        except Exception as e:
+            self.step_crashed(job, stage, e)
+
     def release_inflight(self, job: JobContext) -> None:
         """The job no longer occupies the device: off the on-device list, its in-flight
         slot given back (idempotent), whoever drives the pipeline told."""
@@ -577,6 +614,8 @@ class Pipeline:
 
     def complete(self, job: JobContext) -> None:
         """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
+        if job.lease is None:       # abandoned by a shutdown that could not drain it
+            return
         slot = job.lease.slot
         zombie = job.ended         # already failed by its execution deadline
         t0 = self.clock.now()
@@ -762,13 +801,21 @@ class Pipeline:
         for job in self.take_waiting():
             self.fail_before_submit(job, ExecutorBroken(
                 f"executor is broken: {reason}", **_ctx(job, "broken")))
-        for job in dict.fromkeys(stuck):
-            if not job.ended:
-                self._withhold(job, reason)
-                if not _fire_if(job, "quarantine"):
-                    _fire_if(job, "fail")
-                self._finish(job, ExecutorBroken(f"executor is broken: {reason}",
-                                                 **_ctx(job, "broken")), "failed")
+        self.abandon(stuck, lambda job: ExecutorBroken(f"executor is broken: {reason}",
+                                                       **_ctx(job, "broken")))
+
+    def abandon(self, jobs: list[JobContext],
+                error: Callable[[JobContext], CalfsmError]) -> None:
+        """Give up jobs the device still holds (shutdown past its timeout, a dead
+        worker): each is resolved with ``error(job)``, its KV marked Unknown and its slot
+        quarantined; a Wait that returns later finds nothing to do."""
+        for job in dict.fromkeys(jobs):
+            if job.ended:
+                continue
+            self._withhold(job, "abandoned on the device")
+            if not _fire_if(job, "quarantine"):
+                _fire_if(job, "fail")
+            self._finish(job, error(job), "quarantined")
         self.hooks.changed()
 
     # ---- step mode -----------------------------------------------------------------
@@ -781,17 +828,17 @@ class Pipeline:
             for j in late:
                 self._parked.remove(j)
         for j in late:
-            self.fail_before_submit(j, DeadlineExceeded(
+            self._failed_to_start(j, DeadlineExceeded(
                 "admission deadline passed", **_ctx(j, "admission")))
         for j in self.take_expired():
-            self.fail_queue_deadline(j)
+            self.run_step(j, "queue", self.fail_queue_deadline)
 
     def submit_next(self) -> bool:
         """Expire, then submit the head of the queue if an in-flight slot is free (on a
         virtual clock a back-off is jumped over). True if anything moved."""
         expired = self.take_expired()
         for j in expired:
-            self.fail_queue_deadline(j)
+            self.run_step(j, "queue", self.fail_queue_deadline)
         if expired:
             return True
         if self.submittable() and self.faults.backoff_until > self.clock.now() \
@@ -800,14 +847,14 @@ class Pipeline:
         job = self.claim()
         if job is None:
             return False
-        self.submit(job)
+        self.run_step(job, "submit", self.submit)
         return True
 
     def complete_next(self) -> bool:
         job = self.next_completion()
         if job is None:
             return False
-        self.complete(job)
+        self.run_step(job, "complete", self.complete)
         return True
 
 

@@ -64,7 +64,6 @@ class RecoveryPolicy:
     backoff_max_s: float = attrs.field(default=0.2, validator=_non_negative)
     grace_period_s: float = attrs.field(default=1.0, validator=_non_negative)
     zombie_wait_s: float = attrs.field(default=0.25, validator=_non_negative)
-    hold_queued: bool = False            # keep queued jobs across recovery instead of failing
     progress_timeout_s: float = attrs.field(default=30.0, validator=_non_negative)
     retry_after_s: float = attrs.field(default=1.0, validator=_non_negative)
     auto_recover: bool = True

@@ -175,7 +175,7 @@ class ThreadRuntime(_Runtime):
         while True:
             expired = p.take_expired()
             for job in expired:
-                self._step(job, "queue", p.fail_queue_deadline)
+                p.run_step(job, "queue", p.fail_queue_deadline)
             if expired:
                 continue
             job = p.claim()
@@ -194,7 +194,7 @@ class ThreadRuntime(_Runtime):
                     self._submit_bell.wait(p.submit_wait_s())
                 continue
             try:
-                self._step(job, "submit", p.submit)
+                p.run_step(job, "submit", p.submit)
             finally:
                 self._submitted_bell.ring()
 
@@ -214,15 +214,7 @@ class ThreadRuntime(_Runtime):
             if life.closing and time.monotonic() > self._close_deadline \
                     and job.ended:
                 return              # abandon a zombie: the device never let it go
-            self._step(job, "complete", p.complete)
-
-    def _step(self, job: JobContext, stage: str, step: Callable[[JobContext], None]
-              ) -> None:
-        """One step of one job; a bug must never stop the thread or strand the job."""
-        try:
-            step(job)
-        except Exception as e:
-            self.pipeline.step_crashed(job, stage, e)
+            p.run_step(job, "complete", p.complete)
 
     # ---- recovery ------------------------------------------------------------------
     def _start_recovery(self) -> None:

@@ -3,7 +3,8 @@
 Start-up: ``Unconfigured -> Configuring -> Warming -> Ready``. Recovery after a device
 fault: ``Ready -> Draining -> Recovering -> Configuring -> Warming -> Ready``; recovery
 bumps the generation and runs a golden prefill+decode in Warming before taking traffic.
-A model switch drains and reconfigures without a reset (``Draining -> Configuring``); if
+A model switch drains and reconfigures after a configuration (or full) reset, without
+going through Recovering (``Draining -> Configuring``); if
 the new artifact fails to configure or warm, ``rollback`` returns to Configuring with the
 last known-good model (guard ``has_known_good``). A bring-up that fails for a device
 reason goes back to Recovering (``retry``) for another reset, a bounded number of times
