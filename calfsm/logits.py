@@ -6,37 +6,57 @@ The device writes the output tensor as raw BF16 bits (``uint16`` host array). Th
 adapter converted the *whole* tensor into a temporary ``std::vector<float>`` and then
 copied one row out (defect S10). Here only the ``dict_len`` values of the wanted row are
 converted, straight into the caller-provided ``float32`` array: no temporary of the
-vocabulary, no allocation proportional to it.
-
-The conversion is ``np.copyto(dst, src.view(ml_dtypes.bfloat16), casting="unsafe")``:
-BF16 -> FP32 is exact (a 16-bit left shift of the bits), and numpy's buffered cast runs
-in fixed-size chunks, so it allocates nothing per call that grows with the vocabulary.
-Measured on this machine kind at V=151936 (``bench/bench_components.py``) it runs at the
-speed of a plain float32 copy of the same output; the uint16->uint32 shift trick
-(``dst.view(np.uint32)[:] = src; dst <<= 16``) was ~1.6-2x slower, so it is not used.
+vocabulary, no allocation proportional to it. BF16 -> FP32 is exact: the 16 bits become
+the high half of the float's (NaN payloads included).
 
 The bound check is written exactly as the spec (section 10.1) asks,
 ``base <= size and dict_len <= size - base``, so it cannot overflow even where the
 indices are fixed-width.
 
-The finite check after conversion is one BLAS pass, ``dst.dot(dst)``: a sum of squares is
-finite only if every value is (NaN and Inf propagate, squares cannot cancel), it
-allocates nothing and costs less than the copy. Only when it is not finite (a NaN/Inf,
-or a finite value above ~1.8e19 overflowing the square) does :func:`find_nonfinite`
-run the exact ``isfinite`` scan that names the first offending index.
+:func:`extract_logits` (once per job) has two paths to one result:
+
+- The kernel path: ``calfsm_bf16_to_f32_finite`` (``native/calfsm_kernels.c``, compiled
+  into the bundled library, loaded with cffi in ABI mode) converts the row and finds the
+  first NaN/Inf in one vectorised pass, reading the BF16 row once and writing the float32
+  row once — less memory traffic than a float32 copy of the row, which reads twice as
+  many bytes. It is taken when every check passes plainly (the contract's numbers are
+  read once into a :class:`_Plan`, the output array's ``ffi.from_buffer`` view is kept
+  for the next job) and the row is finite; anything else — an error, a non-finite
+  value, a non-contiguous or overlapping array — goes to the checked path, which
+  decides again. So the kernel path never raises, and both paths raise the same errors.
+- The checked path (numpy; the only path where the library is absent or lacks the
+  kernels): every check in the documented order, then
+  ``np.copyto(dst, src.view(ml_dtypes.bfloat16), casting="unsafe")`` (numpy's buffered
+  cast runs in fixed-size chunks: no allocation that grows with the vocabulary), then
+  the finite check as one BLAS pass, ``dst.dot(dst)``: a sum of squares is finite only
+  if every value is (NaN and Inf propagate, squares cannot cancel). Only when it is not
+  finite (a NaN/Inf, or a finite value above ~1.8e19 overflowing the square) does
+  :func:`find_nonfinite` run the exact ``isfinite`` scan that names the first offending
+  index.
+
+:func:`use_native_kernel` chooses a path explicitly (tests, benchmarks). Measured side by
+side in one run (``bench/bench_components.py``, 2-core VM): at V=151936 the kernel alone
+takes ~0.7-0.8x a float32 ``np.copyto`` of the row and the whole step on the kernel path
+~0.97-1.0x (the ~1 us of Python checks around it runs on caches the row just swept),
+the checked path ~2.7x; at V=1024 the fixed cost of a call dominates (~1 us on the
+kernel path, of which ~0.2 us is the cffi call itself, against 0.25 us for the copy).
 """
 
 from __future__ import annotations
 
+import logging
 import math
+import threading
 from typing import Any
 
 import ml_dtypes
 import numpy as np
 
+from calfsm import _native
 from calfsm.errors import (
     CalrtCode,
     ErrorCategory,
+    Incompatible,
     Internal,
     InvalidArgument,
     from_calrt,
@@ -48,13 +68,127 @@ __all__ = [
     "extract_logits",
     "find_nonfinite",
     "logits_row",
+    "native_kernel_in_use",
+    "use_native_kernel",
 ]
+
+log = logging.getLogger("calfsm.logits")
 
 _BF16 = np.dtype(ml_dtypes.bfloat16)
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
 _STAGE = "output"
+
+
+# ---- the native kernel ------------------------------------------------------------------
+
+class _Kernel:
+    """The kernel's cffi function, ``ffi.from_buffer`` and the two array types, bound
+    once, and the views of the last few output arrays.
+
+    ``views`` maps ``id(array)`` to its ``ffi.from_buffer`` view: a view keeps its array
+    alive and unresizable (so the id and the address stay the array's), and making one
+    costs more than the kernel at a small vocabulary. Output arrays are the buffer
+    slots' and live as long as their pool, so a few entries hit every time; at most
+    :data:`_VIEWS_MAX` are kept (the oldest dropped), which bounds what they pin."""
+
+    __slots__ = ("convert", "f32_array", "from_buffer", "u16_array", "views")
+
+    def __init__(self) -> None:
+        ffi, lib = _native.load_kernels()
+        self.convert = lib.calfsm_bf16_to_f32_finite
+        self.from_buffer = ffi.from_buffer
+        self.u16_array = ffi.typeof("uint16_t[]")
+        self.f32_array = ffi.typeof("float[]")
+        self.views: dict[int, Any] = {}
+
+    def view(self, out_u16: np.ndarray) -> Any:
+        """A new view of an output array, remembered (ValueError: not contiguous)."""
+        p = self.from_buffer(self.u16_array, out_u16)
+        with _lock:
+            if len(self.views) >= _VIEWS_MAX:
+                del self.views[next(iter(self.views))]
+            self.views[id(out_u16)] = p
+        return p
+
+
+class _Plan:
+    """What :func:`extract_logits` reads of a contract, read once (at a small vocabulary
+    the attribute and property reads cost more than the conversion), and the kernel in
+    use when it was made (None: numpy; :func:`use_native_kernel` drops every plan)."""
+
+    __slots__ = ("byte_size", "contract", "decode", "kernel", "rows", "vocab")
+
+    def __init__(self, contract: SubmodelContract, kernel: _Kernel | None) -> None:
+        self.contract = contract  # kept alive, so its id() is not reused
+        self.kernel = kernel
+        self.vocab = contract.vocab
+        self.rows = contract.rows
+        self.decode = contract.kind is TaskKind.DECODE
+        self.byte_size = contract.logits.byte_size
+
+
+_AUTO: Any = object()
+_PLANS_MAX = 64
+_VIEWS_MAX = 8
+_lock = threading.Lock()
+#: what extract_logits uses: a _Kernel, None (numpy), or _AUTO (decided at first use)
+_kernel: Any = _AUTO
+#: id(contract) -> its _Plan (which keeps the contract alive, so the id is not reused)
+_plans: dict[int, _Plan] = {}
+
+
+def _decided() -> _Kernel | None:
+    """The kernel in use, loading the default one at the first call; under ``_lock``."""
+    global _kernel
+    if _kernel is _AUTO:
+        try:
+            _kernel = _Kernel()
+        except _native.BuildError as e:
+            log.info("BF16 logits are converted with numpy: the native kernel is not "
+                     "available (%s)", e)
+            _kernel = None
+    return _kernel
+
+
+def _plan(contract: SubmodelContract) -> _Plan:
+    """The contract's plan, made with the kernel in use at its first extraction."""
+    with _lock:
+        plan = _plans.get(id(contract))
+        if plan is None:
+            if len(_plans) >= _PLANS_MAX:
+                _plans.clear()
+            plan = _plans[id(contract)] = _Plan(contract, _decided())
+        return plan
+
+
+def use_native_kernel(enable: bool | None = None) -> bool:
+    """Choose how :func:`extract_logits` converts: the native one-pass kernel (True), the
+    numpy path (False), or the kernel when the bundled library has it (None, the
+    default). Returns whether the kernel is now used.
+
+    Raises :class:`~calfsm.errors.Incompatible` naming the reason when ``True`` is asked
+    and the kernel cannot be loaded."""
+    global _kernel
+    k: Any = _AUTO if enable is None else None
+    if enable:
+        try:
+            k = _Kernel()
+        except _native.BuildError as e:
+            raise Incompatible(f"the native logits kernel is not available: {e}",
+                               stage=_STAGE) from None
+    with _lock:
+        _kernel = k
+        _plans.clear()
+        return _decided() is not None
+
+
+def native_kernel_in_use() -> bool:
+    """Whether :func:`extract_logits` converts with the native kernel (loading the
+    default one now if it was not yet)."""
+    with _lock:
+        return _decided() is not None
 
 
 def _flat(a: np.ndarray, what: str, **context: Any) -> np.ndarray:
@@ -157,15 +291,45 @@ def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelC
     ``dst_f32[:vocab]`` and check it is finite; returns that row (``dst_f32`` itself when
     it is exactly ``vocab`` long).
 
-    - ``dst_f32`` shorter than the vocabulary, not float32, or ``n_tokens`` wrong for the
-      graph (decode takes exactly one) -> :class:`InvalidArgument`; nothing written.
+    - ``dst_f32`` shorter than the vocabulary, not float32 or read-only, or ``n_tokens``
+      wrong for the graph (decode takes exactly one) -> :class:`InvalidArgument`; nothing
+      written.
     - ``produced_bytes`` (the driver's ``output_bytes``) not covering the row, or beyond
       the tensor's byte size -> ``from_calrt(SHAPE_MISMATCH, "output")``; nothing written
       (FI09).
     - a NaN/Inf in the row -> :class:`Internal` of category UNKNOWN at stage ``output``
       naming the index (FI10); the target then holds the converted row.
     """
-    ctx = {"job_id": job_id, "seq_id": seq_id, "generation": generation}
+    # The all-is-well case in one kernel call; anything not plainly right (or a
+    # non-finite value) goes to _extract_checked, which decides again and raises the
+    # precise error.
+    plan = _plans.get(id(contract)) or _plan(contract)
+    if plan.kernel is not None:
+        vocab = plan.vocab
+        held = dst_f32.size
+        if (dst_f32.dtype is _F32 and (out_u16.dtype is _U16 or out_u16.dtype is _BF16)
+                and held >= vocab and type(n_tokens) is int and n_tokens >= 1
+                and (n_tokens == 1 or not plan.decode)
+                and 0 <= produced_bytes <= plan.byte_size):
+            base = (n_tokens - 1) % plan.rows * vocab
+            if base + vocab <= produced_bytes // 2 and base + vocab <= out_u16.size:
+                k = plan.kernel
+                try:
+                    src = k.views.get(id(out_u16)) or k.view(out_u16)
+                    if k.convert(src + base if base else src,
+                                 k.from_buffer(k.f32_array, dst_f32, True), vocab) == -1:
+                        return dst_f32 if held == vocab and dst_f32.ndim == 1 \
+                            else dst_f32.reshape(-1)[:vocab]
+                except ValueError:  # not contiguous, or a read-only target
+                    pass
+    return _extract_checked(out_u16, produced_bytes, contract, n_tokens, dst_f32,
+                            {"job_id": job_id, "seq_id": seq_id, "generation": generation})
+
+
+def _extract_checked(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelContract,
+                     n_tokens: int, dst_f32: np.ndarray, ctx: dict[str, Any]) -> np.ndarray:
+    """:func:`extract_logits` on the numpy path, with every check in the documented order
+    (the kernel path is only ever a faster way to the same result)."""
     vocab = contract.vocab
     if dst_f32.dtype != _F32:
         raise InvalidArgument(f"logits target must be float32, got {dst_f32.dtype}",
@@ -173,6 +337,8 @@ def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelC
     if dst_f32.size < vocab:
         raise InvalidArgument(f"logits target holds {dst_f32.size} values, the vocabulary "
                               f"is {vocab}", stage=_STAGE, **ctx)
+    if not dst_f32.flags.writeable:
+        raise InvalidArgument("logits target is read-only", stage=_STAGE, **ctx)
     if contract.kind is TaskKind.DECODE and n_tokens != 1:
         raise InvalidArgument(f"a decode job carries 1 token, got {n_tokens}",
                               stage=_STAGE, **ctx)

@@ -1,22 +1,41 @@
-"""BF16 -> FP32 logits: exact range, bounds, row choice, output-size and finite checks."""
+"""BF16 -> FP32 logits: exact range, bounds, row choice, output-size and finite checks.
+
+Every test runs twice, with :func:`extract_logits` on the native kernel and on the numpy
+path (the module-wide ``path`` fixture); the tests at the end compare the two directly
+and check the kernel itself at every instruction-set level this CPU runs.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import tracemalloc
+import weakref
+from collections.abc import Iterator
 
 import ml_dtypes
 import numpy as np
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from calfsm import _native
+from calfsm import logits as logits_module
 from calfsm.errors import (
     CalrtCode,
     ErrorCategory,
+    Incompatible,
     Internal,
     InvalidArgument,
 )
-from calfsm.logits import convert_bf16_range, extract_logits, find_nonfinite, logits_row
+from calfsm.logits import (
+    convert_bf16_range,
+    extract_logits,
+    find_nonfinite,
+    logits_row,
+    native_kernel_in_use,
+    use_native_kernel,
+)
 from calfsm.manifest import TaskKind, builtin_manifest
 
 TINY = builtin_manifest("tiny")
@@ -31,6 +50,38 @@ def bf16_bits(values) -> np.ndarray:
 
 def reference(bits: np.ndarray) -> np.ndarray:
     return bits.view(ml_dtypes.bfloat16).astype(np.float32)
+
+
+@pytest.fixture(autouse=True, scope="module", params=["native", "numpy"])
+def path(request) -> Iterator[str]:
+    """The conversion path extract_logits takes in this module's tests."""
+    if request.param == "native":
+        try:
+            use_native_kernel(True)
+        except Incompatible as e:
+            pytest.skip(str(e))
+    else:
+        use_native_kernel(False)
+    yield request.param
+    use_native_kernel(None)
+
+
+@contextlib.contextmanager
+def on_path(native: bool) -> Iterator[None]:
+    """Run a block on one path, then go back to the module's."""
+    was = native_kernel_in_use()
+    use_native_kernel(native)
+    try:
+        yield
+    finally:
+        use_native_kernel(was)
+
+
+def kernels():
+    try:
+        return _native.load_kernels()
+    except _native.BuildError as e:
+        pytest.skip(f"the native kernels are not available: {e}")
 
 
 def tile(contract, seed=0) -> np.ndarray:
@@ -287,3 +338,165 @@ def test_find_nonfinite_is_exact_when_huge_finite_values_overflow_the_fast_path(
     y[2, 3] = np.nan
     assert find_nonfinite(y) == 13
     assert find_nonfinite(np.array([1.0, np.nan])) == 1
+
+
+# ---- the native kernel against the numpy path ------------------------------------------
+
+def first_nonfinite(bits: np.ndarray) -> int:
+    bad = np.flatnonzero((bits & 0x7F80) == 0x7F80)
+    return int(bad[0]) if bad.size else -1
+
+
+def test_kernel_at_every_level_is_the_bit_shift_and_finds_the_first_nonfinite():
+    ffi, lib = kernels()
+    every = np.random.default_rng(7).permutation(65536).astype(np.uint16)  # all patterns
+    finite = every[(every & 0x7F80) != 0x7F80]
+    for level in range(lib.calfsm_kernels_level() + 1):
+        for src_all in (every, finite):
+            for start, n in ((0, 0), (3, 1), (5, 63), (0, 64), (1, 65), (2, 1023), (0, 1024),
+                             (9, 1025), (11, 4177), (0, src_all.size)):
+                src = src_all[start:start + n]
+                dst = np.full(n + 4, SENTINEL, np.float32)
+                got = lib.calfsm_bf16_to_f32_finite_at(ffi.from_buffer("uint16_t[]", src),
+                                                       ffi.from_buffer("float[]", dst), n,
+                                                       level)
+                assert got == first_nonfinite(src), (level, start, n)
+                np.testing.assert_array_equal(dst[:n].view(np.uint32),
+                                              src.astype(np.uint32) << 16)
+                assert (dst[n:] == SENTINEL).all()
+
+
+def test_kernel_refuses_overlapping_arrays_and_writes_nothing():
+    ffi, lib = kernels()
+    mem = np.arange(64, dtype=np.uint16)
+    before = mem.copy()
+    p = ffi.from_buffer("uint16_t[]", mem)
+    overlap = lib.calfsm_bf16_to_f32_finite(p + 8, ffi.cast("float *", p + 16), 16)
+    assert overlap == -2  # CALFSM_OVERLAP
+    np.testing.assert_array_equal(mem, before)
+
+
+SPECIALS = np.array([0x7FC0, 0xFFC0, 0x7F81, 0x7FFF, 0xFF80, 0x7F80,  # NaNs, -Inf, +Inf
+                     0x0000, 0x8000, 0x0001, 0x807F, 0x0040, 0x7F7F, 0xFF7F],  # 0s, subnormal
+                    dtype=np.uint16)
+
+
+def outcome(out, contract, n, dst):
+    """What extract_logits did: ("ok", bits) or ("error", fields), and the target's bits."""
+    try:
+        row = extract_logits(out, contract.logits.byte_size, contract, n, dst, job_id=4,
+                             seq_id=5, generation=6)
+        result = ("ok", row.view(np.uint32).tobytes())
+    except Internal as e:
+        result = ("error", type(e), str(e), e.category, e.stage, e.calrt_code, e.job_id)
+    return result, dst.view(np.uint32).tobytes()
+
+
+@settings(max_examples=60)
+@given(seed=st.integers(0, 2**32 - 1), specials=st.integers(0, 6),
+       decode=st.booleans(), n=st.integers(1, 40))
+def test_both_paths_are_bit_identical_and_raise_the_same_error(seed, specials, decode, n):
+    contract = DECODE if decode else PREFILL
+    n = 1 if decode else n
+    rng = np.random.default_rng(seed)
+    out = rng.integers(0, 0x10000, size=contract.logits.shape, dtype=np.uint16)
+    out[(out & 0x7F80) == 0x7F80] &= 0xBFFF  # finite, unless placed below
+    row = out.reshape(-1, contract.vocab)[logits_row(n, contract.rows)]
+    row[rng.integers(0, contract.vocab, size=specials)] = rng.choice(SPECIALS, specials)
+    results = []
+    for native in (True, False):
+        with on_path(native):
+            results.append(outcome(out, contract, n, np.full(contract.vocab, SENTINEL,
+                                                             np.float32)))
+    assert results[0] == results[1]
+    (kind, *_), target = results[0]
+    assert target == (row.astype(np.uint32) << 16).tobytes()
+    assert kind == ("ok" if first_nonfinite(row) < 0 else "error")
+    if kind == "error":
+        assert f"index {first_nonfinite(row)} " in results[0][0][2]
+
+
+def test_the_native_path_converts_without_numpy(monkeypatch):
+    kernels()
+
+    def numpy_used(*_args):
+        raise AssertionError("the numpy path ran")
+
+    out = tile(DECODE)
+    with on_path(True):
+        monkeypatch.setattr(logits_module, "_convert", numpy_used)
+        monkeypatch.setattr(logits_module, "find_nonfinite", numpy_used)
+        dst = np.empty(DECODE.vocab, np.float32)
+        assert extract_logits(out, DECODE.logits.byte_size, DECODE, 1, dst) is dst
+        np.testing.assert_array_equal(dst, reference(out[0, 0]))
+
+
+def test_arrays_the_kernel_cannot_take_are_converted_or_refused_as_before():
+    out = tile(PREFILL)
+    v = PREFILL.vocab
+    want = reference(out[0, 6])
+    wide = np.full(2 * v, SENTINEL, np.float32)  # a strided target: every other value
+    assert np.shares_memory(extract_logits(out, PREFILL.logits.byte_size, PREFILL, 7,
+                                           wide[::2]), wide)
+    np.testing.assert_array_equal(wide[::2], want)
+    assert (wide[1::2] == SENTINEL).all()
+    strided = np.zeros(2 * out.size, np.uint16)
+    strided[::2] = out.reshape(-1)  # a strided 1-D source
+    dst = np.empty(v, np.float32)
+    extract_logits(strided[::2], PREFILL.logits.byte_size, PREFILL, 7, dst)
+    np.testing.assert_array_equal(dst, want)
+    fortran = np.asfortranarray(out.reshape(16, v))  # neither flat nor C-contiguous
+    with pytest.raises(InvalidArgument, match="C-contiguous"):
+        extract_logits(fortran, PREFILL.logits.byte_size, PREFILL, 7, dst)
+
+
+def test_a_read_only_target_is_an_invalid_argument_and_not_written():
+    out = tile(DECODE)
+    dst = np.full(DECODE.vocab, SENTINEL, np.float32)
+    dst.flags.writeable = False
+    with pytest.raises(InvalidArgument, match="read-only") as info:
+        extract_logits(out, DECODE.logits.byte_size, DECODE, 1, dst, seq_id=3)
+    assert info.value.seq_id == 3
+    assert (dst == SENTINEL).all()
+
+
+def test_a_target_overlapping_the_output_gets_the_row_as_it_was():
+    v = DECODE.vocab
+    mem = np.zeros(3 * v, np.uint32)  # the row's bits in the first 2v bytes
+    out = mem.view(np.uint16)[:v]
+    out[:] = tile(DECODE).reshape(-1)
+    want = reference(out.copy())
+    dst = mem.view(np.float32)[v // 4:v // 4 + v]  # starts inside the row
+    extract_logits(out, DECODE.logits.byte_size, DECODE, 1, dst)
+    np.testing.assert_array_equal(dst, want)
+
+
+def test_output_arrays_are_not_all_kept_alive():
+    refs = []
+    dst = np.empty(DECODE.vocab, np.float32)
+    for seed in range(20):
+        out = tile(DECODE, seed=seed)
+        extract_logits(out, DECODE.logits.byte_size, DECODE, 1, dst)
+        refs.append(weakref.ref(out))
+    del out
+    gc.collect()
+    alive = sum(r() is not None for r in refs)
+    assert alive <= 8, f"{alive} of 20 output arrays still alive"
+    assert all(r() is None for r in refs[:12])
+
+
+def test_without_the_kernels_the_numpy_path_is_used_and_asking_for_them_fails(monkeypatch):
+    def missing():
+        raise _native.BuildError("no library here")
+
+    with on_path(False):
+        monkeypatch.setattr(_native, "load_kernels", missing)
+        with pytest.raises(Incompatible, match="no library here"):
+            use_native_kernel(True)
+        assert use_native_kernel(None) is False
+        assert native_kernel_in_use() is False
+        out = tile(DECODE)
+        dst = np.empty(DECODE.vocab, np.float32)
+        extract_logits(out, DECODE.logits.byte_size, DECODE, 1, dst)
+        np.testing.assert_array_equal(dst, reference(out[0, 0]))
+        monkeypatch.undo()
