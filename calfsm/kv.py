@@ -506,13 +506,15 @@ class KvCoordinator:
 
     def reset_sequence(self, seq_id: int) -> None:
         """Forget a sequence: ``kv_release(seq, 0)``, committed length 0, state Ready.
-        Refused (FailedPrecondition) while a reservation of it is open or admitting."""
-        ctx = {"seq_id": seq_id, "generation": self.generation, "stage": "kv_reset"}
+        Refused (FailedPrecondition) while a reservation of it is open or admitting. A
+        failed release raises the classified error and leaves the sequence Unknown (what
+        the device holds for it is not known): reset it again."""
+        ctx = {"seq_id": seq_id, "generation": self.generation}
         with self._lock:
             seq = self._seqs.get(seq_id)
             if seq is not None and (seq.open is not None or seq.busy):
                 raise FailedPrecondition(f"sequence {seq_id} has an open KV reservation",
-                                         **ctx)
+                                         stage="kv_reset", **ctx)
             if seq is None:
                 seq = self._seqs[seq_id] = _Seq()
             seq.busy = True
@@ -521,6 +523,8 @@ class KvCoordinator:
             seq.busy = False
             if code == 0:
                 del self._seqs[seq_id]
+            else:
+                self._to_unknown_locked(seq, f"kv_release on reset returned {code}")
             self._version += 1
             self._wake_head_locked()  # the device may have room now
         if code != 0:

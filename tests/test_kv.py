@@ -236,6 +236,23 @@ def test_reset_sequence_refused_while_a_reservation_is_open():
     kv.reset_sequence(4)
 
 
+
+def test_a_failed_reset_is_classified_and_leaves_the_sequence_unknown_until_retried():
+    driver, kv = coordinator(sim(faults=FaultPlan.of(FaultRule("kv_release", "code",
+                                                               seq_id=4))))
+    r = kv.try_reserve(4, 0, 10)
+    kv.mark_submitted(r)
+    kv.commit(r)
+    with pytest.raises(CalfsmError) as info:
+        kv.reset_sequence(4)
+    e = info.value
+    assert (e.calrt_code, e.stage, e.seq_id, e.generation) == (15, "kv_reset", 4, 0)
+    assert kv.sequence_state(4) is SeqState.UNKNOWN
+    with pytest.raises(FailedPrecondition, match="reset the sequence"):
+        kv.try_reserve(4, 0, 1)
+    kv.reset_sequence(4)                 # the fault fired once: the retry releases
+    assert driver.kv_allocated(4) == 0 and kv.sequence_state(4) is SeqState.READY
+
 def test_rewind_commit_trims_and_rollback_keeps_the_committed_kv():
     driver, kv = coordinator()
     r = kv.try_reserve(6, 0, 20)
