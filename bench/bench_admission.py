@@ -84,19 +84,20 @@ class CountingCondition(threading.Condition):
 def load_before(rev: str) -> tuple[ModuleType, ModuleType]:
     """kv.py and buffers.py of ``rev`` as private modules (they import the rest of
     calfsm from the working tree, as they did then)."""
-    tmp = Path(tempfile.mkdtemp(prefix="bench_admission_"))
     mods = []
-    for name in ("kv", "buffers"):
-        src = subprocess.run(["git", "-C", str(ROOT), "show", f"{rev}:calfsm/{name}.py"],
-                             check=True, capture_output=True, text=True).stdout
-        path = tmp / f"before_{name}.py"
-        path.write_text(src)
-        spec = importlib.util.spec_from_file_location(f"_before_{name}", path)
-        assert spec is not None and spec.loader is not None
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = mod
-        spec.loader.exec_module(mod)
-        mods.append(mod)
+    with tempfile.TemporaryDirectory(prefix="bench_admission_") as tmp:
+        for name in ("kv", "buffers"):
+            src = subprocess.run(["git", "-C", str(ROOT), "show",
+                                  f"{rev}:calfsm/{name}.py"],
+                                 check=True, capture_output=True, text=True).stdout
+            path = Path(tmp) / f"before_{name}.py"
+            path.write_text(src)
+            spec = importlib.util.spec_from_file_location(f"_before_{name}", path)
+            assert spec is not None and spec.loader is not None
+            mod = importlib.util.module_from_spec(spec)
+            sys.modules[spec.name] = mod
+            spec.loader.exec_module(mod)
+            mods.append(mod)
     return mods[0], mods[1]
 
 
