@@ -428,8 +428,7 @@ class KvCoordinator:
                 generation=r.generation, stage="kv")
         seq = self._seqs.get(r.seq_id)
         if seq is None or seq.open is not r:  # cannot happen through the public API
-            if not KV_MACHINE.may(r, trigger):  # an illegal trigger is named first
-                KV_MACHINE.fire(r, trigger)     # raises IllegalTransition
+            KV_MACHINE.require(r, trigger)  # an illegal trigger is named first
             raise FailedPrecondition(f"KV reservation of sequence {r.seq_id} is not open",
                                      seq_id=r.seq_id, job_id=r.job_id,
                                      generation=r.generation, stage="kv")
