@@ -112,3 +112,28 @@ def calls(driver: Any, name: str) -> list[dict]:
 
 def always(point: str, effect: str, **kw: Any) -> FaultPlan:
     return FaultPlan.of(FaultRule.always(point, effect, **kw))
+
+
+def eventually(predicate: Any, timeout: float = 10.0) -> bool:
+    """Re-check ``predicate`` until it holds (True) or ``timeout`` seconds passed (False),
+    for states no event announces (e.g. a caller blocked inside admission). Use it only
+    where a test's verdict does not depend on how fast the state comes."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    tick = threading.Event()
+    while not predicate():
+        if time.monotonic() > deadline:
+            return False
+        tick.wait(0.001)
+    return True
+
+
+def renamed(manifest: Any, suffix: str) -> Any:
+    """``manifest`` with every sub-model's exact name (and its own name) + ``suffix``: a
+    second model for switch and rollback tests."""
+    data = manifest.to_dict()
+    for sub in data["submodels"]:
+        sub["exact_name"] += suffix
+    data["name"] = manifest.name + suffix
+    return type(manifest).from_dict(data)
