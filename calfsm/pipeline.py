@@ -303,8 +303,12 @@ class Pipeline:
         stale = job.epoch is not None and (job.epoch.retired or job.epoch is not life.epoch)
         if isinstance(e, Cancelled) and not job.cancel_requested and not life.closing:
             # admission gave up because the device left Ready, not because of a cancel
-            e = Unavailable(f"device is {life.state} ({life.reason or 'recovering'})",
-                            retry_after_s=life.retry_after_s, **_ctx(job, "admission"))
+            if self._broken is not None:
+                e = ExecutorBroken(f"executor is broken: {self._broken}",
+                                   **_ctx(job, "admission"))
+            else:
+                e = Unavailable(f"device is {life.state} ({life.reason or 'recovering'})",
+                                retry_after_s=life.retry_after_s, **_ctx(job, "admission"))
         elif stale and not isinstance(e, Cancelled):
             # the device was reset under this preparation: say so, not "bad state"
             e = Unavailable(f"the device was reset while the job was prepared ({e})",
@@ -357,7 +361,8 @@ class Pipeline:
 
     def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
         life = self.life
-        return lambda: job.cancel_requested or life.closing or life.state != _READY
+        return lambda: job.cancel_requested or life.closing or life.state != _READY \
+            or self._broken is not None
 
     def prepare(self, job: JobContext) -> None:
         """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""
@@ -686,10 +691,10 @@ class Pipeline:
                 job.timings), None)
         else:                                       # cancelled after submit (FI12)
             _fire(job, "fail")
-            self.count("cancelled")
-            job.handle._resolve(None, Cancelled(
-                "cancelled after submit; the job ran, its result was dropped",
-                **_ctx(job, "complete")))
+            err = Cancelled("cancelled after submit; the job ran, its result was dropped",
+                            **_ctx(job, "complete"))
+            self._count_outcome("cancelled", err)
+            job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.faults.succeeded()
 
@@ -762,14 +767,17 @@ class Pipeline:
     def _finish(self, job: JobContext, err: CalfsmError, outcome: str) -> None:
         err.with_context(**_ctx(job, None))
         job.timings.completed = self.clock.now()
-        cat = err.category.value
-        with self._lock:
-            self._counts[outcome] += 1
-            self._errors_by_category[cat] = self._errors_by_category.get(cat, 0) + 1
+        self._count_outcome(outcome, err)
         if not isinstance(err, Cancelled):
             log.warning("job failed: %s", err.message, extra=err.context())
         if not job.ended:
             job.handle._resolve(None, err)
+
+    def _count_outcome(self, outcome: str, err: CalfsmError) -> None:
+        cat = err.category.value
+        with self._lock:
+            self._counts[outcome] += 1
+            self._errors_by_category[cat] = self._errors_by_category.get(cat, 0) + 1
 
     def step_crashed(self, job: JobContext, stage: str, exc: BaseException) -> None:
         """An unexpected exception in a submit or completion step (a bug, or a driver
@@ -803,6 +811,7 @@ class Pipeline:
                 f"executor is broken: {reason}", **_ctx(job, "broken")))
         self.abandon(stuck, lambda job: ExecutorBroken(f"executor is broken: {reason}",
                                                        **_ctx(job, "broken")))
+        self.wake_waiters()             # callers blocked in admission give up now
 
     def abandon(self, jobs: list[JobContext],
                 error: Callable[[JobContext], CalfsmError]) -> None:

@@ -294,14 +294,8 @@ def test_defect_a_dead_submitter_fails_pending_jobs_and_says_so(monkeypatch):
 
 
 @pytest.mark.parametrize("slots", [
-    pytest.param(2, id="slot-freed-by-the-break", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason=(
-            "bug: a job that gets its slot from the break fails Unavailable[device] "
-            "'device is Failed (the submitter thread died ...)', not ExecutorBroken"))),
-    pytest.param(1, id="no-slot", marks=pytest.mark.xfail(
-        strict=True, raises=AssertionError, reason=(
-            "bug: Pipeline.break_ does not wake a caller blocked in admission (its cancel "
-            "probe reads only cancel and closing): it waits until its admission deadline"))),
+    pytest.param(2, id="slot-freed-by-the-break"),
+    pytest.param(1, id="no-slot"),
 ])
 def test_defect_a_dead_submitter_fails_jobs_still_in_admission(monkeypatch, slots):
     """A caller is blocked waiting for a prefill slot when the submitter dies. With two
@@ -395,9 +389,6 @@ def test_defect_counters_add_up_under_concurrent_enqueue_and_cancel(thread_error
     assert st.leased == 0 and not thread_errors, thread_errors
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "bug: Pipeline.complete counts a cancel after submit (FI12) as 'cancelled' but not "
-    "in errors_by_category, while every other Cancelled is counted there"))
 def test_defect_a_cancel_after_submit_counts_its_error_category(mode):
     gated = GatedDriver(make_sim(mode))
     with make_executor(mode, driver=gated) as ex:
