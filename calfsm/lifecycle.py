@@ -378,12 +378,14 @@ class DeviceLifecycle:
 
     def bring_up(self, manifest: Manifest, calbin: Calbin, kind: ResetKind, *,
                  lost: tuple[list[int], str] | None = None,
-                 attempts: int | None = None) -> bool:
+                 attempts: int | None = None, configure: bool = False) -> bool:
         """From Recovering: reset, configure a new generation, run the warm-up golden.
 
         A failure for a device reason goes back to Recovering (``retry``) for another
         reset, at most ``attempts`` (default ``policy.max_attempts``) times in all; an
         artifact or compatibility error, a failed reset or the last attempt end Failed.
+        ``configure``: configure even after a CCU reset (which keeps a configuration,
+        if there ever was one: not so when start-up failed to configure).
         """
         life = self.life
         attempts = self.policy.max_attempts if attempts is None else attempts
@@ -399,9 +401,9 @@ class DeviceLifecycle:
                 err = e
             else:
                 self._step("reconfigure")
-                err = self.configure_and_warm(manifest, calbin, generation,
-                                              configure=kind is not ResetKind.CCU,
-                                              lost=lost)
+                err = self.configure_and_warm(
+                    manifest, calbin, generation,
+                    configure=configure or kind is not ResetKind.CCU, lost=lost)
             if err is None:
                 return True
             if life.closing:
@@ -499,7 +501,7 @@ class DeviceLifecycle:
         if self.life.epoch is not None:
             self.life.epoch.retire()
         self.life.fire("retry")
-        self.bring_up(manifest, calbin, kind, attempts=attempts)
+        self.bring_up(manifest, calbin, kind, attempts=attempts, configure=True)
         return True
 
     # ---- model switch --------------------------------------------------------------
@@ -554,7 +556,7 @@ class DeviceLifecycle:
         else:
             err = self.configure_and_warm(manifest, calbin, generation, lost=lost)
         if err is not None:
-            self._rollback(err, generation + 1)
+            self._rollback(err, generation + 1, lost)
             raise ManifestError(f"model switch rejected, rolled back to the last "
                                 f"known-good model: {err}", category=err.category,
                                 stage="switch", generation=life.generation,
@@ -567,7 +569,8 @@ class DeviceLifecycle:
         return ResetKind.CONFIGURATION if caps.can_reset(ResetKind.CONFIGURATION) \
             else ResetKind.FULL
 
-    def _rollback(self, err: CalfsmError, generation: int) -> None:
+    def _rollback(self, err: CalfsmError, generation: int,
+                  lost: tuple[list[int], str]) -> None:
         life = self.life
         log.error("model switch failed, rolling back: %s", err, extra=err.context())
         if not life.fire("rollback"):
@@ -575,12 +578,18 @@ class DeviceLifecycle:
             return
         if life.epoch is not None and not life.epoch.retired:
             life.epoch.retire()
-        rc = self.driver.reset(self._reconfigure_kind())
+        kind = self._reconfigure_kind()
+        rc = self.driver.reset(kind)
         if rc != 0:
             self.give_up(f"reset for rollback failed with code {rc}")
             return
+        try:        # the old sequences' KV may still be on the device: nobody owns it
+            self._release_lost(kind, lost)
+        except CalfsmError as e:
+            self.give_up(f"rollback could not release the old sequences' KV: {e}")
+            return
         manifest, calbin = life.known_good
-        again = self.configure_and_warm(manifest, calbin, generation)
+        again = self.configure_and_warm(manifest, calbin, generation, lost=lost)
         if again is not None:
             self.give_up(f"rollback to the known-good model failed: {again}")
 

@@ -679,7 +679,14 @@ class Pipeline:
         # already written, and the undo touches only this slot's tensor views, so the two
         # commute. The result is resolved before the lease goes back, as the spec says.
         t3 = self.clock.now()
-        job.epoch.kv.commit(job.kv)
+        try:
+            job.epoch.kv.commit(job.kv)
+        except CalfsmError as e:
+            # the books are closed and the sequence is Unknown (e.g. a rewinding prefill
+            # whose trim failed): the logits are right, but the caller must not go on
+            # with a sequence whose KV nobody vouches for
+            self._kv_commit_failed(job, e)
+            return
         now = self.clock.now()
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
@@ -697,6 +704,14 @@ class Pipeline:
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.faults.succeeded()
+
+    def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
+        """The job ran and its slot is clean, but its KV could not be committed."""
+        lease, job.lease = job.lease, None
+        _fire(job, "fail")
+        self._finish(job, err, "failed")
+        job.epoch.pool.release(lease)
+        self._apply(self.faults.decide(err, self.clock.now()))
 
     def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
@@ -749,10 +764,18 @@ class Pipeline:
                             extra=e.context())
             lease, job.lease = job.lease, None
             epoch.pool.release(lease)
+        kv_error = None
         if job.kv is not None and job.kv.state == "Reserved":
-            epoch.kv.rollback(job.kv)
+            try:
+                epoch.kv.rollback(job.kv)
+            except CalfsmError as e:    # books closed, sequence Unknown: the job still ends
+                kv_error = e
+                log.warning("KV rollback failed while failing a job: %s", e,
+                            extra=e.context())
         _fire_if(job, "fail")
         self._finish(job, err, "cancelled" if isinstance(err, Cancelled) else "failed")
+        if kv_error is not None:
+            self._apply(self.faults.decide(kv_error, self.clock.now()))
 
     def _withhold(self, job: JobContext, reason: str) -> None:
         """The device may have run (or may still run) the job: never claim a rollback.

@@ -520,23 +520,11 @@ def _calls_by_path(caps: str) -> dict[tuple[str, str], list[int]]:
     return out
 
 
-#: known defects, each with a minimal xfail test below: (phase, point) -> why it fails
-_ROLLBACK = ("a kv_release failing in the KV rollback of a job that never ran raises out "
-             "of Pipeline.fail_before_submit called by cancel(), recover() (its drain "
-             "fails the queued jobs) or close(): the job never ends and the caller gets "
-             "Internal (test_kv_release_failing_in_a_rollback_still_ends_the_job)")
-_SWITCH = ("a kv_release failing while a model switch releases the sequences of the old "
-           "generation makes it roll back, and the rolled-back generation books those "
-           "sequences empty and Ready while the device still holds their KV "
-           "(test_kv_release_failing_in_a_model_switch_leaves_no_kv_unbooked)")
-KNOWN: dict[tuple[str, str], str] = {
-    **{(phase, "kv_release"): _ROLLBACK for phase in ("cancel", "drain", "close")},
-    ("switch", "kv_release"): f"{_ROLLBACK}; and {_SWITCH}",
-}
-#: phases in which a failed kv_release is handled today (the hypothesis tests keep
-#: kv_release faults there until the KNOWN defects are fixed)
-KV_RELEASE_HANDLED = frozenset({"startup", "recover", "expire", "complete", "submit",
-                                "admit", "enqueue", "reset_seq"})
+#: open defects, each with a minimal strict-xfail test below: (phase, point) -> why it
+#: fails. Empty: the two this file found (a failed kv_release in a rollback escaping the
+#: release path; a switch rollback leaving unbooked KV) are fixed, and their
+#: reproductions below stay as regression tests.
+KNOWN: dict[tuple[str, str], str] = {}
 MATRIX = [pytest.param(caps, key, idx, id=f"{caps}-{key[0]}-{key[1]}",
                        marks=[pytest.mark.xfail(strict=True, reason=KNOWN[key])]
                        if key in KNOWN else [])
@@ -636,8 +624,6 @@ def rule_for(point: str, nth: int, f: Failure, *, forever: bool = True) -> Fault
     repeat = f.repeat
     if repeat is None and (not forever or point == "wait"):
         repeat = 3
-    if point == "kv_release":       # see KNOWN: only where a failed release is handled
-        repeat = 1
     return rule_at(point, nth, code=code, effect=effect, repeat=repeat)
 
 
@@ -655,10 +641,8 @@ def test_any_call_fails_in_any_scenario(sc: Scenario, data: st.DataObject) -> No
     dry = run_step(sc, FaultPlan.none())
     check_closed(dry)
     reached = dry.driver.reached
-    # a phase, a point called in it, one of its calls there (kv_release only where a
-    # failed release is handled today: see KNOWN)
-    where = sorted({key for key in reached if key[1] != "kv_release"
-                    or key[0] in KV_RELEASE_HANDLED})
+    # a phase, a point called in it, one of its calls there
+    where = sorted(set(reached))
     phase = data.draw(st.sampled_from(sorted({ph for ph, _ in where})), label="phase")
     point = data.draw(st.sampled_from([p for ph, p in where if ph == phase]), label="point")
     index = data.draw(st.sampled_from([i for i, key in enumerate(reached)
@@ -749,10 +733,6 @@ def test_any_call_fails_on_threads(sc: Scenario, data: st.DataObject) -> None:
     dry = run_threaded(sc, FaultPlan.none())
     check_closed(dry)
     counts = Counter(p for _, p in dry.driver.reached)
-    # a failed kv_release is handled only at start-up (see KNOWN), whose calls, made
-    # before any thread runs, are the first ones
-    counts["kv_release"] = sum(1 for ph, p in dry.driver.reached
-                               if (ph, p) == ("startup", "kv_release"))
     # what a threaded run reaches varies (a wait may find its job finished), so the draws
     # are made first and mapped onto this run: the next point it reached, an ordinal
     # modulo that point's count
@@ -791,9 +771,7 @@ def _release_path(path: str, ex: DeviceExecutor, sched: StepScheduler) -> JobHan
     return h
 
 
-@pytest.mark.parametrize("path", [
-    pytest.param(p, marks=pytest.mark.xfail(strict=True, reason=_ROLLBACK)) if (
-        p, "kv_release") in KNOWN else p for p in ("cancel", "expire", "drain", "close")])
+@pytest.mark.parametrize("path", ["cancel", "expire", "drain", "close"])
 def test_kv_release_failing_in_a_rollback_still_ends_the_job(path: str) -> None:
     """FaultRule("kv_release", "code", seq_id=1) (UNEXPECTED); enqueue a prefill of
     sequence 1 and take it off the queue before submit (cancel; queue deadline;
@@ -836,7 +814,6 @@ def test_kv_release_failing_in_reset_sequence_is_classified() -> None:
     assert info.value.calrt_code == CalrtCode.UNEXPECTED
 
 
-@pytest.mark.xfail(strict=True, reason=_SWITCH)
 def test_kv_release_failing_in_a_model_switch_leaves_no_kv_unbooked() -> None:
     """Reproduction: FaultRule("kv_release", "code", seq_id=0); a prefill of 3 tokens on
     sequence 0, then ``switch_model(TINY)``: the switch's release of sequence 0 fails, it
