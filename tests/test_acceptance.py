@@ -28,12 +28,12 @@ import numpy as np
 import pytest
 
 from calfsm import cli, refmodel
+from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.drivers.sim import SimDriver
 from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.job import InferenceResult, JobHandle, Request
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.scheduler import StepScheduler
 from tests import refmodel_pure as pure
 from tests.executor_helpers import MODES, TINY, calls, make_executor

@@ -11,10 +11,10 @@ from __future__ import annotations
 import numpy as np
 
 from calfsm import refmodel
+from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
-from calfsm.direct import DirectRunner, golden_prompts
 
 DECODE_STEPS = 4
 
