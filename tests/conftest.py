@@ -6,9 +6,18 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import settings
+
+from tests.executor_helpers import MODES
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None,
                           print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(params=MODES)
+def mode(request: pytest.FixtureRequest) -> str:
+    """Each executor-level test runs in step mode and in threaded mode."""
+    return request.param

@@ -36,7 +36,6 @@ from calfsm.pipeline import Pipeline
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
 from tests.executor_helpers import (
-    MODES,
     GatedDriver,
     calls,
     eventually,
@@ -48,10 +47,6 @@ from tests.executor_helpers import (
 
 SEQ = 5
 
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    return request.param
 
 
 @pytest.fixture

@@ -15,14 +15,10 @@ from calfsm.manifest import DType, TaskKind
 from calfsm.request import EMBED_DTYPES, Request
 from tests import refmodel_pure as pure
 from tests.embeds_helpers import EMBEDS_GOLDEN_TOKENS, golden_embeds, tiny_with_embeds_dtype
-from tests.executor_helpers import MODES, TINY, calls, finish, make_executor
+from tests.executor_helpers import TINY, calls, finish, make_executor
 
 SEQ = 5
 
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    return request.param
 
 
 def _lease(dtype: DType):

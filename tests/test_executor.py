@@ -27,7 +27,6 @@ from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.scheduler import StepScheduler
 from tests.executor_helpers import (
-    MODES,
     TINY,
     GatedDriver,
     calls,
@@ -53,10 +52,6 @@ def _assert_clean(ex: DeviceExecutor) -> None:
     st = ex.stats()
     assert st.inflight == 0 and st.queued == 0, st
 
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    return request.param
 
 
 def test_prefill_then_decode_matches_reference(mode):

@@ -22,7 +22,7 @@ from calfsm.errors import (
 from calfsm.job import Request
 from calfsm.recovery import Decision, FaultPolicy, RecoveryPolicy
 from calfsm.scheduler import StepScheduler
-from tests.executor_helpers import MODES, TINY, make_executor, renamed
+from tests.executor_helpers import TINY, make_executor, renamed
 
 SEQ = 5
 
@@ -197,10 +197,6 @@ def test_recovery_policy_takes_zero():
 
 
 # ---- decisions carried out by an executor ---------------------------------------------
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    return request.param
 
 
 def _outcome(ex, handle):

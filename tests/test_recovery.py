@@ -25,14 +25,10 @@ from calfsm.job import Request
 from calfsm.machines.job import JobState
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
-from tests.executor_helpers import MODES, TINY, GatedDriver, make_executor, make_sim
+from tests.executor_helpers import TINY, GatedDriver, make_executor, make_sim
 
 SEQ = 5
 
-
-@pytest.fixture(params=MODES)
-def mode(request):
-    return request.param
 
 
 def _job(seq=SEQ, tokens=(1, 2, 3)):
