@@ -1,0 +1,466 @@
+/* calfsm's sampling kernel (calfsm_sampling.h).
+ *
+ * What is computed is specified op by op in calfsm/sampling.py (its numpy fallback is
+ * the same arithmetic), so this file only says how it is made fast. Every floating-point
+ * step is one IEEE-rounded operation in a fixed order, with no contraction into FMA (the
+ * pragmas below, and -std=c11 for GCC) and no excess precision (FLT_EVAL_METHOD 0; else
+ * the kernel reports version 0 and calfsm uses numpy). Everything after the weights is
+ * integer arithmetic, and the thresholds are exact order statistics, so the passes may be
+ * grouped and skipped freely without changing the result:
+ *
+ * - top-k: the k-th largest order key (the float's bits made monotone) by a radix select
+ *   on 11/11/10 bits: one histogram pass over the row; the bucket holding the k-th key is
+ *   gathered into a small stack buffer when it fits, else two more passes.
+ * - weights, in blocks of SB values: a block whose largest key is below the top-k key,
+ *   or whose largest logit already falls below S_MIN after scaling, holds no weight
+ *   (rounding is monotone, so no smaller value can pass) and is zeroed without computing
+ *   exp; the other blocks are computed by a loop the compiler vectorises. With top-p the
+ *   masses of each weight bucket (top 11 bits) are summed on the way.
+ * - top-p: the same radix select on the weights' bits, counting masses, from that first
+ *   histogram.
+ * - the draw: masses summed per block (vectorised), then one block scanned.
+ *
+ * On x86-64 the body is also compiled for AVX2 and AVX-512 (without FMA), chosen at run
+ * time like calfsm_kernels.c.
+ */
+#if defined(__clang__)
+#pragma STDC FP_CONTRACT OFF
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off", "no-trapping-math")
+#endif
+
+#include "calfsm_sampling.h"
+
+#include <float.h>
+#include <string.h>
+
+#include "calfsm_kernels.h"
+
+#if defined(__GNUC__) || defined(__clang__)
+#define INLINE static inline __attribute__((always_inline))
+#else
+#define INLINE static inline
+#endif
+
+#define SB 256      /* values per block */
+#define CAP 2048    /* keys a select gathers on the stack instead of scanning again */
+#define S_MIN (-28.0)   /* a scaled logit below this weighs 0: exp(-28) * 2^40 < 1 */
+#define Q_ONE 40        /* mass = trunc(weight * 2^Q_ONE) */
+#define P_ONE (1ull << 32)
+
+/* float32 constants of the exp below, bit-exact as calfsm/sampling.py writes them */
+#define LOG2E 0x1.715476p+0f
+#define MAGIC 0x1.8p23f   /* adding it rounds |v| < 2^22 to an integer */
+#define LN2_HI 0x1.63p-1f
+#define LN2_LO (-0x1.bd0106p-13f)
+#define P0 0x1.a0d2cep-13f
+#define P1 0x1.6e879cp-10f
+#define P2 0x1.11121p-7f
+#define P3 0x1.555382p-5f
+#define P4 0x1.555554p-3f
+#define P5 0x1.0p-1f
+
+uint32_t calfsm_sampling_version(void) {
+#if FLT_EVAL_METHOD == 0
+    return CALFSM_SAMPLING_VERSION;
+#else
+    return 0;
+#endif
+}
+
+INLINE uint32_t bits_of(float f) {
+    uint32_t b;
+    memcpy(&b, &f, sizeof b);
+    return b;
+}
+
+INLINE float float_of(uint32_t b) {
+    float f;
+    memcpy(&f, &b, sizeof f);
+    return f;
+}
+
+/* The order key: unsigned order of keys is the order of the floats (-0 below +0). */
+INLINE uint32_t okey(uint32_t b) {
+    return b ^ ((uint32_t)((int32_t)b >> 31) | 0x80000000u);
+}
+
+INLINE float key_float(uint32_t k) {
+    return float_of((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
+}
+
+/* trunc(w * 2^40) of a weight's bits (0 <= w < 2): exactly what the double product
+ * gives, in integer operations that vectorise (no variable right shift). w = mant *
+ * 2^(e - 150), so the mass is mant * 2^sh with sh = e - 110 <= 17: shifted left by
+ * sh + 23 (at most 40, so it fits 64 bits), then right by 23; below sh = -23 (and for
+ * zero and subnormals, e = 0) nothing of the 24-bit mantissa is left. */
+INLINE uint64_t mass_of(uint32_t b) {
+    int32_t sh = (int32_t)(b >> 23) - (150 - Q_ONE);
+    uint64_t mant = sh >= -23 ? (uint64_t)((b & 0x7FFFFFu) | 0x800000u) : 0u;
+    return (mant << (sh >= -23 ? sh + 23 : 0)) >> 23;
+}
+
+INLINE uint64_t mulhi(uint64_t a, uint64_t b) {
+#ifdef __SIZEOF_INT128__
+    return (uint64_t)(((unsigned __int128)a * b) >> 64);
+#else
+    uint64_t al = a & 0xFFFFFFFFu, ah = a >> 32, bl = b & 0xFFFFFFFFu, bh = b >> 32;
+    uint64_t ll = al * bl, lh = al * bh, hl = ah * bl, hh = ah * bh;
+    uint64_t mid = (ll >> 32) + (lh & 0xFFFFFFFFu) + (hl & 0xFFFFFFFFu);
+    return hh + (lh >> 32) + (hl >> 32) + (mid >> 32);
+#endif
+}
+
+/* ceil(z * p / 2^32) for p <= 2^32, without overflow */
+INLINE uint64_t ceil_share(uint64_t z, uint64_t p) {
+    return (z >> 32) * p + (((z & 0xFFFFFFFFu) * p + 0xFFFFFFFFu) >> 32);
+}
+
+INLINE uint32_t max_key(const float *restrict x, uint64_t len) {
+    uint32_t m = 0;
+    for (uint64_t i = 0; i < len; i++) {
+        uint32_t k = okey(bits_of(x[i]));
+        m = k > m ? k : m;
+    }
+    return m;
+}
+
+/* The weights of one block, in place: w = exp(s) of s = (x - m) * inv_t for the values
+ * at or above the top-k key with s >= S_MIN, else 0. exp is Cody-Waite range reduction
+ * to r in [-ln2/2, ln2/2] and Cephes' degree-5 polynomial, all in float32. Returns the
+ * sum of their masses. */
+INLINE uint64_t weights(float *restrict x, uint64_t len, double m, double inv_t,
+                        uint32_t tk) {
+    uint64_t sum = 0;
+    for (uint64_t i = 0; i < len; i++) {
+        float v = x[i];
+        double d = ((double)v - m) * inv_t;
+        int keep = (okey(bits_of(v)) >= tk) & (d >= S_MIN);
+        float s = (float)(d >= S_MIN ? d : S_MIN);
+        float kb = s * LOG2E;
+        kb = kb + MAGIC;             /* k = nearest integer to s*log2(e), in its low bits */
+        float kf = kb - MAGIC;
+        uint32_t k = bits_of(kb) - bits_of(MAGIC);
+        float r = s - kf * LN2_HI;
+        r = r - kf * LN2_LO;
+        float z = r * r;
+        float y = P0 * r;
+        y = y + P1;
+        y = y * r;
+        y = y + P2;
+        y = y * r;
+        y = y + P3;
+        y = y * r;
+        y = y + P4;
+        y = y * r;
+        y = y + P5;
+        y = y * z;
+        y = y + r;
+        y = y + 1.0f;
+        float w = y * float_of((k + 127u) << 23);
+        w = keep ? w : 0.0f;
+        x[i] = w;
+        sum += mass_of(bits_of(w));
+    }
+    return sum;
+}
+
+/* Sum of the masses of the block's weights whose bits are >= tp. */
+INLINE uint64_t block_mass(const float *restrict x, uint64_t len, uint32_t tp) {
+    uint64_t s = 0;
+    for (uint64_t i = 0; i < len; i++) {
+        uint32_t b = bits_of(x[i]);
+        uint64_t q = mass_of(b);
+        s += b >= tp ? q : 0;
+    }
+    return s;
+}
+
+/* From the top bucket down, the one where a running count (or mass) reaches *need;
+ * *need becomes what is still needed inside it, *above (if given) gains what is above. */
+INLINE uint32_t walk32(const uint32_t *h, uint32_t top, uint64_t *need) {
+    uint64_t above = 0;
+    uint32_t b = top;
+    while (b > 0 && above + h[b] < *need) above += h[b--];
+    *need -= above;
+    return b;
+}
+
+INLINE uint32_t walk64(const uint64_t *h, uint32_t top, uint64_t *need, uint64_t *above_out) {
+    uint64_t above = 0;
+    uint32_t b = top;
+    while (b > 0 && above + h[b] < *need) above += h[b--];
+    *need -= above;
+    *above_out += above;
+    return b;
+}
+
+/* The rank-th largest of keys[0..c) (1 <= rank <= c), radix-selected on 11/11/10 bits. */
+INLINE uint32_t kth_of(const uint32_t *restrict keys, uint32_t c, uint64_t rank) {
+    uint32_t h1[2048], h2[2048], h3[1024];
+    memset(h1, 0, sizeof h1);
+    memset(h2, 0, sizeof h2);
+    memset(h3, 0, sizeof h3);
+    for (uint32_t j = 0; j < c; j++) h1[keys[j] >> 21]++;
+    uint32_t b1 = walk32(h1, 2047, &rank);
+    for (uint32_t j = 0; j < c; j++)
+        if ((keys[j] >> 21) == b1) h2[(keys[j] >> 10) & 0x7FFu]++;
+    uint32_t pre = b1 << 11 | walk32(h2, 2047, &rank);
+    for (uint32_t j = 0; j < c; j++)
+        if ((keys[j] >> 10) == pre) h3[keys[j] & 0x3FFu]++;
+    return pre << 10 | walk32(h3, 1023, &rank);
+}
+
+/* The k-th largest order key of row[0..n) by a radix select over the whole row: a
+ * histogram pass (kept in four copies, one per index mod 4, so that runs of values in one
+ * bucket do not wait on each other's increments), then the boundary bucket gathered (or,
+ * if it does not fit CAP, two more passes). */
+INLINE uint32_t topk_radix(const float *restrict row, uint64_t n, uint64_t k) {
+    uint32_t h1[4][2048];
+    memset(h1, 0, sizeof h1);
+    for (uint64_t i = 0; i < n; i++) h1[i & 3][okey(bits_of(row[i])) >> 21]++;
+    for (uint32_t j = 0; j < 2048; j++) h1[0][j] += h1[1][j] + h1[2][j] + h1[3][j];
+    uint64_t rank = k;
+    uint32_t b1 = walk32(h1[0], 2047, &rank);
+    uint32_t h2[2048], h3[1024];
+    memset(h2, 0, sizeof h2);
+    memset(h3, 0, sizeof h3);
+    if (h1[0][b1] <= CAP) {
+        /* gather the bucket without a branch: always store, advance on a match */
+        uint32_t cand[CAP + 1], c = 0;   /* the count says it fits */
+        for (uint64_t i = 0; i < n; i++) {
+            uint32_t key = okey(bits_of(row[i]));
+            cand[c] = key;
+            c += (key >> 21) == b1;
+        }
+        return kth_of(cand, c, rank);
+    }
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t key = okey(bits_of(row[i]));
+        if ((key >> 21) == b1) h2[(key >> 10) & 0x7FFu]++;
+    }
+    uint32_t pre = b1 << 11 | walk32(h2, 2047, &rank);
+    for (uint64_t i = 0; i < n; i++) {
+        uint32_t key = okey(bits_of(row[i]));
+        if ((key >> 10) == pre) h3[key & 0x3FFu]++;
+    }
+    return pre << 10 | walk32(h3, 1023, &rank);
+}
+
+#define KBLOCKS 1024  /* block maxima a top-k select keeps */
+
+/* The k-th largest order key of row[0..n) (1 <= k < n); *maxk gets the largest.
+ * The row is cut into at most KBLOCKS blocks and their maxima taken (vectorised); the
+ * k-th largest maximum L is a lower bound of the answer (k blocks hold a value >= L), so
+ * when k <= the number of blocks only the values >= L in blocks reaching L are gathered,
+ * and the answer is the k-th largest of those. Else, or if they do not fit CAP, the
+ * whole-row radix select. */
+INLINE uint32_t topk_key(const float *restrict row, uint64_t n, uint64_t k, uint32_t *maxk) {
+    uint64_t bs = SB;
+    while (n > bs * KBLOCKS) bs *= 2;
+    uint32_t nb = (uint32_t)((n + bs - 1) / bs);
+    uint32_t bmax[KBLOCKS], mx = 0;
+    for (uint32_t b = 0; b < nb; b++) {
+        uint64_t lo = b * bs, hi = lo + bs < n ? lo + bs : n, i = lo;
+        uint32_t m = 0;
+        for (; hi - i >= SB; i += SB) {
+            uint32_t v = max_key(row + i, SB);
+            m = v > m ? v : m;
+        }
+        uint32_t v = max_key(row + i, hi - i);
+        bmax[b] = m = v > m ? v : m;
+        mx = m > mx ? m : mx;
+    }
+    *maxk = mx;
+    if (k > nb) return topk_radix(row, n, k);
+    uint32_t low = kth_of(bmax, nb, k);
+    /* gathered without a branch (always store, advance on a hit), SB values at a time
+     * while fewer than CAP are held */
+    uint32_t cand[CAP + SB], c = 0;
+    for (uint64_t i = 0; i < n && c <= CAP; i += SB) {
+        if (bmax[i / bs] < low) continue;
+        uint64_t hi = i + SB < n ? i + SB : n;
+        for (uint64_t j = i; j < hi; j++) {
+            uint32_t key = okey(bits_of(row[j]));
+            cand[c] = key;
+            c += key >= low;
+        }
+    }
+    return c <= CAP ? kth_of(cand, c, k) : topk_radix(row, n, k);
+}
+
+/* The largest weight bits t whose tokens at or above it weigh >= need in all, from the
+ * first-level masses mA (by bits >> 21; weights are below 2, so 512 buckets); *mass gets
+ * that weight. The boundary bucket is gathered while it fits CAP, else scanned again.
+ * Blocks whose largest weight (btop, when given) is below the bucket are skipped. */
+INLINE uint32_t topp_key(const float *restrict row, uint64_t n, uint64_t need,
+                         const uint64_t *mA, const uint32_t *btop, uint64_t *mass) {
+    uint64_t h2[2048], h3[1024];
+    memset(h2, 0, sizeof h2);
+    memset(h3, 0, sizeof h3);
+    uint64_t above = 0;
+    uint32_t bA = walk64(mA, 511, &need, &above);
+    uint32_t cand[CAP + SB], c = 0;
+    for (uint64_t i = 0; i < n && c <= CAP; i += SB) {
+        if (btop && btop[i / SB] >> 21 < bA) continue;
+        uint64_t hi = i + SB < n ? i + SB : n;
+        for (uint64_t j = i; j < hi; j++) {
+            uint32_t b = bits_of(row[j]);
+            cand[c] = b;
+            c += (b >> 21) == bA;
+        }
+    }
+    int gathered = c <= CAP;
+    if (gathered) {
+        for (uint32_t j = 0; j < c; j++) h2[(cand[j] >> 10) & 0x7FFu] += mass_of(cand[j]);
+    } else {
+        for (uint64_t i = 0; i < n; i++) {
+            uint32_t b = bits_of(row[i]);
+            if ((b >> 21) == bA) h2[(b >> 10) & 0x7FFu] += mass_of(b);
+        }
+    }
+    uint32_t b2 = walk64(h2, 2047, &need, &above);
+    uint32_t pre = bA << 11 | b2;
+    if (gathered) {
+        for (uint32_t j = 0; j < c; j++)
+            if ((cand[j] >> 10) == pre) h3[cand[j] & 0x3FFu] += mass_of(cand[j]);
+    } else {
+        for (uint64_t i = 0; i < n; i++) {
+            uint32_t b = bits_of(row[i]);
+            if ((b >> 10) == pre) h3[b & 0x3FFu] += mass_of(b);
+        }
+    }
+    uint32_t b3 = walk64(h3, 1023, &need, &above);
+    *mass = above + h3[b3];
+    return pre << 10 | b3;
+}
+
+/* The masses and first-level buckets of one block's weights (vectorised); returns the
+ * largest weight's bits. */
+INLINE uint32_t block_buckets(const float *restrict x, uint64_t len, uint64_t *restrict q,
+                              uint32_t *restrict bucket) {
+    uint32_t m = 0;
+    for (uint64_t i = 0; i < len; i++) {
+        uint32_t b = bits_of(x[i]);
+        q[i] = mass_of(b);
+        bucket[i] = (b >> 21) & 511u;
+        m = b > m ? b : m;
+    }
+    return m;
+}
+
+#define BSUMS 1024  /* block masses kept for the later passes (rows of up to BSUMS * SB) */
+
+INLINE int64_t sample_body(float *restrict row, uint64_t n, double inv_t, uint64_t top_k,
+                           uint64_t p_q, uint64_t u) {
+    uint32_t tk = 0, mx = 0;
+    if (top_k && top_k < n) {
+        tk = topk_key(row, n, top_k, &mx);
+    } else {
+        uint64_t i = 0;
+        for (; n - i >= SB; i += SB) {
+            uint32_t b = max_key(row + i, SB);
+            mx = b > mx ? b : mx;
+        }
+        uint32_t b = max_key(row + i, n - i);
+        mx = b > mx ? b : mx;
+    }
+    double m = (double)key_float(mx);
+    int nucleus = p_q < P_ONE;
+    uint64_t mA[4][512];
+    if (nucleus) memset(mA, 0, sizeof mA);
+    uint64_t bsum[BSUMS];
+    uint32_t btop[BSUMS];
+    int sums = n <= (uint64_t)BSUMS * SB;
+    uint64_t z = 0;
+    for (uint64_t i = 0; i < n; i += SB) {
+        uint64_t len = n - i < SB ? n - i : SB;
+        float *x = row + i;
+        uint32_t bm = len == SB ? max_key(x, SB) : max_key(x, len);
+        uint64_t bz = 0;
+        if (bm < tk || ((double)key_float(bm) - m) * inv_t < S_MIN) {
+            memset(x, 0, len * sizeof *x);
+        } else if (len < SB) {
+            bz = weights(x, len, m, inv_t, tk);
+        } else {
+            bz = tk ? weights(x, SB, m, inv_t, tk) : weights(x, SB, m, inv_t, 0);
+        }
+        if (sums) {
+            bsum[i / SB] = bz;
+            btop[i / SB] = 0;
+        }
+        z += bz;
+        if (nucleus && bz) {
+            uint64_t q[SB];
+            uint32_t bucket[SB];
+            uint32_t top = len == SB ? block_buckets(x, SB, q, bucket)
+                                     : block_buckets(x, len, q, bucket);
+            if (sums) btop[i / SB] = top;
+            for (uint64_t j = 0; j < len; j++) mA[j & 3][bucket[j]] += q[j];
+        }
+    }
+    if (z == 0) return CALFSM_SAMPLE_ENOMASS;
+    uint32_t tp = 0;
+    uint64_t s = z;
+    if (nucleus) {
+        for (uint32_t j = 0; j < 512; j++) mA[0][j] += mA[1][j] + mA[2][j] + mA[3][j];
+        tp = topp_key(row, n, ceil_share(z, p_q), mA[0], sums ? btop : 0, &s);
+    }
+    uint64_t r = mulhi(u, s), cum = 0;
+    for (uint64_t i = 0; i < n; i += SB) {
+        uint64_t len = n - i < SB ? n - i : SB;
+        const float *x = row + i;
+        uint64_t bs;
+        if (sums && (!nucleus || !bsum[i / SB]))
+            bs = bsum[i / SB];
+        else
+            bs = len == SB ? block_mass(x, SB, tp) : block_mass(x, len, tp);
+        if (cum + bs > r) {
+            for (uint64_t j = 0; j < len; j++) {
+                uint32_t b = bits_of(x[j]);
+                if (b >= tp) cum += mass_of(b);
+                if (cum > r) return (int64_t)(i + j);
+            }
+        }
+        cum += bs;
+    }
+    return CALFSM_SAMPLE_ENOMASS;  /* unreachable: the masses sum to s > r */
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+#define MAX_LEVEL 2
+__attribute__((target("avx512f,avx512bw")))
+static int64_t sample_avx512(float *restrict row, uint64_t n, double inv_t, uint64_t top_k,
+                             uint64_t p_q, uint64_t u) {
+    return sample_body(row, n, inv_t, top_k, p_q, u);
+}
+
+__attribute__((target("avx2")))
+static int64_t sample_avx2(float *restrict row, uint64_t n, double inv_t, uint64_t top_k,
+                           uint64_t p_q, uint64_t u) {
+    return sample_body(row, n, inv_t, top_k, p_q, u);
+}
+#else
+#define MAX_LEVEL 0
+#endif
+
+int64_t calfsm_sample_at(float *row, uint64_t n, double inv_temp, uint64_t top_k,
+                         uint64_t top_p_q32, uint64_t u, int32_t level) {
+    if (n == 0 || n > CALFSM_SAMPLE_MAX_VOCAB || !(inv_temp > 0.0 && inv_temp <= DBL_MAX)
+        || top_p_q32 == 0 || top_p_q32 > P_ONE)
+        return CALFSM_SAMPLE_EINVAL;
+    int32_t top = calfsm_kernels_level();
+    if (level > top) level = top;
+    switch (level) {
+#if MAX_LEVEL >= 2
+    case 2: return sample_avx512(row, n, inv_temp, top_k, top_p_q32, u);
+    case 1: return sample_avx2(row, n, inv_temp, top_k, top_p_q32, u);
+#endif
+    default: return sample_body(row, n, inv_temp, top_k, top_p_q32, u);
+    }
+}
+
+int64_t calfsm_sample(float *row, uint64_t n, double inv_temp, uint64_t top_k,
+                      uint64_t top_p_q32, uint64_t u) {
+    return calfsm_sample_at(row, n, inv_temp, top_k, top_p_q32, u, MAX_LEVEL);
+}
