@@ -3,22 +3,25 @@
  * What is computed is specified op by op in calfsm/sampling.py (its numpy fallback is
  * the same arithmetic), so this file only says how it is made fast. Every floating-point
  * step is one IEEE-rounded operation in a fixed order, with no contraction into FMA (the
- * pragmas below, and -std=c11 for GCC) and no excess precision (FLT_EVAL_METHOD 0; else
- * the kernel reports version 0 and calfsm uses numpy). Everything after the weights is
- * integer arithmetic, and the thresholds are exact order statistics, so the passes may be
- * grouped and skipped freely without changing the result:
+ * pragmas below; GCC's -std=c11 default too) and no excess precision (FLT_EVAL_METHOD 0;
+ * else the kernel reports version 0 and calfsm uses numpy). "no-trapping-math" only lets
+ * GCC if-convert the selects so that the loops vectorise; it changes no result. All after
+ * the weights is integer arithmetic and the thresholds are exact order statistics, so
+ * passes may be grouped and blocks skipped freely without changing the result:
  *
- * - top-k: the k-th largest order key (the float's bits made monotone) by a radix select
- *   on 11/11/10 bits: one histogram pass over the row; the bucket holding the k-th key is
- *   gathered into a small stack buffer when it fits, else two more passes.
- * - weights, in blocks of SB values: a block whose largest key is below the top-k key,
- *   or whose largest logit already falls below S_MIN after scaling, holds no weight
- *   (rounding is monotone, so no smaller value can pass) and is zeroed without computing
- *   exp; the other blocks are computed by a loop the compiler vectorises. With top-p the
- *   masses of each weight bucket (top 11 bits) are summed on the way.
- * - top-p: the same radix select on the weights' bits, counting masses, from that first
- *   histogram.
- * - the draw: masses summed per block (vectorised), then one block scanned.
+ * - top-k: the row's block maxima (at most KBLOCKS, vectorised); the k-th largest of them
+ *   bounds the k-th largest key from below, so only the values above that bound in the
+ *   blocks reaching it are gathered and radix-selected (11/11/10 bits). A large k, or a
+ *   gather that overflows CAP, takes the whole-row radix select.
+ * - weights, in blocks of SB values: a block whose largest key is below the top-k key, or
+ *   whose largest logit already scales below S_MIN, holds no weight (rounding is
+ *   monotone, so no smaller value passes) and is zeroed without computing exp; the others
+ *   run a vectorised loop that also sums their masses. Block masses are kept for the
+ *   draw; with top-p, each block's masses are added into a histogram of the weights' top
+ *   11 bits (four copies, so that equal buckets do not wait on each other).
+ * - top-p: the bucket where the masses from the top reach `need`, then that bucket's
+ *   weights gathered (skipping blocks whose largest weight is below it) and radix-selected.
+ * - the draw: the block masses (recomputed for the nucleus), then one block scanned.
  *
  * On x86-64 the body is also compiled for AVX2 and AVX-512 (without FMA), chosen at run
  * time like calfsm_kernels.c.
@@ -195,20 +198,33 @@ INLINE uint32_t walk64(const uint64_t *h, uint32_t top, uint64_t *need, uint64_t
     return b;
 }
 
-/* The rank-th largest of keys[0..c) (1 <= rank <= c), radix-selected on 11/11/10 bits. */
+/* The rank-th largest of keys[0..c) (1 <= rank <= c), radix-selected on 11/11/10 bits;
+ * each walk starts at the highest bucket in use. */
 INLINE uint32_t kth_of(const uint32_t *restrict keys, uint32_t c, uint64_t rank) {
-    uint32_t h1[2048], h2[2048], h3[1024];
+    uint32_t h1[2048], h2[2048], h3[1024], t1 = 0, t2 = 0, t3 = 0;
     memset(h1, 0, sizeof h1);
     memset(h2, 0, sizeof h2);
     memset(h3, 0, sizeof h3);
-    for (uint32_t j = 0; j < c; j++) h1[keys[j] >> 21]++;
-    uint32_t b1 = walk32(h1, 2047, &rank);
-    for (uint32_t j = 0; j < c; j++)
-        if ((keys[j] >> 21) == b1) h2[(keys[j] >> 10) & 0x7FFu]++;
-    uint32_t pre = b1 << 11 | walk32(h2, 2047, &rank);
-    for (uint32_t j = 0; j < c; j++)
-        if ((keys[j] >> 10) == pre) h3[keys[j] & 0x3FFu]++;
-    return pre << 10 | walk32(h3, 1023, &rank);
+    for (uint32_t j = 0; j < c; j++) {
+        uint32_t b = keys[j] >> 21;
+        h1[b]++;
+        t1 = b > t1 ? b : t1;
+    }
+    uint32_t b1 = walk32(h1, t1, &rank);
+    for (uint32_t j = 0; j < c; j++) {
+        if ((keys[j] >> 21) != b1) continue;
+        uint32_t b = (keys[j] >> 10) & 0x7FFu;
+        h2[b]++;
+        t2 = b > t2 ? b : t2;
+    }
+    uint32_t pre = b1 << 11 | walk32(h2, t2, &rank);
+    for (uint32_t j = 0; j < c; j++) {
+        if ((keys[j] >> 10) != pre) continue;
+        uint32_t b = keys[j] & 0x3FFu;
+        h3[b]++;
+        t3 = b > t3 ? b : t3;
+    }
+    return pre << 10 | walk32(h3, t3, &rank);
 }
 
 /* The k-th largest order key of row[0..n) by a radix select over the whole row: a
@@ -216,6 +232,11 @@ INLINE uint32_t kth_of(const uint32_t *restrict keys, uint32_t c, uint64_t rank)
  * bucket do not wait on each other's increments), then the boundary bucket gathered (or,
  * if it does not fit CAP, two more passes). */
 INLINE uint32_t topk_radix(const float *restrict row, uint64_t n, uint64_t k) {
+    if (n <= CAP) {  /* a small row: select among all its keys at once */
+        uint32_t all[CAP];
+        for (uint64_t i = 0; i < n; i++) all[i] = okey(bits_of(row[i]));
+        return kth_of(all, (uint32_t)n, k);
+    }
     uint32_t h1[4][2048];
     memset(h1, 0, sizeof h1);
     for (uint64_t i = 0; i < n; i++) h1[i & 3][okey(bits_of(row[i])) >> 21]++;
