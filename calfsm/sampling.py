@@ -40,9 +40,9 @@ that is never drawn), and top-p is read to ``2**-32``. Thresholds are found by r
 selection over the bits (exact order statistics, so how the passes are grouped cannot
 matter), which the numpy path does in fixed-size chunks and the kernel prunes by blocks.
 Measured side by side in one run (``bench/bench_sampling.py``, 2-core VM, sampling alone
-over a float32 copy of the row): at V=151936 greedy ~1.0x, temperature ~14x (~105 us),
-top-k 50 ~5-9x, top-p 0.9 ~35-40x on the kernel, and 170-370x on numpy; at V=1024 the
-fixed cost of a call dominates (2-5 us on the kernel).
+over a float32 copy of the row): at V=151936 greedy ~1.0x, temperature ~14x (~100 us),
+top-k 50 ~5-9x, top-p 0.9 ~35-38x on the kernel, and 170-320x on numpy; at V=1024 the
+fixed cost of a call dominates (2-4 us on the kernel).
 
 A user ``sampler`` receives the first ``vocab`` values of the row (a view it may modify)
 and must return a token id in ``[0, vocab)``; if it raises, or returns anything else,
