@@ -1,0 +1,88 @@
+"""The records of one executor: its configuration, its counters and its health.
+
+Kept apart from :mod:`calfsm.executor` so the façade holds only the wiring; all three are
+re-exported there and from :mod:`calfsm`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from calfsm.errors import InvalidArgument
+from calfsm.recovery import RecoveryPolicy
+
+__all__ = ["ExecutorConfig", "ExecutorStats", "Health"]
+
+
+def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise InvalidArgument(f"ExecutorConfig.{attr.name} must be > 0, got {value!r}",
+                              stage="config")
+
+
+def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"ExecutorConfig.{attr.name} must be an integer >= 1, got "
+                              f"{value!r}", stage="config")
+
+
+@attrs.frozen
+class ExecutorConfig:
+    """Knobs of one executor. Times are seconds on the driver's clock."""
+
+    max_inflight: int = attrs.field(default=1, validator=_at_least_one)
+    threaded: bool = True
+    admission_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    queue_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    execution_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    default_deadline_s: float = attrs.field(default=60.0, validator=_positive)
+    slots_per_engine: int = attrs.field(default=2, validator=_at_least_one)
+    token_budget: int | None = None
+    shutdown_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    warmup: bool = True
+    recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
+    #: jobs that may wait for the device at once (accepted, not yet submitted); more are
+    #: refused at once with ResourceExhausted (429) and a Retry-After. None: unbounded
+    max_waiting: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least_one))
+    #: sequence ids open_sequence() hands out: 0 .. max_sequences-1
+    max_sequences: int = attrs.field(default=256, validator=_at_least_one)
+
+
+@attrs.frozen
+class ExecutorStats:
+    """Counters since start; a snapshot."""
+
+    accepted: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    quarantined: int
+    stale_completions: int
+    recoveries: int
+    requeued: int
+    inflight: int
+    queued: int
+    generation: int
+    leased: int
+    errors_by_category: dict[str, int]
+
+
+@attrs.frozen
+class Health:
+    """What a load balancer and a supervisor ask (spec section 9)."""
+
+    state: str
+    ready: bool
+    generation: int
+    inflight: int
+    queue_depth: int
+    submitter_heartbeat: float
+    completion_heartbeat: float
+    reason: str | None
+    max_inflight: int = 1
+    #: configuration the executor could not honour, and why (e.g. max_inflight)
+    notes: tuple[str, ...] = ()
+    broken: str | None = None
