@@ -90,6 +90,7 @@ class JobContext:
     holds_inflight: bool = False         # popped for submit, device not yet released
     requeues: int = 0                    # times a transient submit error put it back
     ended: bool = False                  # resolved: its caller has the outcome
+    waiting: bool = False                # counted among the jobs waiting for the device
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
     epoch: Any = None                    # the executor generation record it belongs to

@@ -135,6 +135,13 @@ class Lifecycle:
         """Call ``listener()`` after every transition and on close (outside the lock)."""
         self._listeners.append(listener)
 
+    def remove_listener(self, listener: Callable[[], None]) -> None:
+        """Stop calling ``listener`` (a no-op if it is not registered)."""
+        try:
+            self._listeners.remove(listener)
+        except ValueError:
+            pass
+
     def fire(self, trigger: str) -> bool:
         """Fire a lifecycle trigger; every transition goes through here."""
         with self._lock:

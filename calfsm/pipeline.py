@@ -92,6 +92,10 @@ class Hooks:
     def job_submitted(self) -> None:
         """A job is waiting for its completion."""
 
+    def job_parked(self) -> None:
+        """A job waits for admission (KV or a buffer), or capacity may have come free:
+        the admission step should run."""
+
     def device_freed(self, hand_off: bool) -> None:
         """Called under the queue lock when a job left the device; ``hand_off``: a queued
         job can be submitted at once."""
@@ -107,11 +111,13 @@ class Hooks:
 class PipelineTimeouts:
     """The timeouts of :class:`~calfsm.executor.ExecutorConfig` the steps use."""
 
-    __slots__ = ("admission_s", "default_deadline_s", "execution_s", "queue_s",
-                 "zombie_wait_s")
+    __slots__ = ("admission_s", "default_deadline_s", "execution_s", "max_waiting",
+                 "queue_s", "zombie_wait_s")
 
     def __init__(self, *, admission_s: float, queue_s: float, execution_s: float,
-                 default_deadline_s: float, zombie_wait_s: float) -> None:
+                 default_deadline_s: float, zombie_wait_s: float,
+                 max_waiting: int | None = None) -> None:
+        self.max_waiting = max_waiting
         self.admission_s = admission_s
         self.queue_s = queue_s
         self.execution_s = execution_s
@@ -141,8 +147,11 @@ class Pipeline:
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
         self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
+        self._deferred: deque[Callable[[], None]] = deque()   # work to run outside locks
         self._on_device: list[JobContext] = []      # submitted, wait not returned
         self._inflight = 0
+        self._waiting = 0                           # accepted, not submitted nor ended
+        self._job_s = 0.0                           # moving average of a job's device time
         self._broken: str | None = None
         self._ids = itertools.count(1)
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -170,9 +179,9 @@ class Pipeline:
             self._counts[name] += 1
 
     def depths(self) -> tuple[int, int]:
-        """(in flight, waiting: queued for submit or for admission)."""
+        """(in flight, waiting: accepted and not yet on the device)."""
         with self._lock:
-            return self._inflight, len(self._submit_q) + len(self._parked)
+            return self._inflight, self._waiting
 
     def heartbeat(self, worker: str) -> float:
         return self._heartbeat[worker]
@@ -198,13 +207,37 @@ class Pipeline:
             return not self._on_device and self._inflight <= len(self._on_device)
 
     def idle(self) -> bool:
-        """Nothing waits, is queued, on the device or waiting for its completion."""
+        """Nothing waits, is queued, on the device or waiting for its completion, and no
+        deferred work is left."""
         with self._lock:
             return not (self._parked or self._submit_q or self._complete_q
-                        or self._on_device)
+                        or self._on_device or self._deferred)
 
     def has_parked(self) -> bool:
         return bool(self._parked)
+
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` later on the admission side, holding no lock (a stream's replay
+        once the device is Ready, a sequence's release): callbacks that must not run
+        inside a lifecycle transition or a completion."""
+        with self._lock:
+            self._deferred.append(fn)
+        self.hooks.job_parked()
+
+    def run_deferred(self) -> bool:
+        """Run one deferred function; False if there was none."""
+        with self._lock:
+            if not self._deferred:
+                return False
+            fn = self._deferred.popleft()
+        try:
+            fn()
+        except Exception:
+            log.exception("deferred work %r raised", fn)
+        return True
 
     def has_completions(self) -> bool:
         return bool(self._complete_q)
@@ -218,6 +251,26 @@ class Pipeline:
         epoch = self.life.epoch
         return hash((len(self._parked), epoch.kv.stats() if epoch else None,
                      epoch.pool.stats() if epoch else None, self.life.generation))
+
+    def admission_wait_s(self) -> float | None:
+        """How long the admission step may sleep: until the first parked job's admission
+        deadline (None: nothing parked)."""
+        with self._lock:
+            if not self._parked:
+                return None
+            first = min(self._admission_deadline(j) for j in self._parked)
+        return max(0.0, first - self.clock.now())
+
+    def expire_parked(self) -> None:
+        """Fail every parked job past its admission deadline."""
+        now = self.clock.now()
+        with self._lock:
+            late = [j for j in self._parked if self._admission_deadline(j) <= now]
+            for j in late:
+                self._parked.remove(j)
+        for j in late:
+            self._failed_to_start(j, DeadlineExceeded(
+                "admission deadline passed", **_ctx(j, "admission")))
 
     def next_deadline(self) -> float:
         """Earliest deadline a parked or queued job waits for."""
@@ -237,6 +290,7 @@ class Pipeline:
         if self._broken is not None:
             raise ExecutorBroken(f"executor is broken: {self._broken}", stage="admission")
         self.life.gate()
+        self._admit_waiting(request)
         now = self.clock.now()
         deadline_s = request.deadline_s if request.deadline_s is not None \
             else self.t.default_deadline_s
@@ -249,8 +303,29 @@ class Pipeline:
         job.timings.accepted = now
         job.epoch = self.life.epoch
         job.handle = JobHandle(job, canceller)
+        job.waiting = True
         self.count("accepted")
         return job
+
+    def _admit_waiting(self, request: Request) -> None:
+        """The bounded wait queue: refuse at once, with a Retry-After estimate, when
+        ``max_waiting`` jobs already wait (429 instead of blocking, then 504)."""
+        limit = self.t.max_waiting
+        with self._lock:
+            if limit is None or self._waiting < limit:
+                self._waiting += 1
+                return
+            depth = self._waiting
+        est = max(0.001, (depth + self._inflight) * (self._job_s or 0.01))
+        raise ResourceExhausted(
+            f"{depth} jobs already wait for the device (max_waiting {limit})",
+            stage="admission", seq_id=request.seq_id, retry_after_s=round(est, 3))
+
+    def _leave_waiting(self, job: JobContext) -> None:
+        if job.waiting:
+            job.waiting = False
+            with self._lock:
+                self._waiting -= 1
 
     def validate(self, job: JobContext) -> None:
         """Spec 6.3 checks 1-6, once, before any resource is taken."""
@@ -281,12 +356,14 @@ class Pipeline:
                 if parked:
                     self._parked.append(job)
             if parked:
+                self.hooks.job_parked()
                 return
             if self.admit(job, wait=False):
                 self.prepare(job)
             else:
                 with self._lock:
                     self._parked.append(job)
+                self.hooks.job_parked()
         except CalfsmError as e:
             self._failed_to_start(job, e)
         except Exception as e:          # a bug must not strand an accepted job
@@ -532,6 +609,7 @@ class Pipeline:
                                              tag=tag)
             if rc == 0:
                 job.timings.submitted = self.clock.now()
+                self._leave_waiting(job)
                 job.lease.mark_on_device()
                 epoch.kv.mark_submitted(job.kv)
                 with self._lock:
@@ -554,8 +632,10 @@ class Pipeline:
         errors leave the KV Unknown (FI06)."""
         not_run = err.category in (ErrorCategory.TRANSIENT, ErrorCategory.REQUEST,
                                    ErrorCategory.PROGRAMMING, ErrorCategory.LIFECYCLE)
-        verdict = self.faults.decide(err, self.clock.now(),
-                                     requeues=job.requeues if not_run else None)
+        now = self.clock.now()
+        verdict = self.faults.decide(err, now, requeues=job.requeues if not_run else None)
+        if verdict.until > now and err.retry_after_s is None:
+            err.retry_after_s = round(verdict.until - now, 6)   # e.g. DEVICE_BUSY
         if verdict.decision is Decision.REQUEUE:
             job.requeues += 1
             with self._lock:
@@ -691,6 +771,7 @@ class Pipeline:
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
         lease, job.lease = job.lease, None
+        self._leave_waiting(job)
         if JOB_MACHINE.fire(job, "succeed"):
             self.count("succeeded")
             job.handle._resolve(InferenceResult(
@@ -703,6 +784,8 @@ class Pipeline:
             self._count_outcome("cancelled", err)
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
+        self.hooks.job_parked()         # a slot and KV came free: admission may go on
+        self._job_s += 0.1 * ((job.timings.device_wait_ms * 1e-3) - self._job_s)
         self.faults.succeeded()
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
@@ -774,6 +857,7 @@ class Pipeline:
                             extra=e.context())
         _fire_if(job, "fail")
         self._finish(job, err, "cancelled" if isinstance(err, Cancelled) else "failed")
+        self.hooks.job_parked()         # what it held came free
         if kv_error is not None:
             self._apply(self.faults.decide(kv_error, self.clock.now()))
 
@@ -790,6 +874,7 @@ class Pipeline:
     def _finish(self, job: JobContext, err: CalfsmError, outcome: str) -> None:
         err.with_context(**_ctx(job, None))
         job.timings.completed = self.clock.now()
+        self._leave_waiting(job)
         self._count_outcome(outcome, err)
         if not isinstance(err, Cancelled):
             log.warning("job failed: %s", err.message, extra=err.context())
@@ -854,14 +939,7 @@ class Pipeline:
     def expire_waiting(self) -> None:
         """Fail every parked job past its admission deadline and every queued job past
         its queue deadline."""
-        now = self.clock.now()
-        with self._lock:
-            late = [j for j in self._parked if self._admission_deadline(j) <= now]
-            for j in late:
-                self._parked.remove(j)
-        for j in late:
-            self._failed_to_start(j, DeadlineExceeded(
-                "admission deadline passed", **_ctx(j, "admission")))
+        self.expire_parked()
         for j in self.take_expired():
             self.run_step(j, "queue", self.fail_queue_deadline)
 

@@ -4,10 +4,14 @@ scheduler (:class:`StepRuntime`). Both drive the *same* steps of
 
 Theory of operation (threads)
 -----------------------------
-The caller's thread runs admission and preparation (blocking on KV and buffers, bounded
-by the admission deadline); a submitter thread runs the submit step (the only ``infer``
-caller); a completion thread runs the complete step (the only ``wait`` caller); a short
--lived recovery thread runs a recovery once its drain condition holds.
+The caller's thread runs admission and preparation of a blocking ``enqueue`` (waiting for
+KV and buffers, bounded by the admission deadline); a job enqueued without blocking
+(``enqueue_nowait``, ``await executor.submit``) that must wait is *parked*, holding no
+thread, and an admission thread admits parked jobs in FIFO order whenever capacity may
+have come free (the same admission step step mode runs). A submitter thread runs the
+submit step (the only ``infer`` caller); a completion thread runs the complete step (the
+only ``wait`` caller); a short-lived recovery thread runs a recovery once its drain
+condition holds.
 
 Hand-offs: the submitter and the completion thread sleep on their own
 :class:`~calfsm.doorbell.Doorbell` (a C-level wake-up) and re-check the queues after
@@ -72,6 +76,7 @@ class ThreadRuntime(_Runtime):
         self._submit_bell = Doorbell()        # a job queued, a slot freed, a state change
         self._complete_bell = Doorbell()      # a job submitted, or a state change
         self._submitted_bell = Doorbell()     # the submitter finished a submit attempt
+        self._admit_bell = Doorbell()         # a job parked, or capacity came free
         self._cond = threading.Condition()    # drains and recovery wait on this
         self._threads: list[threading.Thread] = []
         self._recoveries: list[threading.Thread] = []
@@ -85,7 +90,8 @@ class ThreadRuntime(_Runtime):
     # ---- starting and stopping -----------------------------------------------------
     def start(self) -> None:
         for name, loop in (("submitter", self._submitter_loop),
-                           ("completion", self._completion_loop)):
+                           ("completion", self._completion_loop),
+                           ("admission", self._admission_loop)):
             t = threading.Thread(target=self._guard, args=(name, loop),
                                  name=f"calfsm-{name}", daemon=True)
             if name == "completion":
@@ -149,6 +155,9 @@ class ThreadRuntime(_Runtime):
     def job_submitted(self) -> None:
         self._complete_bell.ring()
 
+    def job_parked(self) -> None:
+        self._admit_bell.ring()
+
     def device_freed(self, hand_off: bool) -> None:
         if hand_off and threading.current_thread() is self._completion_thread:
             self._submitted_bell.wait(0)      # only a submit after this ring counts
@@ -168,6 +177,7 @@ class ThreadRuntime(_Runtime):
         self.changed()
         self._submit_bell.ring()
         self._complete_bell.ring()
+        self._admit_bell.ring()
 
     # ---- the loops -----------------------------------------------------------------
     def _submitter_loop(self) -> None:
@@ -215,6 +225,24 @@ class ThreadRuntime(_Runtime):
                     and job.ended:
                 return              # abandon a zombie: the device never let it go
             p.run_step(job, "complete", p.complete)
+
+    def _admission_loop(self) -> None:
+        """Admit parked jobs, head first, while they move; then sleep until a job parks,
+        capacity comes free, or the first admission deadline."""
+        p, life, clock = self.pipeline, self.life, self.clock
+        while True:
+            if p.broken is not None or (life.closing and not p.has_parked()
+                                        and not p.has_deferred()):
+                return
+            if p.run_deferred():
+                continue
+            p.expire_parked()
+            if p.has_parked() and p.admit_parked():
+                continue
+            wait = p.admission_wait_s()
+            if clock.virtual and wait is not None:
+                wait = 0.05                       # deadlines move only when driven
+            self._admit_bell.wait(wait)
 
     # ---- recovery ------------------------------------------------------------------
     def _start_recovery(self) -> None:
@@ -275,6 +303,12 @@ class Steps:
 
     def can_recover(self) -> bool:
         return self.control.recovery_due()
+
+    def can_run_deferred(self) -> bool:
+        return self.pipeline.has_deferred()
+
+    def run_deferred(self) -> bool:
+        return self.pipeline.run_deferred()
 
     def expire(self) -> None:
         self.pipeline.expire_waiting()

@@ -8,6 +8,7 @@ each one bounded step of the same code the threads run:
 ``submit``    submit the head of the submit queue (the only ``infer`` caller)
 ``complete``  wait for the oldest submitted job (the only ``wait`` caller)
 ``recover``   run recovery once the drain condition holds
+``deferred``  run one piece of deferred work (a stream's replay, a sequence's release)
 ``expire``    fail the jobs whose admission or queue deadline has passed
 ``advance``   nothing else can move: jump the virtual clock to the next timer
 
@@ -66,6 +67,8 @@ class StepScheduler:
             acts.append("complete")
         if s.can_recover():
             acts.append("recover")
+        if s.can_run_deferred():
+            acts.append("deferred")
         return acts
 
     # ---- running -------------------------------------------------------------------
@@ -88,6 +91,8 @@ class StepScheduler:
             s.complete()
         elif act == "recover":
             s.recover()
+        elif act == "deferred":
+            s.run_deferred()
         elif act == "expire":
             s.expire()
             self._admit_blocked_at = None
