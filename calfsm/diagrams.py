@@ -25,7 +25,13 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from calfsm.machines import JOB_MACHINE, KV_MACHINE, LIFECYCLE_MACHINE, DeclaredMachine
+from calfsm.machines import (
+    JOB_MACHINE,
+    KV_MACHINE,
+    LIFECYCLE_MACHINE,
+    SEQUENCE_MACHINE,
+    DeclaredMachine,
+)
 
 __all__ = ["MACHINES", "main", "render", "stale_pages", "write_pages"]
 
@@ -34,6 +40,7 @@ MACHINES: dict[str, tuple[DeclaredMachine, str]] = {
     "job": (JOB_MACHINE, "calfsm/machines/job.py"),
     "kv": (KV_MACHINE, "calfsm/machines/kv.py"),
     "lifecycle": (LIFECYCLE_MACHINE, "calfsm/machines/lifecycle.py"),
+    "sequence": (SEQUENCE_MACHINE, "calfsm/machines/sequence.py"),
 }
 
 DEFAULT_OUT = Path("docs/machines")

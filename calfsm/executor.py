@@ -19,21 +19,23 @@ The data flow, invariants, lock order and the machines are described in
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from typing import Any
 
-import attrs
-
+from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver, EngineSlot
-from calfsm.epoch import Epoch
-from calfsm.errors import Cancelled, InvalidArgument, Unavailable
+from calfsm.epoch import WARMUP_SEQ, Epoch
+from calfsm.errors import Cancelled, Unavailable
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
 from calfsm.manifest import Manifest
 from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
-from calfsm.recovery import FaultPolicy, RecoveryPolicy
+from calfsm.recovery import FaultPolicy
 from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
+from calfsm.sampling import SamplingParams
+from calfsm.streams import Sequence, SequenceAllocator, Stream
 
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
 
@@ -41,72 +43,6 @@ log = logging.getLogger("calfsm.executor")
 
 #: in-flight jobs calfsm runs until two-in-flight (ping/pong) is proven on a device
 SUPPORTED_INFLIGHT = 1
-
-
-def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgument(f"ExecutorConfig.{attr.name} must be > 0, got {value!r}",
-                              stage="config")
-
-
-def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"ExecutorConfig.{attr.name} must be an integer >= 1, got "
-                              f"{value!r}", stage="config")
-
-
-@attrs.frozen
-class ExecutorConfig:
-    """Knobs of one executor. Times are seconds on the driver's clock."""
-
-    max_inflight: int = attrs.field(default=1, validator=_at_least_one)
-    threaded: bool = True
-    admission_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    queue_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    execution_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    default_deadline_s: float = attrs.field(default=60.0, validator=_positive)
-    slots_per_engine: int = attrs.field(default=2, validator=_at_least_one)
-    token_budget: int | None = None
-    shutdown_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    warmup: bool = True
-    recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
-
-
-@attrs.frozen
-class ExecutorStats:
-    """Counters since start; a snapshot."""
-
-    accepted: int
-    succeeded: int
-    failed: int
-    cancelled: int
-    quarantined: int
-    stale_completions: int
-    recoveries: int
-    requeued: int
-    inflight: int
-    queued: int
-    generation: int
-    leased: int
-    errors_by_category: dict[str, int]
-
-
-@attrs.frozen
-class Health:
-    """What a load balancer and a supervisor ask (spec section 9)."""
-
-    state: str
-    ready: bool
-    generation: int
-    inflight: int
-    queue_depth: int
-    submitter_heartbeat: float
-    completion_heartbeat: float
-    reason: str | None
-    max_inflight: int = 1
-    #: configuration the executor could not honour, and why (e.g. max_inflight)
-    notes: tuple[str, ...] = ()
-    broken: str | None = None
 
 
 class DeviceExecutor:
@@ -140,7 +76,7 @@ class DeviceExecutor:
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
                 execution_s=cfg.execution_timeout_s,
                 default_deadline_s=cfg.default_deadline_s,
-                zombie_wait_s=cfg.recovery.zombie_wait_s),
+                zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
             apply=self._apply, drain=self.recover)
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
@@ -151,6 +87,7 @@ class DeviceExecutor:
                                 clock=self.clock))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
+        self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
         self._control.start(manifest, calbin or Calbin.from_manifest(manifest))
         self._runtime.start()
 
@@ -171,6 +108,47 @@ class DeviceExecutor:
         handle = job.handle         # the job drops it when it ends, maybe in start()
         self._pipeline.start(job, wait=self.config.threaded)
         return handle
+
+    def enqueue_nowait(self, request: Request) -> JobHandle:
+        """Like :meth:`enqueue`, but never blocks: a job that must wait for KV or a
+        buffer is parked (holding no thread) and admitted in FIFO order when capacity
+        comes free, bounded by its admission deadline."""
+        job = self._pipeline.accept(request, self._pipeline.cancel)
+        handle = job.handle
+        self._pipeline.start(job, wait=False)
+        return handle
+
+    async def submit(self, request: Request) -> InferenceResult:
+        """Run one job from asyncio without blocking the event loop. Cancelling the
+        awaiting task cancels the job (before submit: nothing reaches the device; after:
+        its result is dropped when it completes and every resource comes back)."""
+        handle = self.enqueue_nowait(request)
+        try:
+            return await handle
+        except asyncio.CancelledError:
+            handle.cancel()
+            raise
+
+    def open_sequence(self) -> Sequence:
+        """A sequence id of this executor's allocator, as a :class:`Sequence` (a sync and
+        an async context manager that releases the KV on exit)."""
+        self._life.gate()
+        return Sequence(self, self._sequences.take(), self._sequences)
+
+    def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
+                 deadline_s: float | None = None, resume: bool = True) -> Stream:
+        """One-shot generation on a fresh sequence, released when the stream ends."""
+        seq = self.open_sequence()
+        try:
+            return Stream(seq, prompt, params or SamplingParams(), deadline_s=deadline_s,
+                          resume=resume, close_sequence=True)
+        except BaseException:
+            seq.close()
+            raise
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` soon on the admission side, outside every lock."""
+        self._pipeline.defer(fn)
 
     def decode_sync(self, request: Request, timeout: float | None = None) -> InferenceResult:
         """Synchronous compatibility entry (spec 6.1): enqueue and wait for the result."""
@@ -237,6 +215,30 @@ class DeviceExecutor:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    # ---- asyncio twins of the blocking calls (each runs in a worker thread) --------
+    @classmethod
+    async def create(cls, driver: Driver, manifest: Manifest,
+                     config: ExecutorConfig | None = None, *,
+                     calbin: Calbin | None = None) -> DeviceExecutor:
+        """Construct (start-up and warm-up) without blocking the event loop."""
+        return await asyncio.to_thread(cls, driver, manifest, config, calbin=calbin)
+
+    async def aclose(self, timeout: float | None = None) -> None:
+        await asyncio.to_thread(self.close, timeout)
+
+    async def await_lifecycle(self, *states: str, timeout: float | None = None) -> str:
+        return await asyncio.to_thread(self.wait_lifecycle, *states, timeout=timeout)
+
+    async def aswitch_model(self, manifest: Manifest, calbin: Calbin | None = None,
+                            timeout: float = 10.0) -> None:
+        await asyncio.to_thread(self.switch_model, manifest, calbin, timeout)
+
+    async def __aenter__(self) -> DeviceExecutor:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
 
     # ---- observation ---------------------------------------------------------------
     @property

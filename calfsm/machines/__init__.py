@@ -1,4 +1,4 @@
-"""The three declared state machines: job, KV transaction and device lifecycle.
+"""The declared state machines: job, KV transaction, device lifecycle and sequence.
 
 Each is declared once as data (states, transitions, guards) and executed by one shared
 ``transitions.Machine``; see :mod:`calfsm.machines._declared` for why.
@@ -8,18 +8,22 @@ from calfsm.machines._declared import DeclaredMachine, Listener, StateModel
 from calfsm.machines.job import JOB_MACHINE, JobState
 from calfsm.machines.kv import KV_MACHINE, KvState
 from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
+from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 
-ALL_MACHINES: tuple[DeclaredMachine, ...] = (JOB_MACHINE, KV_MACHINE, LIFECYCLE_MACHINE)
+ALL_MACHINES: tuple[DeclaredMachine, ...] = (JOB_MACHINE, KV_MACHINE, LIFECYCLE_MACHINE,
+                                             SEQUENCE_MACHINE)
 
 __all__ = [
     "ALL_MACHINES",
     "JOB_MACHINE",
     "KV_MACHINE",
     "LIFECYCLE_MACHINE",
+    "SEQUENCE_MACHINE",
     "DeclaredMachine",
     "JobState",
     "KvState",
     "LifecycleState",
     "Listener",
+    "SequenceState",
     "StateModel",
 ]

@@ -1,0 +1,594 @@
+"""Sequences and generation streams: the library owns a request's whole life.
+
+Theory of operation
+-------------------
+:class:`Sequence` is a KV sequence id handed out by ``executor.open_sequence()`` from the
+executor's allocator. It knows its position (how many tokens its KV holds), runs one job
+at a time (a second one is refused), and follows the sequence machine
+(:mod:`calfsm.machines.sequence`): Open, Busy, Lost (a reset lost its KV), Closing,
+Released. Closing waits for its last job to end — one cancelled after submit included —
+then releases the KV and gives the id back.
+
+:class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
+per token, each sampled (:mod:`calfsm.sampling`) from the float32 row of the job before.
+It is driven by job completions: when a job ends, its done-callback (on the completion
+side, holding no lock) samples, delivers the token event, and enqueues the next decode
+without blocking (``enqueue_nowait``: a job that must wait for KV or a buffer is parked,
+holding no thread). The consumer reads events as a sync iterator, an async iterator, or
+waits for the final :class:`GenerationResult`; ``cancel()`` stops it (a step on the
+device runs to its end and its token is dropped).
+
+Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
+(a stop token; it is not delivered), ``cancelled``, ``deadline`` (the stream's deadline,
+checked after every step, and each step's own deadline), ``error`` (any other error;
+``result().error`` has it, with ``retryable`` saying whether sending it again may help).
+
+Resume: when a reset loses the sequence's KV mid-stream, a stream with ``resume=True``
+(the default) waits for the executor to be Ready again, resets the sequence and
+re-prefills the prompt plus the tokens generated so far on the new generation, then
+continues; under greedy sampling it checks that the replay reproduces the last delivered
+token. Replays are bounded per stream (``max_resumes``) and start only once the device
+is Ready, so a recovery storm is not amplified. Without resume the stream ends ``error``
+with a retryable :class:`~calfsm.errors.Unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import itertools
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import numpy as np
+
+from calfsm.errors import (
+    CalfsmError,
+    Cancelled,
+    DeadlineExceeded,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from calfsm.job import InferenceResult, JobHandle, JobTimings
+from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
+from calfsm.manifest import TaskKind
+from calfsm.request import Request
+from calfsm.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    from calfsm.executor import DeviceExecutor
+
+__all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
+           "TokenEvent", "Usage"]
+
+log = logging.getLogger("calfsm.streams")
+
+_fire = SEQUENCE_MACHINE.fire
+_fire_if = SEQUENCE_MACHINE.fire_if_declared
+
+
+class SequenceAllocator:
+    """Sequence ids ``0 .. limit-1``, lowest free first; thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise InvalidArgument(f"max_sequences must be >= 1, got {limit}",
+                                  stage="config")
+        self.limit = limit
+        self._free = list(range(limit - 1, -1, -1))     # a stack, lowest id on top
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {self.limit} sequence ids are open",
+                                        stage="open_sequence", retry_after_s=0.1)
+            return self._free.pop()
+
+    def give_back(self, seq_id: int) -> None:
+        with self._lock:
+            self._free.append(seq_id)
+            self._free.sort(reverse=True)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self.limit - len(self._free)
+
+
+class Sequence:
+    """One KV sequence of an executor: position, one job at a time, release on close.
+
+    Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
+
+    def __init__(self, executor: DeviceExecutor, seq_id: int,
+                 allocator: SequenceAllocator) -> None:
+        self.executor = executor
+        self.seq_id = seq_id
+        self.state: str = SequenceState.OPEN.value
+        self._allocator = allocator
+        self._lock = threading.Lock()
+        self._position = 0
+        self._last: JobHandle | None = None
+
+    @property
+    def position(self) -> int:
+        """Tokens the sequence's KV holds: the next token goes at this position."""
+        return self._position
+
+    # ---- jobs ----------------------------------------------------------------------
+    def prefill(self, tokens: Seq[int], **kw: Any) -> JobHandle:
+        """A prefill of ``tokens`` after what the sequence holds."""
+        return self.run(Request.prefill(self.seq_id, tokens, past_len=self._position, **kw))
+
+    def decode(self, token: int, **kw: Any) -> JobHandle:
+        """One decode step of ``token`` at the sequence's position."""
+        return self.run(Request.decode(self.seq_id, token, self._position, **kw))
+
+    def run(self, request: Request) -> JobHandle:
+        """Enqueue ``request`` (of this sequence) without blocking; refused while busy,
+        lost or closed."""
+        if request.seq_id != self.seq_id:
+            raise InvalidArgument(f"request for sequence {request.seq_id} run on sequence "
+                                  f"{self.seq_id}", stage="sequence", seq_id=self.seq_id)
+        with self._lock:
+            self._check_lost_locked()
+            state = self.state
+            if state != SequenceState.OPEN:
+                cls = FailedPrecondition
+                raise cls(f"sequence {self.seq_id} is {state}"
+                          + (": one job at a time" if state == SequenceState.BUSY else ""),
+                          stage="sequence", seq_id=self.seq_id)
+            _fire(self, "start_job")
+        try:
+            handle = self.executor.enqueue_nowait(request)
+        except BaseException:
+            with self._lock:
+                _fire_if(self, "job_ended")
+            raise
+        self._last = handle
+        handle.add_done_callback(self._job_done)
+        return handle
+
+    def _check_lost_locked(self) -> None:
+        """A reset lost this sequence's KV while it was idle: say so before a job fails."""
+        if self.state == SequenceState.OPEN and self._kv_lost():
+            _fire(self, "lose")
+        if self.state == SequenceState.LOST:
+            raise Unavailable(f"the KV of sequence {self.seq_id} was lost in a device "
+                              "reset; reset() the sequence and send the prompt again",
+                              stage="sequence", seq_id=self.seq_id,
+                              retry_after_s=self.executor.lifecycle.retry_after_s)
+
+    def _kv_lost(self) -> bool:
+        from calfsm.kv import SeqState
+        epoch = self.executor.epoch
+        return epoch is not None and epoch.kv.sequence_state(self.seq_id) is SeqState.UNKNOWN
+
+    def _job_done(self, handle: JobHandle) -> None:
+        with self._lock:
+            err = handle.exception(0)
+            if err is None:
+                job = handle.context
+                self._position = job.past_len + job.token_count
+            elif self._kv_lost():
+                _fire_if(self, "lose")
+            _fire_if(self, "job_ended")
+
+    def reset(self) -> None:
+        """Forget the KV (after it was lost, or to start over): position 0, Open."""
+        with self._lock:
+            if self.state not in (SequenceState.OPEN, SequenceState.LOST):
+                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
+                                         stage="sequence", seq_id=self.seq_id)
+            self.executor.reset_sequence(self.seq_id)
+            self._position = 0
+            _fire_if(self, "reset")
+
+    # ---- generation ----------------------------------------------------------------
+    def generate(self, prompt: Seq[int], params: SamplingParams | None = None, *,
+                 deadline_s: float | None = None, resume: bool = True,
+                 max_resumes: int = 2) -> Stream:
+        """Start a stream: prefill ``prompt`` after what the sequence holds, then sample
+        and decode until a finish reason."""
+        return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
+                      resume=resume, max_resumes=max_resumes)
+
+    # ---- closing -------------------------------------------------------------------
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Wait for the last job to end, release the KV, give the id back. Idempotent."""
+        with self._lock:
+            if self.state in (SequenceState.CLOSING, SequenceState.RELEASED):
+                return
+            _fire(self, "close")
+            last = self._last
+        if last is not None and not last.done():
+            try:
+                last.result(timeout)
+            except CalfsmError:
+                pass                    # its outcome is its caller's; we only wait
+        try:
+            if self.executor.epoch is not None and not self.executor.lifecycle.closing:
+                self.executor.reset_sequence(self.seq_id)
+        except CalfsmError as e:
+            log.warning("releasing the KV of sequence %s failed: %s", self.seq_id, e,
+                        extra=e.context())
+        finally:
+            with self._lock:
+                _fire(self, "released")
+            self._allocator.give_back(self.seq_id)
+
+    async def aclose(self) -> None:
+        await asyncio.to_thread(self.close)
+
+    def __enter__(self) -> Sequence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Sequence:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
+
+
+class FinishReason(enum.StrEnum):
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    ERROR = "error"
+
+
+@attrs.frozen
+class TokenEvent:
+    """One generated token: its id, its position in the sequence, its index in the
+    stream, and the timings of the job that produced it."""
+
+    token: int
+    position: int
+    index: int
+    timings: JobTimings = attrs.field(repr=False)
+
+
+@attrs.frozen
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+@attrs.frozen
+class GenerationResult:
+    """A finished stream: tokens, why it ended, usage, time to first token and the
+    inter-token times (seconds, on the driver's clock)."""
+
+    tokens: tuple[int, ...]
+    finish_reason: FinishReason
+    usage: Usage
+    ttft_s: float | None
+    inter_token_s: tuple[float, ...]
+    error: CalfsmError | None = None
+    resumes: int = 0
+
+
+class Stream:
+    """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
+    ``cancel()``, and ``result()`` / ``await stream.final()``."""
+
+    def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
+                 deadline_s: float | None = None, resume: bool = True,
+                 max_resumes: int = 2, close_sequence: bool = False) -> None:
+        if not isinstance(params, SamplingParams):
+            raise InvalidArgument("params must be SamplingParams", stage="request")
+        ex = sequence.executor
+        epoch = ex.epoch
+        if epoch is None:
+            raise Unavailable("executor has no configured model", stage="generate")
+        contract = epoch.contract(TaskKind.DECODE)
+        self.sequence = sequence
+        self.prompt = tuple(int(t) for t in Request.prefill(sequence.seq_id, prompt).tokens)
+        if not self.prompt:
+            raise InvalidArgument("a stream needs a prompt of at least one token",
+                                  stage="request", seq_id=sequence.seq_id)
+        self.params = params
+        self._sampler: Sampler = params.sampler_for(contract.vocab)
+        self._max_seq = contract.max_seq
+        self._clock = ex.clock
+        now = self._clock.now()
+        if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                           and deadline_s > 0):
+            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                                  stage="request")
+        self._deadline = now + deadline_s if deadline_s is not None else math.inf
+        self._resume = resume
+        self._max_resumes = max_resumes
+        self._resumes = 0
+        self._close_sequence = close_sequence
+        self._row = np.empty(contract.vocab, dtype=np.float32)
+        self._tokens: list[int] = []
+        self._times: list[float] = []
+        self._t0 = now
+        self._lock = threading.Condition(threading.Lock())
+        self._events: deque[TokenEvent] = deque()
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._result: GenerationResult | None = None
+        self._cancelled = False
+        self._handle: JobHandle | None = None
+        self._start = sequence.position
+        self._replay_check: int | None = None
+        self._listening = False
+        self._submit(Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
+                                     target=self._row, deadline_s=self._left()))
+
+    # ---- consumer side -------------------------------------------------------------
+    def cancel(self) -> bool:
+        """Stop generating: nothing more is delivered; a step on the device runs to its
+        end. False if the stream had already finished."""
+        with self._lock:
+            if self._result is not None:
+                return False
+            self._cancelled = True
+            handle = self._handle
+        if handle is not None:
+            handle.cancel()
+        return True
+
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Block until the stream ends; its result (never raises for a failed stream:
+        ``result().error`` holds the error)."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._result is not None, timeout):
+                raise DeadlineExceeded(f"stream not finished within {timeout} s",
+                                       seq_id=self.sequence.seq_id, stage="result")
+            return self._result
+
+    async def final(self) -> GenerationResult:
+        """The result, awaited without blocking the event loop."""
+        while True:
+            with self._lock:
+                if self._result is not None:
+                    return self._result
+                fut = self._park()
+            await self._await(fut)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        with self._lock:
+            self._lock.wait_for(lambda: self._events or self._result is not None)
+            if self._events:
+                return self._events.popleft()
+            raise StopIteration
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        while True:
+            with self._lock:
+                if self._events:
+                    return self._events.popleft()
+                if self._result is not None:
+                    raise StopAsyncIteration
+                fut = self._park()
+            await self._await(fut)
+
+    def _park(self) -> asyncio.Future:
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        self._waiters.append((loop, fut))
+        return fut
+
+    async def _await(self, fut: asyncio.Future) -> None:
+        try:
+            await fut
+        except asyncio.CancelledError:
+            self.cancel()               # the consumer went away: so does the stream
+            raise
+
+    # ---- producer side (job completions) -------------------------------------------
+    def _left(self) -> float | None:
+        if math.isinf(self._deadline):
+            return None
+        return max(1e-9, self._deadline - self._clock.now())
+
+    def _submit(self, request: Request) -> None:
+        try:
+            handle = self.sequence.run(request)
+        except CalfsmError as e:
+            self._on_error(e)
+            return
+        with self._lock:
+            self._handle = handle
+            cancelled = self._cancelled
+        if cancelled:
+            handle.cancel()
+        handle.add_done_callback(self._step_done)
+
+    def _step_done(self, handle: JobHandle) -> None:
+        try:
+            err = handle.exception(0)
+            if err is not None:
+                self._on_error(err)
+                return
+            self._on_logits(handle.result(0))
+        except Exception as e:          # a bug must not leave the consumer waiting
+            log.exception("stream step of sequence %s failed", self.sequence.seq_id)
+            self._finish(FinishReason.ERROR, e if isinstance(e, CalfsmError) else Internal(
+                f"unexpected {type(e).__name__} in a stream step: {e}",
+                seq_id=self.sequence.seq_id, stage="stream"))
+
+    def _on_logits(self, result: InferenceResult) -> None:
+        if self._cancelled:
+            self._finish(FinishReason.CANCELLED)
+            return
+        want, self._replay_check = self._replay_check, None
+        try:
+            # a replay after a resume draws nothing: the seeded sequence of draws goes
+            # on as if no fault had happened; greedy checks the replay instead
+            token = want if want is not None and not self.params.greedy \
+                else self._sampler.sample(result.logits)
+        except CalfsmError as e:
+            self._finish(FinishReason.ERROR, e)
+            return
+        if want is not None:
+            if token != want:
+                self._finish(FinishReason.ERROR, Internal(
+                    f"the replay after a reset gave token {token}, not {want}",
+                    seq_id=self.sequence.seq_id, stage="resume"))
+                return
+        elif self.params.is_stop(token):
+            self._finish(FinishReason.STOP)
+            return
+        else:
+            self._deliver(token, result)
+        position = self.sequence.position        # where ``token`` goes
+        n = len(self._tokens)
+        if n >= self.params.max_tokens or position >= self._max_seq:
+            self._finish(FinishReason.LENGTH)
+        elif self._cancelled:
+            self._finish(FinishReason.CANCELLED)
+        elif self._clock.now() >= self._deadline:
+            self._finish(FinishReason.DEADLINE, DeadlineExceeded(
+                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"))
+        else:
+            self._submit(Request.decode(self.sequence.seq_id, token, position,
+                                        target=self._row, deadline_s=self._left()))
+
+    def _deliver(self, token: int, result: InferenceResult) -> None:
+        now = self._clock.now()
+        with self._lock:
+            self._tokens.append(token)
+            self._times.append(now)
+            self._events.append(TokenEvent(token, self.sequence.position,
+                                           len(self._tokens) - 1, result.timings))
+            self._wake_locked()
+
+    def _on_error(self, err: CalfsmError) -> None:
+        if isinstance(err, Cancelled) or self._cancelled:
+            self._finish(FinishReason.CANCELLED, err if isinstance(err, Cancelled) else None)
+        elif isinstance(err, DeadlineExceeded) and self._clock.now() >= self._deadline:
+            self._finish(FinishReason.DEADLINE, err)
+        elif self._resumable(err):
+            self._wait_for_ready()
+        else:
+            if self._lost(err):
+                err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost in a "
+                                  f"device reset ({err.message})",
+                                  seq_id=self.sequence.seq_id, stage="stream",
+                                  retry_after_s=self.sequence.executor.lifecycle.retry_after_s)
+            self._finish(FinishReason.ERROR, err)
+
+    def _lost(self, err: CalfsmError) -> bool:
+        return self.sequence.state == SequenceState.LOST or "lost in the reset" in err.message
+
+    def _resumable(self, err: CalfsmError) -> bool:
+        return self._resume and self._resumes < self._max_resumes and (
+            self._lost(err) or (isinstance(err, Unavailable) and err.retry_after_s is not None))
+
+    # ---- resume --------------------------------------------------------------------
+    def _wait_for_ready(self) -> None:
+        """Replay once the executor is Ready again (a lifecycle listener; the replay
+        itself is deferred to the executor's admission step, outside every lock)."""
+        self._resumes += 1
+        ex = self.sequence.executor
+        if ex.lifecycle.ready:
+            ex.defer(self._replay)
+            return
+        with self._lock:
+            if not self._listening:
+                self._listening = True
+                ex.lifecycle.on_change(self._lifecycle_changed)
+
+    def _lifecycle_changed(self) -> None:
+        ex = self.sequence.executor
+        life = ex.lifecycle
+        if not self._listening:
+            return
+        if life.ready or life.closing or life.state == "Failed":
+            self._listening = False
+            life.remove_listener(self._lifecycle_changed)
+            if life.ready:
+                ex.defer(self._replay)
+            else:
+                self._finish(FinishReason.ERROR, Unavailable(
+                    f"device {life.state} while the stream waited to resume",
+                    seq_id=self.sequence.seq_id, stage="resume"))
+
+    def _replay(self) -> None:
+        if self._cancelled:
+            self._finish(FinishReason.CANCELLED)
+            return
+        seq = self.sequence
+        if self._start:
+            self._finish(FinishReason.ERROR, Unavailable(
+                "cannot resume a stream that started after earlier KV of its sequence: "
+                "reset() the sequence and send the whole prompt again",
+                seq_id=seq.seq_id, stage="resume", retry_after_s=0.0))
+            return
+        try:
+            seq.reset()
+        except CalfsmError as e:
+            self._finish(FinishReason.ERROR, e)
+            return
+        history = list(self.prompt) + self._tokens[:-1]
+        self._replay_check = self._tokens[-1] if self._tokens else None
+        log.warning("stream on sequence %s resumes after a reset: replaying %s tokens",
+                    seq.seq_id, len(history), extra={"seq_id": seq.seq_id,
+                                                     "stage": "resume"})
+        self._submit(Request.prefill(seq.seq_id, history, target=self._row,
+                                     deadline_s=self._left()))
+
+    # ---- ending --------------------------------------------------------------------
+    def _finish(self, reason: FinishReason, error: CalfsmError | None = None) -> None:
+        with self._lock:
+            if self._result is not None:
+                return
+            times = self._times
+            ttft = times[0] - self._t0 if times else None
+            itl = tuple(b - a for a, b in itertools.pairwise(times))
+            self._result = GenerationResult(
+                tuple(self._tokens), reason, Usage(len(self.prompt), len(self._tokens)),
+                ttft, itl, error, self._resumes)
+            self._wake_locked()
+        if self._listening:
+            self._listening = False
+            self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
+        if self._close_sequence:
+            self.sequence.executor.defer(self.sequence.close)
+
+    def _wake_locked(self) -> None:
+        self._lock.notify_all()
+        waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_settle, fut)
+
+    def __repr__(self) -> str:
+        state = self._result.finish_reason.value if self._result else "running"
+        return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
