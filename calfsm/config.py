@@ -60,6 +60,7 @@ class ExecutorStats:
     failed: int
     cancelled: int
     quarantined: int
+    discarded: int                  # a stream's step prepared ahead that was not needed
     stale_completions: int
     recoveries: int
     requeued: int

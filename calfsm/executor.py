@@ -146,6 +146,25 @@ class DeviceExecutor:
             seq.close()
             raise
 
+    # ---- overlap scheduling: a stream's next step prepared ahead ---------------------
+    def stage(self, request: Request) -> JobHandle | None:
+        """Prepare ``request`` (a stream's next step, its token a placeholder) while the
+        step before it runs: a slot leased and the inputs written, no KV, no queue.
+        None when that cannot be done now (the step then goes the ordinary way)."""
+        job = self._pipeline.stage(request, self._pipeline.cancel)
+        return None if job is None else job.handle
+
+    def release_staged(self, handle: JobHandle, request: Request) -> bool:
+        """Run a staged step with its real ``request`` (the token now known): KV reserved
+        and queued for submit at once. False if the step is gone (it has its outcome)."""
+        return self._pipeline.release_staged(handle.context, request)
+
+    def discard_staged(self, handle: JobHandle) -> None:
+        """A staged step that will not run: its slot comes back (outcome discarded)."""
+        self._pipeline.discard_staged(handle.context, Cancelled(
+            "a step prepared ahead was not needed", stage="stage",
+            job_id=handle.job_id, seq_id=handle.seq_id))
+
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` soon on the admission side, outside every lock."""
         self._pipeline.defer(fn)

@@ -78,7 +78,7 @@ _fire_if = JOB_MACHINE.fire_if_declared
 _READY = LifecycleState.READY
 
 #: the counters :meth:`Pipeline.counts` reports, each bumped under the queue lock
-COUNTERS = ("accepted", "succeeded", "failed", "cancelled", "quarantined",
+COUNTERS = ("accepted", "succeeded", "failed", "cancelled", "quarantined", "discarded",
             "stale_completions", "recoveries", "requeued")
 
 
@@ -148,6 +148,7 @@ class Pipeline:
         self._complete_q: deque[JobContext] = deque()
         self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
         self._deferred: deque[Callable[[], None]] = deque()   # work to run outside locks
+        self._staged: list[JobContext] = []         # streams' next steps, prepared ahead
         self._on_device: list[JobContext] = []      # submitted, wait not returned
         self._inflight = 0
         self._waiting = 0                           # accepted, not submitted nor ended
@@ -211,7 +212,7 @@ class Pipeline:
         deferred work is left."""
         with self._lock:
             return not (self._parked or self._submit_q or self._complete_q
-                        or self._on_device or self._deferred)
+                        or self._on_device or self._deferred or self._staged)
 
     def has_parked(self) -> bool:
         return bool(self._parked)
@@ -487,6 +488,97 @@ class Pipeline:
             self._failed_to_start(job, e)
         return True
 
+    # ---- overlap: a stream's next step, prepared ahead ------------------------------
+    def stage(self, request: Request, canceller: Callable[[JobContext], None]
+              ) -> JobContext | None:
+        """Prepare a stream's next step while the one before runs: lease a slot and
+        write its inputs (the token is a placeholder), reserving no KV and queueing
+        nothing. None, with nothing taken, when no slot is free now, a job waits for
+        admission (a slot taken ahead must never starve it: first come, first served),
+        or the executor is not Ready: the step then takes the ordinary path when its
+        token is known."""
+        epoch = self.life.epoch
+        if epoch is None or not self.life.ready or self._broken is not None \
+                or self._parked:
+            return None
+        try:
+            lease = epoch.pool.acquire(request.kind, self.engines[0])
+        except (ResourceExhausted, Unavailable):
+            return None
+        try:
+            job = self.accept(request, canceller)
+        except CalfsmError:
+            epoch.pool.release(lease)
+            return None
+        job.lease = lease
+        try:
+            if job.epoch is not epoch:
+                raise Unavailable("the generation changed while staging",
+                                  **_ctx(job, "stage"))
+            self.validate(job)
+            _fire(job, "stage")
+            lease.bind(job_id=job.job_id, seq_id=job.seq_id)
+            lease.load(job.seq_id, request.tokens, request.positions)
+        except CalfsmError as e:
+            self._failed_to_start(job, e)
+            return None
+        with self._lock:
+            self._staged.append(job)
+        return job
+
+    def release_staged(self, job: JobContext, request: Request) -> bool:
+        """The token of a staged step is known: write it, reserve the step's KV and
+        queue it for submit. False if the step is gone (a drain or close took it: it has
+        its outcome). A step whose KV must wait goes the ordinary way (parked)."""
+        with self._lock:
+            if job not in self._staged:
+                return False
+            self._staged.remove(job)
+        job.request = request
+        try:
+            job.lease.write_inputs(request.tokens, request.positions)
+            if self.life.state != _READY or job.epoch is not self.life.epoch:
+                raise Unavailable(f"device is {self.life.state}",
+                                  retry_after_s=self.life.retry_after_s,
+                                  **_ctx(job, "stage"))
+            kv = job.epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
+                                          job_id=job.job_id)
+            if kv is None:          # KV must wait: give the slot back, take the queue
+                lease, job.lease = job.lease, None
+                lease.undo_slices()
+                job.epoch.pool.release(lease)
+                _fire(job, "unstage")
+                self.start(job, wait=False)
+                return True
+            job.kv = kv
+            _fire(job, "admit")
+            job.timings.admitted = now = self.clock.now()
+            _fire(job, "prepare")
+            job.timings.queued = now
+            job.queue_deadline = min(job.deadline, now + self.t.queue_s)
+            with self._lock:
+                if not (job.cancel_requested or self.life.closing):
+                    _fire(job, "enqueue")
+                    self._submit_q.append(job)
+                    self.hooks.work_queued()
+                    return True
+            raise Cancelled("cancelled before submit", **_ctx(job, "stage"))
+        except CalfsmError as e:
+            self._failed_to_start(job, e)
+        except Exception as e:
+            self._failed_to_start(job, Internal(
+                f"unexpected {type(e).__name__} releasing a staged step: {e}",
+                category=ErrorCategory.UNKNOWN, **_ctx(job, "stage")))
+        return True
+
+    def discard_staged(self, job: JobContext, err: CalfsmError) -> None:
+        """A staged step that will not run (its stream ended): everything comes back."""
+        with self._lock:
+            if job not in self._staged:
+                return
+            self._staged.remove(job)
+        self.fail_before_submit(job, err, outcome="discarded")
+
     # ---- cancel --------------------------------------------------------------------
     def cancel(self, job: JobContext) -> None:
         """Stop a job. Whoever owns it sees the flag at its next step boundary; a job
@@ -511,9 +603,10 @@ class Pipeline:
     def take_waiting(self) -> list[JobContext]:
         """Remove and return every job that has not reached the device."""
         with self._lock:
-            jobs = list(self._parked) + list(self._submit_q)
+            jobs = list(self._parked) + list(self._submit_q) + self._staged
             self._parked.clear()
             self._submit_q.clear()
+            self._staged = []
         self.hooks.changed()
         return jobs
 
@@ -834,8 +927,10 @@ class Pipeline:
                 "result discarded", **_ctx(job, "stale_completion")), "quarantined")
 
     # ---- ending a job --------------------------------------------------------------
-    def fail_before_submit(self, job: JobContext, err: CalfsmError) -> None:
-        """Fail a job the device never ran: undo slices, return the lease, roll back KV."""
+    def fail_before_submit(self, job: JobContext, err: CalfsmError, *,
+                           outcome: str | None = None) -> None:
+        """Fail a job the device never ran: undo slices, return the lease, roll back KV.
+        ``outcome``: the counter it ends in (default: cancelled or failed)."""
         if isinstance(err, Cancelled):
             _fire_if(job, "cancel")
         epoch = job.epoch
@@ -856,7 +951,8 @@ class Pipeline:
                 log.warning("KV rollback failed while failing a job: %s", e,
                             extra=e.context())
         _fire_if(job, "fail")
-        self._finish(job, err, "cancelled" if isinstance(err, Cancelled) else "failed")
+        self._finish(job, err, outcome or (
+            "cancelled" if isinstance(err, Cancelled) else "failed"))
         self.hooks.job_parked()         # what it held came free
         if kv_error is not None:
             self._apply(self.faults.decide(kv_error, self.clock.now()))

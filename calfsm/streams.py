@@ -58,6 +58,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.job import InferenceResult, JobHandle, JobTimings
+from calfsm.machines.job import JobState
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
@@ -157,6 +158,34 @@ class Sequence:
         self._last = handle
         handle.add_done_callback(self._job_done)
         return handle
+
+    def stage(self, request: Request) -> JobHandle | None:
+        """Prepare this sequence's next step while its current one runs (overlap
+        scheduling); None if it cannot be prepared now."""
+        if request.seq_id != self.seq_id or self.state == SequenceState.LOST:
+            return None
+        return self.executor.stage(request)
+
+    def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
+        """Run a staged step with its real request; None (nothing run) if the sequence
+        cannot take it now or the step is gone — the caller then runs it the ordinary
+        way."""
+        with self._lock:
+            if self.state != SequenceState.OPEN or self._kv_lost():
+                ok = False
+            else:
+                _fire(self, "start_job")
+                ok = True
+        if not ok:
+            self.executor.discard_staged(staged)
+            return None
+        if not self.executor.release_staged(staged, request):
+            with self._lock:
+                _fire_if(self, "job_ended")
+            return None
+        self._last = staged
+        staged.add_done_callback(self._job_done)
+        return staged
 
     def _check_lost_locked(self) -> None:
         """A reset lost this sequence's KV while it was idle: say so before a job fails."""
@@ -321,7 +350,14 @@ class Stream:
         self._max_resumes = max_resumes
         self._resumes = 0
         self._close_sequence = close_sequence
-        self._row = np.empty(contract.vocab, dtype=np.float32)
+        # two logits rows: the step on the device writes one while the next is staged
+        # with the other (a row is the sampler's to consume until its step's token is out)
+        self._rows = (np.empty(contract.vocab, dtype=np.float32),
+                      np.empty(contract.vocab, dtype=np.float32))
+        self._flip = 0
+        self._staged: JobHandle | None = None
+        self._staged_pos = -1
+        self._next_pos = -1             # where the token of the step in flight goes
         self._tokens: list[int] = []
         self._times: list[float] = []
         self._t0 = now
@@ -335,7 +371,7 @@ class Stream:
         self._replay_check: int | None = None
         self._listening = False
         self._submit(Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                     target=self._row, deadline_s=self._left()))
+                                     target=self._row(), deadline_s=self._left()))
 
     # ---- consumer side -------------------------------------------------------------
     def cancel(self) -> bool:
@@ -408,23 +444,79 @@ class Stream:
             raise
 
     # ---- producer side (job completions) -------------------------------------------
+    def _row(self) -> np.ndarray:
+        """The logits row for the next step (alternating)."""
+        self._flip ^= 1
+        return self._rows[self._flip]
+
     def _left(self) -> float | None:
         if math.isinf(self._deadline):
             return None
         return max(1e-9, self._deadline - self._clock.now())
 
-    def _submit(self, request: Request) -> None:
-        try:
-            handle = self.sequence.run(request)
-        except CalfsmError as e:
-            self._on_error(e)
-            return
+    def _submit(self, request: Request, staged: JobHandle | None = None) -> None:
+        """Run the next step: the staged one with its real request if there is one, else
+        the ordinary way; then prepare the step after it (deferred, off this thread)."""
+        handle = None
+        if staged is not None:
+            handle = self.sequence.release(staged, request)
+        if handle is None:
+            try:
+                handle = self.sequence.run(request)
+            except CalfsmError as e:
+                self._on_error(e)
+                return
         with self._lock:
             self._handle = handle
+            self._next_pos = request.past_len + request.token_count
             cancelled = self._cancelled
         if cancelled:
             handle.cancel()
         handle.add_done_callback(self._step_done)
+        if not cancelled and self._worth_staging():
+            self.sequence.executor.defer(self._stage_next)
+
+    def _worth_staging(self) -> bool:
+        """Another decode may follow the step in flight."""
+        return len(self._tokens) + 1 < self.params.max_tokens \
+            and self._next_pos < self._max_seq
+
+    def _stage_next(self) -> None:
+        """Prepare the decode that will carry the in-flight step's token (its token is a
+        placeholder until that step completes)."""
+        with self._lock:
+            if self._result is not None or self._cancelled or self._staged is not None:
+                return
+            pos = self._next_pos
+            inflight = self._handle
+        # only behind a step that holds its own slot: a staged step waits for the one
+        # before it, so that one must never wait for a slot (no deadlock)
+        if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED):
+            return
+        staged = self.sequence.stage(Request.decode(
+            self.sequence.seq_id, 0, pos, target=self._row(), deadline_s=self._left()))
+        if staged is None:
+            return
+        with self._lock:
+            keep = self._result is None and not self._cancelled and self._next_pos == pos \
+                and self._staged is None and not self._taken(pos)
+            if keep:
+                self._staged, self._staged_pos = staged, pos
+        if not keep:                     # the step it was for completed meanwhile
+            self.sequence.executor.discard_staged(staged)
+
+    def _taken(self, pos: int) -> bool:
+        """The decode at ``pos`` already went the ordinary way."""
+        handle = self._handle
+        return handle is not None and handle.context.past_len >= pos
+
+    def _take_staged(self, pos: int) -> JobHandle | None:
+        with self._lock:
+            staged, self._staged = self._staged, None
+            ok = staged is not None and self._staged_pos == pos
+        if staged is not None and not ok:
+            self.sequence.executor.discard_staged(staged)
+        return staged if ok else None
 
     def _step_done(self, handle: JobHandle) -> None:
         try:
@@ -440,6 +532,8 @@ class Stream:
                 seq_id=self.sequence.seq_id, stage="stream"))
 
     def _on_logits(self, result: InferenceResult) -> None:
+        """A step's logits are in: sample, hand the next step to the submitter, then
+        deliver the token (so the device is busy again while the caller reads it)."""
         if self._cancelled:
             self._finish(FinishReason.CANCELLED)
             return
@@ -452,37 +546,43 @@ class Stream:
         except CalfsmError as e:
             self._finish(FinishReason.ERROR, e)
             return
-        if want is not None:
-            if token != want:
-                self._finish(FinishReason.ERROR, Internal(
-                    f"the replay after a reset gave token {token}, not {want}",
-                    seq_id=self.sequence.seq_id, stage="resume"))
-                return
-        elif self.params.is_stop(token):
+        if want is not None and token != want:
+            self._finish(FinishReason.ERROR, Internal(
+                f"the replay after a reset gave token {token}, not {want}",
+                seq_id=self.sequence.seq_id, stage="resume"))
+            return
+        if want is None and self.params.is_stop(token):
             self._finish(FinishReason.STOP)
             return
-        else:
-            self._deliver(token, result)
         position = self.sequence.position        # where ``token`` goes
-        n = len(self._tokens)
-        if n >= self.params.max_tokens or position >= self._max_seq:
-            self._finish(FinishReason.LENGTH)
+        delivered = len(self._tokens) + (want is None)
+        if delivered >= self.params.max_tokens or position >= self._max_seq:
+            reason: FinishReason | None = FinishReason.LENGTH
         elif self._cancelled:
-            self._finish(FinishReason.CANCELLED)
+            reason = FinishReason.CANCELLED
         elif self._clock.now() >= self._deadline:
-            self._finish(FinishReason.DEADLINE, DeadlineExceeded(
-                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"))
+            reason = FinishReason.DEADLINE
         else:
+            reason = None
+            staged = self._take_staged(position)
+            target = staged.context.request.target if staged is not None else self._row()
             self._submit(Request.decode(self.sequence.seq_id, token, position,
-                                        target=self._row, deadline_s=self._left()))
+                                        target=target, deadline_s=self._left()), staged)
+        if want is None and reason is not FinishReason.CANCELLED:
+            self._deliver(token, result, position)
+        if reason is FinishReason.DEADLINE:
+            self._finish(reason, DeadlineExceeded(
+                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"))
+        elif reason is not None:
+            self._finish(reason)
 
-    def _deliver(self, token: int, result: InferenceResult) -> None:
+    def _deliver(self, token: int, result: InferenceResult, position: int) -> None:
         now = self._clock.now()
         with self._lock:
             self._tokens.append(token)
             self._times.append(now)
-            self._events.append(TokenEvent(token, self.sequence.position,
-                                           len(self._tokens) - 1, result.timings))
+            self._events.append(TokenEvent(token, position, len(self._tokens) - 1,
+                                           result.timings))
             self._wake_locked()
 
     def _on_error(self, err: CalfsmError) -> None:
@@ -557,7 +657,7 @@ class Stream:
         log.warning("stream on sequence %s resumes after a reset: replaying %s tokens",
                     seq.seq_id, len(history), extra={"seq_id": seq.seq_id,
                                                      "stage": "resume"})
-        self._submit(Request.prefill(seq.seq_id, history, target=self._row,
+        self._submit(Request.prefill(seq.seq_id, history, target=self._row(),
                                      deadline_s=self._left()))
 
     # ---- ending --------------------------------------------------------------------
@@ -572,6 +672,10 @@ class Stream:
                 tuple(self._tokens), reason, Usage(len(self.prompt), len(self._tokens)),
                 ttft, itl, error, self._resumes)
             self._wake_locked()
+        with self._lock:
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            self.sequence.executor.discard_staged(staged)
         if self._listening:
             self._listening = False
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)

@@ -40,7 +40,7 @@ def test_job_page_shows_guard_initial_and_terminal() -> None:
     assert "Completing --> Succeeded: succeed [deliverable]" in page
     assert "Declared in `calfsm/machines/job.py`." in page
     assert "class Succeeded,Failed,Quarantined terminal" in page
-    assert "| `Created` | initial | `admit`, `cancel`, `fail` |" in page
+    assert "| `Created` | initial | `stage`, `admit`, `cancel`, `fail` |" in page
     assert "| `succeed` | `Completing` | `Succeeded` | `deliverable` |" in page
     assert page.count("```mermaid\nstateDiagram-v2\n") == 1
 

@@ -9,6 +9,12 @@ to stop (``JobHandle.cancel``) sets the job's ``cancel_requested`` flag; the own
 it at its next step boundary and fires ``cancel``. That keeps triggers single-threaded
 per job without a lock per job.
 
+``Staged`` is a stream's next step prepared ahead (overlap scheduling): its buffer
+slot is leased and its inputs written while the step before it runs, but it holds no KV
+yet and is in no queue. When the token it carries is known it is ``admit``-ted (its KV
+reserved) and queued; if its KV must wait it is ``unstage``-d (slot returned) and takes
+the ordinary path.
+
 ``CancelRequested`` exists only before submit: once ``infer()`` succeeded the device owns
 the buffers, so a cancel merely stops delivery (the ``deliverable`` guard of ``succeed``)
 and the job still goes through ``complete``. A job in Submitted leaves only through its
@@ -32,6 +38,7 @@ __all__ = ["JOB_MACHINE", "JobState", "deliverable"]
 
 class JobState(enum.StrEnum):
     CREATED = "Created"
+    STAGED = "Staged"
     ADMITTED = "Admitted"
     PREPARING = "Preparing"
     QUEUED = "Queued"
@@ -49,10 +56,12 @@ def deliverable(event: EventData) -> bool:
 
 
 S = JobState
-BEFORE_SUBMIT = [S.CREATED, S.ADMITTED, S.PREPARING, S.QUEUED]
+BEFORE_SUBMIT = [S.CREATED, S.STAGED, S.ADMITTED, S.PREPARING, S.QUEUED]
 
 TRANSITIONS = [
-    {"trigger": "admit", "source": S.CREATED, "dest": S.ADMITTED},
+    {"trigger": "stage", "source": S.CREATED, "dest": S.STAGED},
+    {"trigger": "unstage", "source": S.STAGED, "dest": S.CREATED},
+    {"trigger": "admit", "source": [S.CREATED, S.STAGED], "dest": S.ADMITTED},
     {"trigger": "prepare", "source": S.ADMITTED, "dest": S.PREPARING},
     {"trigger": "enqueue", "source": S.PREPARING, "dest": S.QUEUED},
     {"trigger": "submit", "source": S.QUEUED, "dest": S.SUBMITTED},
