@@ -42,7 +42,9 @@ from calfsm.manifest import (
 )
 from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
+from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
+from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream, TokenEvent, Usage
 
 if TYPE_CHECKING:
     from calfsm.drivers.calrt import CalrtDriver
@@ -65,6 +67,8 @@ __all__ = [
     "FailedPrecondition",
     "FaultPlan",
     "FaultRule",
+    "FinishReason",
+    "GenerationResult",
     "Health",
     "IllegalTransition",
     "Incompatible",
@@ -80,13 +84,18 @@ __all__ = [
     "RecoveryPolicy",
     "Request",
     "ResourceExhausted",
+    "SamplingParams",
+    "Sequence",
     "SimDriver",
     "StepScheduler",
+    "Stream",
     "SubmodelContract",
     "TaskKind",
     "TensorContract",
+    "TokenEvent",
     "Unavailable",
     "Unsupported",
+    "Usage",
     "__version__",
     "builtin_manifest",
     "from_calrt",

@@ -12,6 +12,7 @@ README_NAMES = {
     "Health", "SimDriver", "FaultPlan", "CalrtDriver", "Manifest", "builtin_manifest",
     "TaskKind", "CalfsmError", "InvalidArgument", "Unavailable", "ExecutorClosed",
     "DeadlineExceeded", "Cancelled", "ResourceExhausted", "StepScheduler",
+    "SamplingParams", "Stream", "Sequence", "GenerationResult",
 }
 
 
