@@ -1,10 +1,15 @@
 """``calfsm run``: the main job — a seeded workload through the executor, with a summary.
 
-It runs N seeded prompts, each a prefill followed by greedy decode, on several sequences
-at once (one request thread per sequence), through a threaded :class:`DeviceExecutor` on
-the chosen driver (the simulated device by default). It shows a progress bar (stderr) and
-ends with a table (stdout): every prompt and job it tried with its outcome — refusals at
-enqueue included — tokens/s, P50/P99 time per token, leased buffers at exit.
+It runs N seeded prompts, each a prefill followed by decodes (greedy, or sampled with a
+seed per prompt), on several sequences at once (one request thread per sequence),
+through a threaded :class:`DeviceExecutor` on the chosen driver (the simulated device by
+default). On the ``streams`` path (the default) each prompt is a
+:class:`~calfsm.streams.Stream` on a sequence of its own: the library samples each token
+and enqueues the next step; the ``jobs`` path is the hand-written loop of one enqueue and
+result per step, sampled and stopped alike, to compare with. It shows a progress bar
+(stderr) and ends with a table (stdout): every prompt and job it tried with its outcome —
+refusals at enqueue included — tokens/s, P50/P99 time to first token, time per output
+token (between a prompt's tokens) and decode job time, leased buffers at exit.
 
 Errors go to stderr, one line each; a non-zero exit always prints one. Exit status: 0
 the workload ran (individual jobs may have failed under injected faults); 2 bad usage or
@@ -15,6 +20,7 @@ shutdown could not drain the device — a supervisor should restart the process.
 from __future__ import annotations
 
 import argparse
+import itertools
 import logging
 import math
 import random
@@ -22,25 +28,33 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import attrs
 import numpy as np
 
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.errors import CalfsmError, InvalidArgument, Unavailable
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.job import InferenceResult, Request
+from calfsm.job import JobHandle, Request
 from calfsm.machines.lifecycle import LifecycleState
-from calfsm.manifest import Manifest, TaskKind, builtin_manifest, builtin_manifest_names
+from calfsm.manifest import (
+    Manifest,
+    SubmodelContract,
+    TaskKind,
+    builtin_manifest,
+    builtin_manifest_names,
+)
+from calfsm.sampling import SamplingParams
 
 if TYPE_CHECKING:
     from calfsm.drivers.faults import FaultPlan
     from calfsm.drivers.sim import LatencyModel
 
-__all__ = ["EXIT_DEVICE_FAILED", "EXIT_OK", "EXIT_USAGE", "build_driver", "main",
-           "run_workload"]
+__all__ = ["EXIT_DEVICE_FAILED", "EXIT_OK", "EXIT_USAGE", "PATHS", "CountingExecutor",
+           "build_driver", "main", "prompt_params", "run_workload"]
 
 EXIT_OK = 0
 EXIT_USAGE = 2
@@ -57,6 +71,8 @@ exit status:
 
 #: ``--latency real:`` parameters: name -> (default, unit in seconds)
 _LATENCY_PARAMS = {"decode_ms": (10.0, 1e-3), "prefill_token_us": (50.0, 1e-6)}
+#: the workload's paths: a stream per prompt, or the hand-written loop of jobs
+PATHS = ("streams", "jobs")
 #: options that take a count of at least one
 _COUNTS = ("prompts", "sequences", "tokens", "max_prompt", "max_inflight")
 
@@ -125,61 +141,138 @@ def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,
     return load_driver(name, manifest_or_calbin=manifest, **kw)
 
 
+class CountingExecutor(DeviceExecutor):
+    """A :class:`DeviceExecutor` that counts every job enqueued, and the refusals at
+    enqueue by category, on every entry: ``enqueue`` (the jobs path), ``enqueue_nowait``
+    and ``release_staged`` (a stream's steps, the ordinary way or prepared ahead; a step
+    prepared ahead and discarded never ran, and is not a job here): the summary accounts
+    for every job tried."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._count_lock = threading.Lock()
+        self.jobs_enqueued = 0
+        self.jobs_refused: Counter[str] = Counter()     # category -> jobs refused
+        super().__init__(*args, **kwargs)
+
+    def enqueue(self, request: Request) -> JobHandle:
+        return self._counted(super().enqueue, request)
+
+    def enqueue_nowait(self, request: Request) -> JobHandle:
+        return self._counted(super().enqueue_nowait, request)
+
+    def release_staged(self, handle: JobHandle, request: Request) -> bool:
+        released = super().release_staged(handle, request)
+        if released:
+            with self._count_lock:
+                self.jobs_enqueued += 1
+        return released
+
+    def _counted(self, enqueue: Callable[[Request], JobHandle], request: Request
+                 ) -> JobHandle:
+        with self._count_lock:
+            self.jobs_enqueued += 1
+        try:
+            return enqueue(request)
+        except CalfsmError as e:
+            with self._count_lock:
+                self.jobs_refused[e.category.value] += 1
+            raise
+
+    def enqueue_counts(self) -> tuple[int, dict[str, int]]:
+        """(jobs enqueued, category -> jobs refused at enqueue), a snapshot."""
+        with self._count_lock:
+            return self.jobs_enqueued, dict(self.jobs_refused)
+
+
 class _Tally:
-    """What the sequence threads record, under one lock: every job and prompt tried."""
+    """What the sequence threads record, under one lock: every prompt's outcome, tokens
+    and timings."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        self.per_token_s: list[float] = []
-        self.jobs = 0                               # enqueue calls
-        self.refused: Counter[str] = Counter()      # category -> jobs refused at enqueue
+        self.job_s: list[float] = []                # decode jobs: accepted -> completed
+        self.ttft_s: list[float] = []               # prompt start -> its first token
+        self.itl_s: list[float] = []                # between a prompt's tokens
+        self.outputs: dict[int, tuple[int, ...]] = {}
         self.completed = 0                          # prompts that ran all their tokens
         self.failed: Counter[str] = Counter()       # category -> prompts an error ended
 
-    def run(self, ex: DeviceExecutor, request: Request) -> InferenceResult:
-        """Enqueue one job and wait for its result; a refusal at enqueue is counted."""
+    def decode_job(self, seconds: float) -> None:
         with self.lock:
-            self.jobs += 1
-        try:
-            handle = ex.enqueue(request)
-        except CalfsmError as e:
-            with self.lock:
-                self.refused[e.category.value] += 1
-            raise
-        return handle.result()
+            self.job_s.append(seconds)
 
-    def token(self, seconds: float) -> None:
+    def prompt_ended(self, index: int, tokens: Sequence[int], ttft_s: float | None,
+                     itl_s: Sequence[float], error: CalfsmError | None) -> None:
         with self.lock:
-            self.per_token_s.append(seconds)
-
-    def prompt_ended(self, error: CalfsmError | None) -> None:
-        with self.lock:
+            self.outputs[index] = tuple(tokens)
+            if ttft_s is not None:
+                self.ttft_s.append(ttft_s)
+            self.itl_s.extend(itl_s)
             if error is None:
                 self.completed += 1
             else:
                 self.failed[error.category.value] += 1
 
 
-def run_workload(ex: DeviceExecutor, *, prompts: int, sequences: int, tokens: int,
-                 seed: int, max_prompt: int, progress: Any = None) -> dict[str, Any]:
-    """Run the workload; return the numbers of the summary table: ``jobs`` enqueued,
-    ``refused`` (category -> jobs refused at enqueue), ``prompts_completed``, ``errors``
-    (category -> prompts an error ended), ``tokens``, ``wall_s``, ``tokens_per_s``,
-    ``p50_ms`` and ``p99_ms`` per token."""
-    vocab = ex.epoch.model.submodel(TaskKind.DECODE).vocab
+def _percentiles_ms(samples: list[float]) -> tuple[float | None, float | None]:
+    if not samples:
+        return None, None
+    ms = np.asarray(samples) * 1e3
+    return float(np.percentile(ms, 50)), float(np.percentile(ms, 99))
+
+
+def prompt_params(sampling: SamplingParams, index: int, tokens: int) -> SamplingParams:
+    """Prompt ``index``'s sampling: ``sampling`` with ``tokens + 1`` tokens (the
+    prefill's, then one per decode) and, when seeded, the seed ``sampling.seed + index``."""
+    seed = sampling.seed + index if sampling.seed is not None else None
+    return attrs.evolve(sampling, seed=seed, max_tokens=tokens + 1)
+
+
+def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: int,
+                 seed: int, max_prompt: int, progress: Any = None, path: str = "streams",
+                 sampling: SamplingParams | None = None, resume: bool = False
+                 ) -> dict[str, Any]:
+    """Run the workload on ``path`` (``streams`` or ``jobs``); return the numbers of the
+    summary table: ``jobs`` enqueued, ``refused`` (category -> jobs refused at enqueue),
+    ``prompts_completed``, ``errors`` (category -> prompts an error ended), ``tokens``
+    (decoded: each prompt's first token comes from its prefill), ``wall_s``,
+    ``tokens_per_s``, ``p50_ms``/``p99_ms`` per decode job, ``ttft_p50_ms``/
+    ``ttft_p99_ms`` (time to first token), ``itl_p50_ms``/``itl_p99_ms`` (time per
+    output token), each None without samples, and ``outputs`` (prompt index -> its
+    tokens). ``resume`` (streams only): a stream whose KV a reset lost replays and
+    continues."""
+    if path not in PATHS:
+        raise InvalidArgument(f"path must be one of {', '.join(PATHS)}, got {path!r}",
+                              stage="cli")
+    if resume and path != "streams":
+        raise InvalidArgument("resume applies to the streams path only", stage="cli")
+    sampling = sampling or SamplingParams()
+    contract = ex.epoch.contract(TaskKind.DECODE)
+    vocab = contract.vocab
     rng = random.Random(seed)
     work = [[rng.randrange(vocab) for _ in range(rng.randint(1, max_prompt))]
             for _ in range(prompts)]
     tally = _Tally()
-    queue = list(work)
+    queue = list(enumerate(work))
+    jobs_before, refused_before = ex.enqueue_counts()
 
-    def next_prompt() -> list[int] | None:
+    def next_prompt() -> tuple[int, list[int]] | None:
         with tally.lock:
             return queue.pop(0) if queue else None
 
     def sequence_worker(seq: int) -> None:
-        while (prompt := next_prompt()) is not None:
-            _one_prompt(ex, seq, prompt, tokens, tally, progress)
+        while (item := next_prompt()) is not None:
+            index, prompt = item
+            params = prompt_params(sampling, index, tokens)
+            if path == "streams":
+                error = _stream_prompt(ex, index, prompt, params, resume, tally)
+            else:
+                error = _jobs_prompt(ex, seq, index, prompt, params, contract, tally)
+            if isinstance(error, Unavailable) and ex.lifecycle_state != LifecycleState.FAILED:
+                # back off as the error asks before this sequence takes its next prompt
+                time.sleep(min(error.retry_after_s or 0.01, 0.05))
+            if progress is not None:
+                progress()
 
     threads = [threading.Thread(target=sequence_worker, args=(s,), name=f"seq-{s}")
                for s in range(sequences)]
@@ -189,39 +282,77 @@ def run_workload(ex: DeviceExecutor, *, prompts: int, sequences: int, tokens: in
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
-    generated = len(tally.per_token_s)
-    ptt = np.array(tally.per_token_s) * 1e3 if generated else np.zeros(1)
-    return {"jobs": tally.jobs, "refused": dict(tally.refused),
+    jobs, refused = ex.enqueue_counts()
+    refused = {k: n - refused_before.get(k, 0) for k, n in refused.items()
+               if n > refused_before.get(k, 0)}
+    generated = len(tally.itl_s)
+    p50, p99 = _percentiles_ms(tally.job_s)
+    ttft50, ttft99 = _percentiles_ms(tally.ttft_s)
+    itl50, itl99 = _percentiles_ms(tally.itl_s)
+    return {"jobs": jobs - jobs_before, "refused": refused,
             "prompts_completed": tally.completed, "errors": dict(tally.failed),
             "tokens": generated, "wall_s": wall,
             "tokens_per_s": generated / wall if wall > 0 else 0.0,
-            "p50_ms": float(np.percentile(ptt, 50)), "p99_ms": float(np.percentile(ptt, 99))}
+            "p50_ms": p50, "p99_ms": p99, "ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99,
+            "itl_p50_ms": itl50, "itl_p99_ms": itl99,
+            "outputs": dict(sorted(tally.outputs.items()))}
 
 
-def _one_prompt(ex: DeviceExecutor, seq: int, prompt: list[int], n_tokens: int,
-                tally: _Tally, progress: Any) -> None:
-    error: CalfsmError | None = None
+def _stream_prompt(ex: DeviceExecutor, index: int, prompt: list[int],
+                   params: SamplingParams, resume: bool, tally: _Tally
+                   ) -> CalfsmError | None:
+    """One prompt as a :class:`~calfsm.streams.Stream` on a sequence of its own; the
+    error that ended it, or None."""
     try:
-        r = tally.run(ex, Request.prefill(seq, prompt))
-        token, pos = r.greedy(), len(prompt)
-        for _ in range(n_tokens):
-            r = tally.run(ex, Request.decode(seq, token, pos))
-            tally.token(r.timings.total_ms / 1e3)
-            token, pos = r.greedy(), pos + 1
+        with ex.open_sequence() as seq:
+            stream = seq.generate(prompt, params, resume=resume)
+            for event in stream:
+                if event.index:             # a decode's token (index 0: the prefill's)
+                    tally.decode_job(event.timings.total_ms / 1e3)
+            result = stream.result()
+    except CalfsmError as e:                # refused before the stream ran a job
+        tally.prompt_ended(index, (), None, (), e)
+        return e
+    tally.prompt_ended(index, result.tokens, result.ttft_s, result.inter_token_s,
+                       result.error)
+    return result.error
+
+
+def _jobs_prompt(ex: DeviceExecutor, seq: int, index: int, prompt: list[int],
+                 params: SamplingParams, contract: SubmodelContract, tally: _Tally
+                 ) -> CalfsmError | None:
+    """One prompt by hand on sequence ``seq``: a prefill, then one enqueue and result per
+    decode, sampled, stopped and timed as a stream does; the error that ended it, or
+    None."""
+    clock = ex.clock
+    max_seq = contract.max_seq
+    sampler = params.sampler_for(contract.vocab)
+    error: CalfsmError | None = None
+    out: list[int] = []
+    times: list[float] = []
+    t0 = clock.now()
+    try:
+        r = ex.enqueue(Request.prefill(seq, prompt)).result()
+        pos = len(prompt)
+        while True:
+            out.append(sampler.sample(r.logits))
+            times.append(clock.now())
+            if len(out) >= params.max_tokens or pos >= max_seq:
+                break
+            r = ex.enqueue(Request.decode(seq, out[-1], pos)).result()
+            tally.decode_job(r.timings.total_ms / 1e3)
+            pos += 1
     except CalfsmError as e:
         error = e
-        if isinstance(e, Unavailable) and ex.lifecycle_state != LifecycleState.FAILED:
-            # back off as the error asks before this sequence takes its next prompt
-            time.sleep(min(e.retry_after_s or 0.01, 0.05))
     finally:
-        tally.prompt_ended(error)
         try:
             if ex.lifecycle_state == LifecycleState.READY:
                 ex.reset_sequence(seq)
         except CalfsmError as e:   # the sequence may be busy in a recovery race
             log.debug("reset_sequence(%s): %s", seq, e)
-        if progress is not None:
-            progress()
+    tally.prompt_ended(index, out, times[0] - t0 if times else None,
+                       [b - a for a, b in itertools.pairwise(times)], error)
+    return error
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -235,8 +366,9 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 _DESCRIPTION = """\
-Run seeded prompts (a prefill, then greedy decodes) on several sequences through the
-executor; print progress and errors on stderr, the summary table on stdout."""
+Run seeded prompts (a prefill, then decodes, greedy unless a --temperature is given) on
+several sequences through the executor, as generation streams or as a hand-written loop
+of jobs; print progress and errors on stderr, the summary table on stdout."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -265,18 +397,57 @@ def _parser() -> argparse.ArgumentParser:
                           "never sleeps); real: a fixed latency on the wall clock, each "
                           "value a finite number >= 0 (decode_ms=10, "
                           "prefill_token_us=50 unless given)")
+    run.add_argument("--path", default="streams", choices=PATHS,
+                     help="streams: each prompt a generation stream on a sequence of its "
+                          "own (open_sequence + generate: the library samples and enqueues "
+                          "each next step); jobs: the hand-written loop, one enqueue and "
+                          "result per step, to compare with")
     run.add_argument("--prompts", type=int, default=16, metavar="N",
-                     help="prompts to run, each a prefill then --tokens greedy decodes")
+                     help="prompts to run, each a prefill then --tokens decodes")
     run.add_argument("--sequences", type=int, default=4, metavar="N",
                      help="sequences running prompts at once (one request thread each)")
     run.add_argument("--tokens", type=int, default=16, metavar="N",
-                     help="greedy tokens decoded per prompt")
+                     help="tokens decoded per prompt after the one its prefill gives "
+                          "(the table's 'tokens generated' counts these)")
     run.add_argument("--max-prompt", type=int, default=64, metavar="N",
                      help="longest prompt in tokens (lengths are drawn from 1..N)")
     run.add_argument("--max-inflight", type=int, default=1, metavar="N",
                      help="jobs the executor may keep on the device at once")
+    run.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                     help="sampling temperature, a finite number >= 0; 0 is greedy (then "
+                          "--top-k, --top-p and --sampling-seed do not apply)")
+    run.add_argument("--top-k", type=int, default=0, metavar="K",
+                     help="sample among the K most likely tokens only; 0 is off")
+    run.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                     help="sample from the smallest set of tokens holding probability P, "
+                          "in (0, 1]; 1 is off")
+    run.add_argument("--sampling-seed", type=int, default=None, metavar="N",
+                     help="seeds the draws: prompt i draws from seed N + i, so a run "
+                          "replays exactly on either path (default: --seed)")
+    run.add_argument("--resume", action="store_true",
+                     help="streams only: a stream whose KV a device reset lost re-prefills "
+                          "its prompt and tokens and goes on (without it the prompt fails, "
+                          "as on the jobs path)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
     return parser
+
+
+def _sampling(args: argparse.Namespace) -> SamplingParams:
+    """The options' :class:`SamplingParams` (the base of every prompt's), each value
+    checked on its own so that an error names its option."""
+    temperature = _option("--temperature", str(args.temperature),
+                          lambda _: SamplingParams(temperature=args.temperature))
+    top_k = _option("--top-k", str(args.top_k), lambda _: SamplingParams(top_k=args.top_k))
+    top_p = _option("--top-p", str(args.top_p), lambda _: SamplingParams(top_p=args.top_p))
+    if temperature.greedy:
+        seed = None                     # greedy draws nothing
+    else:
+        given = args.sampling_seed is not None
+        value = args.sampling_seed if given else args.seed
+        seed = _option("--sampling-seed" if given else "--seed", str(value),
+                       lambda _: SamplingParams(seed=value)).seed
+    return SamplingParams(temperature=temperature.temperature, top_k=top_k.top_k,
+                          top_p=top_p.top_p, seed=seed)
 
 
 def _check_counts(args: argparse.Namespace) -> None:
@@ -308,6 +479,9 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_counts(args)
+        if args.resume and args.path != "streams":
+            raise InvalidArgument("--resume applies to --path streams only", stage="cli")
+        args.sampling = _sampling(args)
         _option("--latency", args.latency, _latency)
         manifest = _option("--manifest", args.manifest, _manifest)
         faults = _option("--faults", args.faults,
@@ -328,7 +502,8 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
     from rich.progress import Progress
 
     try:
-        ex = DeviceExecutor(driver, manifest, ExecutorConfig(max_inflight=args.max_inflight))
+        ex = CountingExecutor(driver, manifest,
+                              ExecutorConfig(max_inflight=args.max_inflight))
     except CalfsmError as e:
         _error(f"start-up failed: {e}")
         return EXIT_DEVICE_FAILED
@@ -339,7 +514,8 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
             summary = run_workload(ex, prompts=args.prompts, sequences=args.sequences,
                                    tokens=args.tokens, seed=args.seed,
                                    max_prompt=args.max_prompt,
-                                   progress=lambda: bar.advance(task))
+                                   progress=lambda: bar.advance(task), path=args.path,
+                                   sampling=args.sampling, resume=args.resume)
         finally:
             final_state, reason = ex.lifecycle_state, ex.failure_reason
             try:
@@ -365,6 +541,20 @@ def _by_category(counts: dict[str, int]) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted(counts.items())) or "none"
 
 
+def _ms(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.3f} ms"
+
+
+def _sampling_rows(p: SamplingParams) -> list[tuple[str, str]]:
+    if p.greedy:
+        return [("sampling: temperature / top-k / top-p", "greedy"),
+                ("sampling seed (prompt i: seed + i)", "n/a")]
+    return [("sampling: temperature / top-k / top-p",
+             f"{p.temperature:g} / {p.top_k or 'off'} / "
+             f"{f'{p.top_p:g}' if p.top_p < 1.0 else 'off'}"),
+            ("sampling seed (prompt i: seed + i)", str(p.seed))]
+
+
 def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
            summary: dict[str, Any], ex: DeviceExecutor, final_state: str) -> Any:
     from rich.table import Table
@@ -373,6 +563,9 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     table = Table(title=f"calfsm run — {args.driver} driver, {manifest.name or 'manifest'}")
     table.add_column("metric")
     table.add_column("value", justify="right")
+    table.add_row("path", args.path + (", resume" if args.resume else ""))
+    for metric, value in _sampling_rows(args.sampling):
+        table.add_row(metric, value)
     failed = sum(summary["errors"].values())
     table.add_row("prompts completed / failed", f"{summary['prompts_completed']} / {failed}")
     table.add_row("prompt failures by category", _by_category(summary["errors"]))
@@ -381,12 +574,19 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     table.add_row("succeeded / failed / cancelled / quarantined",
                   f"{stats.succeeded} / {stats.failed} / {stats.cancelled} / "
                   f"{stats.quarantined}")
+    table.add_row("steps prepared ahead, not needed (discarded)", str(stats.discarded))
     table.add_row("errors by category", _by_category(stats.errors_by_category))
     table.add_row("tokens generated", str(summary["tokens"]))
     clock = "virtual device time" if driver.clock.virtual else "wall time"
     table.add_row("tokens/s (wall time)", f"{summary['tokens_per_s']:.1f}")
-    table.add_row(f"P50 time per token ({clock})", f"{summary['p50_ms']:.3f} ms")
-    table.add_row(f"P99 time per token ({clock})", f"{summary['p99_ms']:.3f} ms")
+    for q in ("P50", "P99"):
+        table.add_row(f"{q} time to first token ({clock})",
+                      _ms(summary[f"ttft_{q.lower()}_ms"]))
+    for q in ("P50", "P99"):
+        table.add_row(f"{q} time per output token ({clock})",
+                      _ms(summary[f"itl_{q.lower()}_ms"]))
+    for q in ("P50", "P99"):
+        table.add_row(f"{q} decode job time ({clock})", _ms(summary[f"{q.lower()}_ms"]))
     table.add_row("recoveries / stale completions",
                   f"{stats.recoveries} / {stats.stale_completions}")
     table.add_row("generation", str(stats.generation))

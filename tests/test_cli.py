@@ -7,24 +7,30 @@ driver names come from the one registry."""
 from __future__ import annotations
 
 import json
+import random
 import re
 from pathlib import Path
 
+import attrs
 import pytest
 
 from calfsm import cli
+from calfsm.direct import DirectRunner
 from calfsm.drivers import registry
 from calfsm.drivers.base import Capabilities
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
 from calfsm.errors import Unavailable
-from calfsm.executor import DeviceExecutor
+from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.manifest import builtin_manifest
+from calfsm.sampling import SamplingParams
 
 SMALL = ("--manifest", "tiny", "--prompts", "2", "--sequences", "1", "--tokens", "2",
          "--quiet")
-OPTIONS = ("--driver", "--manifest", "--faults", "--seed", "--latency", "--prompts",
-           "--sequences", "--tokens", "--max-prompt", "--max-inflight", "--quiet")
+OPTIONS = ("--driver", "--manifest", "--faults", "--seed", "--latency", "--path",
+           "--prompts", "--sequences", "--tokens", "--max-prompt", "--max-inflight",
+           "--temperature", "--top-k", "--top-p", "--sampling-seed", "--resume", "--quiet")
+SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=5)
 
 
 def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
@@ -49,6 +55,21 @@ def assert_usage_error(rc: int, out: str, err: str, *parts: str) -> None:
 
 
 # ---- bad usage and input: exit 2 -------------------------------------------------------
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    (("--temperature", "-1"), "--temperature -1.0: temperature must be >= 0"),
+    (("--temperature", "nan"), "--temperature nan: temperature must be finite"),
+    (("--top-k", "-3"), "--top-k -3: top_k must be >= 0, got -3"),
+    (("--top-p", "0"), "--top-p 0.0: top_p must be in (0, 1]"),
+    (("--top-p", "1.5"), "--top-p 1.5: top_p must be in (0, 1]"),
+    (("--temperature", "1", "--sampling-seed", "-1"), "--sampling-seed -1: seed must be >= 0"),
+    (("--temperature", "1", "--seed", "-2"), "--seed -2: seed must be >= 0"),
+    (("--path", "jobs", "--resume"), "--resume applies to --path streams only"),
+])
+def test_a_bad_sampling_or_path_option_is_a_usage_error_naming_it(capsys, argv, expected):
+    rc, out, err = run(capsys, *SMALL, *argv)
+    assert_usage_error(rc, out, err, expected)
+
 
 @pytest.mark.parametrize("value", ["0", "-1"])
 def test_max_inflight_below_one_is_a_usage_error(capsys, value):
@@ -158,10 +179,14 @@ def test_a_failed_executor_prints_the_summary_and_says_why_on_stderr(capsys, mon
 
 # ---- the summary accounts for every prompt and job ----------------------------------------
 
-def test_the_summary_shows_jobs_refused_at_enqueue(capsys, monkeypatch):
+@pytest.mark.parametrize("path", cli.PATHS)
+def test_the_summary_shows_jobs_refused_at_enqueue(capsys, monkeypatch, path):
     """The second job (the first prompt's first decode) is refused at enqueue: the first
-    prompt fails, the other two complete, and the table says so row by row."""
-    real_enqueue = DeviceExecutor.enqueue
+    prompt fails, the other two complete, and the table says so row by row. A stream
+    enqueues with ``enqueue_nowait``; with nothing prepared ahead (``stage`` says it
+    cannot), every one of its steps goes that way."""
+    entry = "enqueue" if path == "jobs" else "enqueue_nowait"
+    real_enqueue = getattr(DeviceExecutor, entry)
     calls = []
 
     def enqueue(self, request):
@@ -170,9 +195,10 @@ def test_the_summary_shows_jobs_refused_at_enqueue(capsys, monkeypatch):
             raise Unavailable("admission paused", retry_after_s=0.0, stage="admission")
         return real_enqueue(self, request)
 
-    monkeypatch.setattr(DeviceExecutor, "enqueue", enqueue)
+    monkeypatch.setattr(DeviceExecutor, entry, enqueue)
+    monkeypatch.setattr(DeviceExecutor, "stage", lambda self, request: None)
     rc, out, err = run(capsys, "--manifest", "tiny", "--prompts", "3", "--sequences", "1",
-                       "--tokens", "2", "--quiet")
+                       "--tokens", "2", "--quiet", "--path", path)
     assert rc == cli.EXIT_OK, err
     assert row(out, "prompts completed / failed") == "2 / 1"
     assert row(out, "prompt failures by category") == "device: 1"
@@ -202,3 +228,123 @@ def test_driver_names_come_from_the_registry(capsys, monkeypatch):
     rc, out, err = run(capsys, *SMALL, "--driver", "nope")
     assert rc == cli.EXIT_USAGE and out == ""
     assert "invalid choice: 'nope'" in err and "'sim2'" in err
+
+
+# ---- --path: streams (the default) and the per-job loop -------------------------------------
+
+def _workload(path: str, sampling: SamplingParams | None = None, *, faults=None,
+              resume: bool = False, prompts: int = 4, sequences: int = 2,
+              tokens: int = 5) -> dict:
+    manifest = builtin_manifest("tiny")
+    driver = SimDriver(manifest, seed=0, trace=False, faults=faults)
+    with cli.CountingExecutor(driver, manifest, ExecutorConfig()) as ex:
+        return cli.run_workload(ex, prompts=prompts, sequences=sequences, tokens=tokens,
+                                seed=3, max_prompt=40, path=path, sampling=sampling,
+                                resume=resume)
+
+
+def test_streams_is_the_default_path_and_enqueues_no_job_by_hand(capsys, monkeypatch):
+    entries = {"enqueue": 0, "open_sequence": 0}
+    for name in entries:
+        real = getattr(DeviceExecutor, name)
+
+        def spy(self, *a, _name=name, _real=real, **kw):
+            entries[_name] += 1
+            return _real(self, *a, **kw)
+
+        monkeypatch.setattr(DeviceExecutor, name, spy)
+    rc, out, err = run(capsys, *SMALL)
+    assert rc == cli.EXIT_OK, err
+    assert row(out, "path") == "streams"
+    assert row(out, "sampling: temperature / top-k / top-p") == "greedy"
+    assert entries == {"enqueue": 0, "open_sequence": 2}      # one sequence per prompt
+    rc, out, err = run(capsys, *SMALL, "--path", "jobs")
+    assert rc == cli.EXIT_OK, err
+    assert row(out, "path") == "jobs"
+    assert entries == {"enqueue": 2 + 2 * 2, "open_sequence": 2}
+
+
+def test_both_paths_generate_the_reference_models_greedy_tokens():
+    streams, jobs = _workload("streams"), _workload("jobs")
+    assert streams["outputs"] == jobs["outputs"]
+    manifest = builtin_manifest("tiny")
+    runner = DirectRunner(SimDriver(manifest, trace=False), manifest)
+    rng = random.Random(3)                  # the prompts run_workload draws from seed 3
+    for index in range(4):
+        prompt = [rng.randrange(1024) for _ in range(rng.randint(1, 40))]
+        assert list(streams["outputs"][index]) == runner.generate(0, prompt, 6), index
+    assert streams["prompts_completed"] == jobs["prompts_completed"] == 4
+    assert streams["tokens"] == jobs["tokens"] == 4 * 5     # decoded, after the first
+
+
+def test_sampling_is_seeded_per_prompt_and_the_same_on_both_paths():
+    streams = _workload("streams", SAMPLED)
+    assert streams["outputs"] == _workload("jobs", SAMPLED)["outputs"]
+    assert streams["outputs"] == _workload("streams", SAMPLED)["outputs"]
+    other_seed = _workload("streams", attrs.evolve(SAMPLED, seed=6))["outputs"]
+    greedy = _workload("streams")["outputs"]
+    assert streams["outputs"] != other_seed and streams["outputs"] != greedy
+    # prompt i draws from seed + i: prompt 1 of seed 5 is prompt 0 of seed 6's stream
+    assert cli.prompt_params(SAMPLED, 1, 5) == attrs.evolve(SAMPLED, seed=6, max_tokens=6)
+
+
+def test_sampling_options_reach_the_table(capsys):
+    rc, out, err = run(capsys, *SMALL, "--temperature", "0.8", "--top-k", "50",
+                       "--top-p", "0.9", "--sampling-seed", "5")
+    assert rc == cli.EXIT_OK, err
+    assert row(out, "sampling: temperature / top-k / top-p") == "0.8 / 50 / 0.9"
+    assert row(out, "sampling seed (prompt i: seed + i)") == "5"
+    rc, out, err = run(capsys, *SMALL, "--temperature", "1", "--seed", "7", "--resume")
+    assert rc == cli.EXIT_OK, err
+    assert row(out, "path") == "streams, resume"
+    assert row(out, "sampling: temperature / top-k / top-p") == "1 / off / off"
+    assert row(out, "sampling seed (prompt i: seed + i)") == "7"
+
+
+def _ms(text: str, metric: str) -> float:
+    value = row(text, metric)
+    assert value.endswith(" ms"), value
+    return float(value.removesuffix(" ms"))
+
+
+@pytest.mark.parametrize("path", cli.PATHS)
+def test_the_table_shows_time_to_first_token_and_per_output_token(capsys, path):
+    """On the virtual clock a decode takes 10 ms of device time (plus its tiny DMA) and
+    host work takes none: one sequence gets a token every 10 ms, after a first token
+    that took its prefill's time (at most 40 tokens of 0.2 ms)."""
+    clock = "(virtual device time)"
+    rc, out, err = run(capsys, "--manifest", "tiny", "--prompts", "4", "--tokens", "8",
+                       "--sequences", "1", "--max-prompt", "40", "--quiet", "--path", path)
+    assert rc == cli.EXIT_OK, err
+    assert row(out, "tokens generated") == "32"
+    assert 0 < _ms(out, f"P50 time to first token {clock}") \
+        <= _ms(out, f"P99 time to first token {clock}") < 10.0
+    for q in ("P50", "P99"):
+        assert _ms(out, f"{q} time per output token {clock}") == pytest.approx(10.0, abs=0.01)
+    assert _ms(out, f"P50 decode job time {clock}") >= 10.0
+
+
+def test_no_token_is_not_a_time_of_zero(capsys, tmp_path):
+    plan = tmp_path / "plan.json"
+    FaultPlan.of(FaultRule.always("infer", "code", code=-5, seq_id=0)).save(plan)
+    rc, out, err = run(capsys, *SMALL, "--faults", str(plan))
+    assert rc == cli.EXIT_OK, err
+    assert row(out, "prompts completed / failed") == "0 / 2"
+    assert row(out, "tokens generated") == "0"
+    assert row(out, "P50 time to first token (virtual device time)") == "n/a"
+    assert row(out, "P99 time per output token (virtual device time)") == "n/a"
+
+
+def test_resume_replays_a_stream_whose_kv_a_reset_lost():
+    """A device exception in prompt 0's third step resets the device: without --resume
+    the prompt fails with the tokens it had (prompt 1 may fail too, if it starts while
+    the device recovers); with it the stream replays on the new generation and every
+    prompt gives the tokens of a fault-free run."""
+    plan = FaultPlan.of(FaultRule("infer", "ccu_exception", nth=3, seq_id=0))
+    clean = _workload("streams", prompts=2, sequences=1)
+    failed = _workload("streams", faults=plan, prompts=2, sequences=1)
+    assert failed["prompts_completed"] < 2 and set(failed["errors"]) == {"device"}
+    assert failed["outputs"][0] == clean["outputs"][0][:2]
+    resumed = _workload("streams", faults=plan, resume=True, prompts=2, sequences=1)
+    assert resumed["prompts_completed"] == 2 and resumed["errors"] == {}
+    assert resumed["outputs"] == clean["outputs"]
