@@ -137,3 +137,40 @@ def renamed(manifest: Any, suffix: str) -> Any:
         sub["exact_name"] += suffix
     data["name"] = manifest.name + suffix
     return type(manifest).from_dict(data)
+
+
+class HoldAfterWaits(GatedDriver):
+    """A :class:`GatedDriver` that closes its own gate: after ``hold_after(n)``, ``n``
+    more waits pass and the next one is held (``held`` is set) until the test opens the
+    gate. Threaded mode: a stream's step ``n + 1`` stays on the device, with its first
+    ``n`` tokens delivered, while the test cancels, recovers or closes."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.held = threading.Event()
+        self._left: int | None = None
+
+    def hold_after(self, n: int) -> None:
+        self.held.clear()
+        self._left = n
+
+    def wait(self, out: Any, timeout_s: float) -> int:
+        if self._left is not None and threading.current_thread().name != "calfsm-recovery":
+            if self._left == 0:
+                self._left = None
+                self.gate.clear()
+                self.held.set()
+            else:
+                self._left -= 1
+        return super().wait(out, timeout_s)
+
+
+def drive(ex: DeviceExecutor, predicate: Any, *, seed: int = 0,
+          timeout: float = 30.0) -> None:
+    """Until ``predicate()`` holds: step mode runs a seeded scheduler; threaded mode
+    re-checks it (:func:`eventually`: a stream's deferred work, such as releasing its
+    sequence, rings no bell), failing after ``timeout`` seconds."""
+    if ex.config.threaded:
+        assert eventually(predicate, timeout), f"not reached within {timeout} s"
+    else:
+        StepScheduler(ex, seed).run_until(predicate)
