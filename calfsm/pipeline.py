@@ -981,7 +981,8 @@ class Pipeline:
         cat = err.category.value
         with self._lock:
             self._counts[outcome] += 1
-            self._errors_by_category[cat] = self._errors_by_category.get(cat, 0) + 1
+            if outcome != "discarded":      # not an error: a step that was not needed
+                self._errors_by_category[cat] = self._errors_by_category.get(cat, 0) + 1
 
     def step_crashed(self, job: JobContext, stage: str, exc: BaseException) -> None:
         """An unexpected exception in a submit or completion step (a bug, or a driver
