@@ -1,0 +1,738 @@
+"""Model-checking generation streams: hypothesis drives a step-mode executor on the
+simulated device with a random (swarm) fault plan; its rules open sequences, start
+streams (greedy, seeded and user sampling, stop tokens, max tokens, deadlines, resume on
+and off, on an opened sequence or one-shot), cancel them (``cancel()``, or cancelling the
+asyncio task consuming them), run seeded scheduler steps, force recoveries, reset and
+close sequences, and close the executor. Every stream is read as it produces, by an
+``async for`` task on the test's own event loop, pumped after each scheduler step.
+
+Checked after every scheduler step:
+
+- every job the job machine moves (staged steps included) is resolved exactly when it is
+  terminal, with a result only if it succeeded;
+- the KV books balance: reserved = committed + rolled back + unknown + open;
+- the pool's leased count equals the jobs of the current generation holding a lease;
+- no token event reaches a stream after its ``cancel()`` returned True, and a cancelled
+  stream's result holds exactly the tokens observed when it was cancelled;
+- no two live sequences share an id;
+- a stream's tokens are the reference model's (:class:`calfsm.direct.DirectRunner` on a
+  fault-free device, sampled by a fresh sampler of the same parameters), whatever faults,
+  resumes and cancels happened, whenever the test knows what its sequence held;
+
+and once nothing can move: every stream has ended, once, with one finish reason, and its
+result is what its consumer saw; a stream that ended ``length`` or ``stop`` holds all of
+the reference's tokens. At the end every sequence is closed and its KV released, then
+the executor closes: every stream ended, every job is terminal, no lease is out, every
+sequence (one-shot ones too) released, no calfsm thread alive.
+
+Defects found are pinned by the deterministic ``xfail(strict=True)`` regressions at the
+end; the model check tolerates exactly those (see ``KNOWN``) until they are fixed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from typing import Any
+
+import attrs
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
+
+from calfsm.direct import DirectRunner
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.errors import (
+    CalfsmError,
+    CalrtCode,
+    Internal,
+    ResourceExhausted,
+    Unavailable,
+)
+from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.machines.job import JOB_MACHINE
+from calfsm.machines.sequence import SequenceState
+from calfsm.manifest import TaskKind
+from calfsm.recovery import RecoveryPolicy
+from calfsm.sampling import SamplingParams
+from calfsm.scheduler import StepScheduler
+from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream
+from tests.executor_helpers import TINY, make_executor, make_sim
+
+SEQS = 3                                   #: the executor's max_sequences
+VOCAB = TINY.submodel(TaskKind.DECODE).vocab
+MAX_SEQ = TINY.submodel(TaskKind.DECODE).max_seq
+SAMPLING = ("greedy", "seeded", "top_k", "top_p", "user_argmax", "user_raises",
+            "user_cancels")
+_BUILTIN = {"greedy": {}, "seeded": {"temperature": 0.8},
+            "top_k": {"temperature": 1.0, "top_k": 8},
+            "top_p": {"temperature": 1.2, "top_p": 0.5}}
+
+#: defects the model check found, each pinned by a regression below; the checks that
+#: would fail on them say so where they make room for them
+KNOWN = {
+    "late_token": "test_a_token_is_never_delivered_after_its_stream_ended",
+    "close_drops_deferred": "test_a_stream_waiting_to_resume_ends_when_the_executor_closes",
+    "cancel_then_error": "test_cancel_while_waiting_to_resume_ends_cancelled",
+    "busy_close_keeps_kv": "test_closing_a_busy_sequence_releases_its_kv_once_its_job_ends",
+    "failed_wait": "test_a_stream_that_would_resume_on_a_failed_executor_ends",
+    "cancel_mid_step": "test_a_cancel_while_the_last_token_is_sampled_delivers_nothing",
+}
+
+
+# ---- the reference: a fault-free direct path, sampled the way a stream samples ----------
+
+_direct: DirectRunner | None = None
+_reference: dict[tuple, tuple[tuple[int, ...], FinishReason]] = {}
+
+
+def reference(context: tuple[int, ...], params: SamplingParams
+              ) -> tuple[tuple[int, ...], FinishReason]:
+    """Tokens and finish reason of a fault-free stream that prefills ``context`` (what its
+    sequence held, then its prompt) and samples with a fresh sampler of ``params``."""
+    global _direct
+    key = (context, params.temperature, params.top_k, params.top_p, params.seed,
+           params.stop_token_ids, params.max_tokens)
+    if key in _reference:
+        return _reference[key]
+    if _direct is None:
+        _direct = DirectRunner(make_sim("step"), TINY)
+    run = _direct
+    sampler = params.sampler_for(VOCAB)
+    row = np.empty(VOCAB, dtype=np.float32)
+    tokens: list[int] = []
+    try:
+        run.prefill(0, context, out=row)
+        pos = len(context)
+        while True:
+            token = sampler.sample(row)
+            if params.is_stop(token):
+                out = (tuple(tokens), FinishReason.STOP)
+                break
+            tokens.append(token)
+            if len(tokens) >= params.max_tokens or pos >= MAX_SEQ:
+                out = (tuple(tokens), FinishReason.LENGTH)
+                break
+            run.decode(0, token, pos, out=row)
+            pos += 1
+    finally:
+        run.release(0)
+    _reference[key] = out
+    return out
+
+
+def _user_sampler(raises: bool):
+    """A caller's sampler: argmax (so the greedy reference holds), or one that raises on
+    its second call (after one token was delivered)."""
+    calls = [0]
+
+    def sample(row: np.ndarray) -> int:
+        calls[0] += 1
+        if raises and calls[0] == 2:
+            raise RuntimeError("the caller's sampler failed")
+        return int(np.argmax(row))
+
+    return sample
+
+
+# ---- what the test knows of each stream ---------------------------------------------------
+
+@attrs.define(eq=False)
+class StreamRecord:
+    stream: Stream
+    params: SamplingParams
+    #: what the reference samples with (None: no reference, e.g. a raising sampler)
+    ref_params: SamplingParams | None
+    #: what the sequence held before the prompt; None once another stream or a reset
+    #: could touch the same KV meanwhile (then the tokens have no single reference)
+    history: tuple[int, ...] | None
+    events: list[Any] = attrs.Factory(list)
+    cancel_mark: int | None = None         #: events observed when the stream was cancelled
+    cancel_in_step: bool = False           #: cancelled by its own sampler, mid-completion
+    consumed: bool = False                 #: the consumer saw the end of the stream
+    task: asyncio.Task | None = None
+    result: GenerationResult | None = None  #: the first result seen (it must not change)
+
+    @property
+    def context(self) -> tuple[int, ...] | None:
+        if self.history is None or self.ref_params is None:
+            return None
+        return self.history + self.stream.prompt
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        return tuple(e.token for e in self.events)
+
+
+class StreamMachine(RuleBasedStateMachine):
+
+    @initialize(fault_seed=st.integers(0, 10_000), sched_seed=st.integers(0, 10_000),
+                rate=st.sampled_from([0.02, 0.05, 0.15]))
+    def start(self, fault_seed: int, sched_seed: int, rate: float) -> None:
+        plan = FaultPlan.swarm(fault_seed, rate=rate).targeting(range(SEQS), fault_seed)
+        self.driver = make_sim("step", faults=plan)
+        self.loop = asyncio.new_event_loop()
+        self.records: list[StreamRecord] = []
+        self.seqs: list[Sequence] = []
+        self.known: dict[int, tuple[int, ...]] = {}    #: id(Sequence) -> its KV tokens
+        self.jobs: dict[int, tuple[Any, Any]] = {}     #: id(job) -> (job, its handle)
+        self.closed = False
+        self.busy_closed = False       #: a sequence was closed under a running job
+        policy = RecoveryPolicy(grace_period_s=0.05, zombie_wait_s=0.05, error_budget=2)
+        try:
+            self.ex = DeviceExecutor(self.driver, TINY, ExecutorConfig(
+                threaded=False, execution_timeout_s=0.5, admission_timeout_s=0.3,
+                queue_timeout_s=0.3, recovery=policy, max_sequences=SEQS))
+        except CalfsmError as e:
+            # a plan that breaks the warm-up ends start-up with a classified error
+            assert e.stage is not None
+            self.ex = None
+            return
+        self.sched = StepScheduler(self.ex, seed=sched_seed)
+
+        def record(job, src, dst, trigger):
+            # every job, whichever path made it (enqueue, staging), from its first move
+            if id(job) not in self.jobs and job.handle is not None:
+                self.jobs[id(job)] = (job, job.handle)
+
+        self._listener = record
+        JOB_MACHINE.add_listener(record)
+
+    def teardown(self) -> None:
+        try:
+            if getattr(self, "ex", None) is not None:
+                self._finish_all()
+        finally:
+            if getattr(self, "ex", None) is not None:
+                JOB_MACHINE.remove_listener(self._listener)
+            loop = getattr(self, "loop", None)
+            if loop is not None:
+                for rec in self.records:
+                    if rec.task is not None and not rec.task.done():
+                        rec.task.cancel()
+                loop.run_until_complete(asyncio.sleep(0))
+                loop.close()
+
+    def _finish_all(self) -> None:
+        """Run to rest, close every sequence (its KV released), then the executor."""
+        if not self.closed:
+            self._run_to_rest()
+            for seq in self.seqs:
+                seq.close(timeout=0)
+            self._run_to_rest()         # one-shot sequences are closed by deferred work
+            if self.ex.lifecycle_state == "Ready" and not self.busy_closed:
+                kv = self.ex.epoch.kv.stats()
+                assert kv.sequences == 0, f"the KV of a closed sequence is kept: {kv}"
+            self._close_executor()
+        for seq in self.seqs:
+            seq.close(timeout=0)
+        for seq in self._sequences():
+            assert seq.state == SequenceState.RELEASED, seq
+
+    def _run_to_rest(self, limit: int = 20_000) -> None:
+        for _ in range(limit):
+            if self.sched.step() is None:
+                break
+            self._pump()
+            self._check_step()
+        else:
+            raise AssertionError(f"the system did not come to rest in {limit} steps")
+        self._check_rest()
+
+    def _close_executor(self) -> None:
+        try:
+            self.ex.close(timeout=5)
+        except Unavailable:
+            pass                        # a job the device never released: reported, bounded
+        self.closed = True
+        # KNOWN close_drops_deferred: the close leaves deferred work (a stream's replay,
+        # a one-shot sequence's release) queued; run it, to check the rest
+        while self.sched.steps.run_deferred():
+            pass
+        self._pump()
+        for rec in self.records:
+            assert rec.stream.done(), f"{rec.stream} did not end when the executor closed"
+        for _job, handle in self.jobs.values():
+            assert handle.done(), f"{handle} never reached an outcome"
+        self._check_jobs()
+        if not self.ex.on_device():
+            assert self.ex.epoch.pool.stats().leased == 0
+        assert not [t for t in threading.enumerate()
+                    if t.name.startswith("calfsm-") and t.is_alive()]
+        self._check_ended()
+
+    # ---- consuming the streams ---------------------------------------------------------
+    async def _consume(self, rec: StreamRecord) -> None:
+        async for event in rec.stream:
+            rec.events.append(event)
+        rec.consumed = True
+
+    def _pump(self) -> None:
+        """Let every consumer read what its stream has produced: run the loop until a
+        round moves nothing (deliveries are callbacks already on the loop's queue)."""
+        for _ in range(100):
+            before = sum(len(r.events) + r.consumed for r in self.records)
+            self.loop.run_until_complete(asyncio.sleep(0))
+            self.loop.run_until_complete(asyncio.sleep(0))
+            if sum(len(r.events) + r.consumed for r in self.records) == before:
+                return
+        raise AssertionError("consumers kept reading for 100 rounds")
+
+    def _live(self) -> bool:
+        return getattr(self, "ex", None) is not None and not self.closed
+
+    def _sequences(self) -> list[Sequence]:
+        """Every sequence of the test: opened ones and those of one-shot streams."""
+        seqs = {id(s): s for s in self.seqs}
+        seqs.update((id(r.stream.sequence), r.stream.sequence) for r in self.records)
+        return list(seqs.values())
+
+    # ---- rules ---------------------------------------------------------------------------
+    @precondition(lambda self: not self._live())
+    @rule()
+    def idle(self) -> None:
+        """Enabled when nothing else may be (start-up failed, or the executor closed)."""
+
+    @precondition(_live)
+    @rule(n=st.integers(1, 40))
+    def run_steps(self, n: int) -> None:
+        for _ in range(n):
+            if self.sched.step() is None:
+                break
+            self._pump()
+            self._check_step()
+
+    @precondition(_live)
+    @rule(which=st.integers(0, 4), prompt=st.lists(st.integers(0, VOCAB - 1), min_size=1,
+                                                   max_size=10),
+          sampling=st.sampled_from(SAMPLING), seed=st.integers(0, 2**16),
+          max_tokens=st.integers(1, 8), stop_at=st.none() | st.integers(0, 7),
+          deadline=st.none() | st.floats(0.005, 0.3), resume=st.booleans())
+    def generate(self, which: int, prompt: list[int], sampling: str, seed: int,
+                 max_tokens: int, stop_at: int | None, deadline: float | None,
+                 resume: bool) -> None:
+        """``which`` 0: on a newly opened sequence; 1..: on an opened one, or one-shot
+        (``executor.generate``) past the last."""
+        if which == 0:
+            seq = self._open_sequence()
+            if seq is None:
+                return
+        else:
+            seq = self.seqs[which - 1] if which <= len(self.seqs) else None
+        ref_kw: dict[str, Any] = dict(_BUILTIN.get(sampling, {}), max_tokens=max_tokens)
+        if not (sampling == "greedy" or sampling.startswith("user")):
+            ref_kw["seed"] = seed
+        history = self._history(seq)
+        if stop_at is not None and history is not None:
+            # a stop token the stream will meet: one of its own reference tokens
+            tokens, _ = reference(history + tuple(prompt), SamplingParams(**ref_kw))
+            if stop_at < len(tokens):
+                ref_kw["stop_token_ids"] = (tokens[stop_at],)
+        ref_params = SamplingParams(**ref_kw)
+        holder: list[StreamRecord] = []
+        if sampling == "user_cancels":
+            sampler = self._cancelling_sampler(holder, 1 + seed % max_tokens)
+        elif sampling.startswith("user"):
+            sampler = _user_sampler(sampling == "user_raises")
+        if sampling.startswith("user"):
+            params = SamplingParams(max_tokens=max_tokens,
+                                    stop_token_ids=ref_params.stop_token_ids,
+                                    sampler=sampler)
+        else:
+            params = ref_params
+        try:
+            if seq is None:
+                stream = self.ex.generate(prompt, params, deadline_s=deadline,
+                                          resume=resume)
+            else:
+                stream = seq.generate(prompt, params, deadline_s=deadline, resume=resume)
+        except ResourceExhausted:
+            assert seq is None          # one-shot: every sequence id is out
+            return
+        except Unavailable:
+            assert self.ex.lifecycle_state != "Ready"
+            return
+        rec = StreamRecord(stream, params, None if sampling == "user_raises" else ref_params,
+                           history)
+        holder.append(rec)
+        rec.task = self.loop.create_task(self._consume(rec))
+        self.records.append(rec)
+        self._pump()
+
+    def _cancelling_sampler(self, holder: list[StreamRecord], at: int):
+        """Argmax, but its call ``at`` first cancels its own stream: a cancel landing
+        while the completion side is between a step's logits and its token (where a
+        consumer thread's cancel may land in threaded mode)."""
+        calls = [0]
+
+        def sample(row: np.ndarray) -> int:
+            calls[0] += 1
+            if calls[0] == at:
+                rec = holder[0]
+                self._pump()
+                if rec.stream.cancel() and rec.cancel_mark is None:
+                    rec.cancel_mark = len(rec.events)
+                    rec.cancel_in_step = True
+            return int(np.argmax(row))
+
+        return sample
+
+    def _open_sequence(self) -> Sequence | None:
+        try:
+            seq = self.ex.open_sequence()
+        except ResourceExhausted:
+            return None                 # every id is out (one-shot streams hold some)
+        except Unavailable:
+            assert self.ex.lifecycle_state != "Ready"
+            return None
+        assert seq.position == 0 and seq.state == SequenceState.OPEN
+        self.seqs.append(seq)
+        return seq
+
+    def _history(self, seq: Sequence | None) -> tuple[int, ...] | None:
+        """What ``seq``'s KV holds before a new stream's prompt, if the test knows it. A
+        stream still live on the same sequence makes both unknown, unless the sequence is
+        busy (then the new stream is refused and touches nothing)."""
+        if seq is None or seq.position == 0:
+            return ()
+        live = [r for r in self.records if r.stream.sequence is seq and not r.stream.done()]
+        if live:
+            if seq.state != SequenceState.BUSY:
+                for r in live:
+                    r.history = None
+            return None
+        known = self.known.get(id(seq))
+        if known is None or len(known) < seq.position:
+            return None
+        return known[:seq.position]
+
+    @precondition(lambda self: getattr(self, "ex", None) is not None and self.records)
+    @rule(which=st.integers(0, 100), via_task=st.booleans())
+    def cancel(self, which: int, via_task: bool) -> None:
+        """The newest streams first (``which`` 0 is the last started)."""
+        rec = self.records[-1 - which % len(self.records)]
+        self._pump()                    # everything delivered so far is observed
+        was_done = rec.stream.done()
+        if via_task and rec.task is not None and not rec.task.done():
+            # the consumer goes away, so its stream is cancelled
+            seen = len(rec.events)
+            rec.task.cancel()
+            self.loop.run_until_complete(asyncio.sleep(0))
+            assert rec.task.cancelled()
+            if not was_done and rec.cancel_mark is None:
+                rec.cancel_mark = seen
+            return
+        cancelled = rec.stream.cancel()
+        assert cancelled == (not was_done), (rec.stream, was_done, cancelled)
+        if cancelled and rec.cancel_mark is None:
+            rec.cancel_mark = len(rec.events)
+        self._pump()
+
+    @precondition(_live)
+    @rule(what=st.sampled_from(["recover", "reset", "close"]), which=st.integers(0, 100))
+    def disrupt(self, what: str, which: int) -> None:
+        """An operator's reset, or a sequence reset or closed (``which``: the newest
+        first)."""
+        if what == "recover":
+            self.ex.recover("model check: forced recovery")
+        elif self.seqs:
+            seq = self.seqs[-1 - which % len(self.seqs)]
+            if what == "reset":
+                self._reset_sequence(seq)
+            else:
+                self._close_sequence(seq)
+
+    @precondition(_live)
+    @rule(draw=st.integers(0, 9))
+    def close_executor(self, draw: int) -> None:
+        """Close mid-run, streams in flight, on one draw in ten (it ends the example's
+        activity; the teardown closes after a run to rest)."""
+        if draw == 9:
+            self._close_executor()
+
+    def _reset_sequence(self, seq: Sequence) -> None:
+        for r in self.records:
+            if r.stream.sequence is seq and not r.stream.done():
+                r.history = None        # a live stream's KV may be reset under it
+        try:
+            seq.reset()
+        except CalfsmError:
+            return                      # busy, closing or released: refused
+        assert seq.position == 0 and seq.state == SequenceState.OPEN
+
+    def _close_sequence(self, seq: Sequence) -> None:
+        if seq.state == SequenceState.BUSY:
+            self.busy_closed = True     # KNOWN busy_close_keeps_kv
+        seq.close(timeout=0)
+        assert seq.state == SequenceState.RELEASED
+        self._pump()
+
+    # ---- checks ----------------------------------------------------------------------------
+    def _check_step(self) -> None:
+        self._check_jobs()
+        self._check_books()
+        self._check_streams()
+
+    def _check_jobs(self) -> None:
+        for job, handle in self.jobs.values():
+            # resolved exactly when terminal: one outcome, never a second one
+            assert handle.done() == JOB_MACHINE.is_terminal(job.state), (handle, job.state)
+            if handle.done() and handle.exception(0) is None:
+                assert job.state == "Succeeded"     # no logits for failed/cancelled jobs
+
+    def _check_books(self) -> None:
+        epoch = self.ex.epoch
+        s = epoch.kv.stats()
+        assert s.reserved == s.committed + s.rolled_back + s.unknown + s.open, s
+        holding = sum(1 for job, _ in self.jobs.values()
+                      if job.lease is not None and job.epoch is epoch)
+        pool = epoch.pool.stats()
+        assert pool.leased == holding, (pool, holding)
+        assert pool.free + pool.leased + pool.quarantined == pool.total
+
+    def _check_streams(self) -> None:
+        ids = [s.seq_id for s in self._sequences() if s.state != SequenceState.RELEASED]
+        assert len(ids) == len(set(ids)), f"two live sequences share an id: {sorted(ids)}"
+        for rec in self.records:
+            if rec.cancel_mark is not None:
+                assert len(rec.events) <= rec.cancel_mark + self._late_ok(rec), \
+                    f"{rec.stream}: a token was delivered after it was cancelled"
+            assert [e.index for e in rec.events] == list(range(len(rec.events)))
+            self._check_tokens(rec, rec.tokens)
+            if rec.stream.done():
+                self._stream_ended(rec)
+
+    @staticmethod
+    def _late_ok(rec: StreamRecord) -> int:
+        """KNOWN cancel_mid_step: a cancel while the last token is sampled still lets it
+        through, and the stream ends `length`."""
+        done = rec.stream.done()
+        return int(rec.cancel_in_step and done
+                   and rec.stream.result(0).finish_reason is FinishReason.LENGTH)
+
+    def _check_tokens(self, rec: StreamRecord, tokens: tuple[int, ...]) -> None:
+        if rec.context is not None:
+            want, _ = reference(rec.context, rec.ref_params)
+            assert tokens == want[:len(tokens)], (rec.stream, tokens, want)
+
+    def _stream_ended(self, rec: StreamRecord) -> None:
+        res = rec.stream.result(0)
+        if rec.result is None:
+            rec.result = res
+            if rec.context is not None:
+                self.known[id(rec.stream.sequence)] = rec.context + res.tokens
+        assert rec.stream.result(0) is rec.result, "a stream's result changed"
+        assert isinstance(res.finish_reason, FinishReason)
+        assert res.usage.completion_tokens == len(res.tokens)
+        assert res.usage.prompt_tokens == len(rec.stream.prompt)
+        if res.finish_reason in (FinishReason.ERROR, FinishReason.DEADLINE):
+            assert isinstance(res.error, CalfsmError), res
+        elif res.finish_reason in (FinishReason.LENGTH, FinishReason.STOP):
+            assert res.error is None, res
+        if rec.cancel_mark is not None:
+            assert len(res.tokens) == rec.cancel_mark + self._late_ok(rec), \
+                f"{rec.stream}: {len(res.tokens)} tokens, {rec.cancel_mark} when cancelled"
+            # KNOWN cancel_then_error: cancelled while waiting to resume, it ends
+            # `error` when the lifecycle goes Failed or closing
+            assert res.finish_reason is FinishReason.CANCELLED or (
+                res.finish_reason is FinishReason.ERROR
+                and "while the stream waited to resume" in res.error.message) or (
+                rec.cancel_in_step and res.finish_reason in (FinishReason.LENGTH,
+                                                             FinishReason.STOP)), res
+        if rec.consumed:
+            # KNOWN late_token: the next step failed at once, so the stream ended before
+            # the token it had sampled was delivered (one event more than the result)
+            late = (res.finish_reason is FinishReason.ERROR
+                    and len(rec.events) == len(res.tokens) + 1)
+            assert rec.tokens == res.tokens or (late and rec.tokens[:-1] == res.tokens), \
+                (rec.tokens, res)
+        self._check_tokens(rec, res.tokens)
+        if rec.context is not None and res.finish_reason in (FinishReason.LENGTH,
+                                                             FinishReason.STOP):
+            assert (res.tokens, res.finish_reason) == reference(rec.context,
+                                                                rec.ref_params)
+        if rec.ref_params is None:
+            # the raising sampler: one token at most, then the stream ends `error`
+            assert len(res.tokens) <= 1, res
+            if res.error is not None and res.error.stage == "sample":
+                assert isinstance(res.error, Internal) and \
+                    res.finish_reason is FinishReason.ERROR, res
+
+    def _check_ended(self) -> None:
+        for rec in self.records:
+            assert rec.stream.done(), f"{rec.stream} never ended"
+            self._stream_ended(rec)
+            if not rec.task.cancelled():
+                assert rec.consumed, f"the consumer of {rec.stream} never saw its end"
+
+    def _at_rest(self) -> bool:
+        return not self.sched.enabled() and math.isinf(self.sched.steps.next_timer())
+
+    def _check_rest(self) -> None:
+        """Nothing can move: every stream has ended."""
+        assert self._at_rest()
+        self._pump()
+        if self.ex.lifecycle_state == "Failed":
+            # KNOWN failed_wait: a stream that would resume waits for a Ready that a
+            # Failed executor never reaches (closing the executor ends it)
+            return
+        self._check_ended()
+
+    @invariant()
+    def checked(self) -> None:
+        if getattr(self, "ex", None) is None:
+            return
+        if self.closed:
+            self._check_jobs()
+            self._check_streams()
+            return
+        self._check_step()
+        if self._at_rest():
+            self._check_rest()
+
+
+TestStreamMachine = StreamMachine.TestCase
+TestStreamMachine.settings = settings(
+    max_examples=600, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+
+
+# ---- regressions: what the model check found, each one deterministic -------------------
+
+def _xfail(key: str, reason: str):
+    return pytest.mark.xfail(strict=True, reason=f"KNOWN {key}: {reason}")
+
+
+@_xfail("late_token", "Stream._on_logits hands the next step over before it delivers "
+        "the token; a next step that fails at once ends the stream first")
+def test_a_token_is_never_delivered_after_its_stream_ended():
+    """The decode after the first token cannot be prepared (its CSR write fails): the
+    stream ends ``error``, and the token it had sampled is either in the result or not
+    delivered at all."""
+    plan = FaultPlan.of(FaultRule("set_csr", "code", nth=3, every=1, seq_id=0,
+                                  code=int(CalrtCode.INVALID_VALUE)))
+    ex = make_executor("step", faults=plan, max_sequences=SEQS)
+    seq = ex.open_sequence()
+    stream = seq.generate([0], SamplingParams(max_tokens=2))
+    StepScheduler(ex, seed=1).run_until(stream.done)
+    events = [e.token for e in stream]
+    result = stream.result(0)
+    ex.close()
+    assert result.finish_reason is FinishReason.ERROR
+    assert tuple(events) == result.tokens, (events, result)
+
+
+@_xfail("close_drops_deferred", "DeviceExecutor.close leaves the pipeline's deferred "
+        "work (the stream's replay) queued, and nothing runs it")
+def test_a_stream_waiting_to_resume_ends_when_the_executor_closes():
+    """A recovery fails the stream's queued prefill; once Ready again its replay is
+    deferred work. Closing the executor then must still end the stream."""
+    ex = make_executor("step", max_sequences=SEQS)
+    seq = ex.open_sequence()
+    stream = seq.generate([0], SamplingParams(max_tokens=1), resume=True)
+    assert ex.recover("test: a reset under the stream")
+    StepScheduler(ex).run_until(lambda: ex.lifecycle_state == "Ready")
+    assert not stream.done()
+    ex.close()
+    assert stream.done(), stream
+
+
+@_xfail("close_drops_deferred", "the one-shot sequence's close is deferred work that "
+        "DeviceExecutor.close leaves queued")
+def test_a_one_shot_stream_releases_its_sequence_when_the_executor_closes():
+    """``executor.generate`` releases its sequence when the stream ends (deferred work);
+    an executor closed right then must not leave the sequence open."""
+    ex = make_executor("step", max_sequences=SEQS)
+    stream = ex.generate([0], SamplingParams(max_tokens=1))
+    StepScheduler(ex).run_until(stream.done)
+    ex.close()
+    assert stream.sequence.state == SequenceState.RELEASED, stream.sequence
+
+
+@_xfail("cancel_then_error", "a cancel while the stream waits to resume only sets a "
+        "flag; the lifecycle listener then ends it 'error' on Failed or closing")
+def test_cancel_while_waiting_to_resume_ends_cancelled():
+    """``cancel()`` returned True while the stream waited to resume after a reset: the
+    stream ends ``cancelled``, also when the executor closes before it is Ready."""
+    ex = make_executor("step", max_sequences=SEQS)
+    seq = ex.open_sequence()
+    stream = seq.generate([0], SamplingParams(max_tokens=1), resume=True)
+    assert ex.recover("test: a reset under the stream")
+    assert not stream.done()
+    assert stream.cancel()
+    ex.close()
+    assert stream.result(0).finish_reason is FinishReason.CANCELLED, stream.result(0)
+
+
+@_xfail("busy_close_keeps_kv", "Sequence.close gives up waiting, its reset_sequence is "
+        "refused (the job's reservation is open) and only logged, the id goes back")
+def test_closing_a_busy_sequence_releases_its_kv_once_its_job_ends():
+    """``close(timeout=0)`` while the sequence's job is on the device cannot wait for it;
+    the KV must still be released once the job ends, not left behind."""
+    ex = make_executor("step", max_sequences=SEQS)
+    seq = ex.open_sequence()
+    stream = seq.generate([0, 1, 2], SamplingParams(max_tokens=4))
+    sched = StepScheduler(ex)
+    sched.run_until(lambda: bool(ex.on_device()))
+    seq.close(timeout=0)
+    sched.run_until_idle()
+    assert stream.done()
+    kv = ex.epoch.kv.stats()
+    ex.close()
+    assert kv.sequences == 0, kv
+
+
+@_xfail("failed_wait", "Stream._wait_for_ready registers a lifecycle listener even when "
+        "the executor is already Failed; no change ever comes")
+def test_a_stream_that_would_resume_on_a_failed_executor_ends():
+    """A submit error loses the sequence's KV and the reset after it fails: the executor
+    is Failed. A stream with resume on that sequence must end (``error``), not wait for
+    a Ready that never comes."""
+    plan = FaultPlan.of(
+        FaultRule("infer", "code", seq_id=0, code=int(CalrtCode.DEVICE_UNAVAILABLE)),
+        FaultRule.always("reset", "code"))
+    ex = make_executor("step", faults=plan, max_sequences=SEQS)
+    seq = ex.open_sequence()
+    sched = StepScheduler(ex)
+    first = seq.generate([0], SamplingParams(max_tokens=2), resume=False)
+    sched.run_until(lambda: first.done() and ex.lifecycle_state == "Failed")
+    assert seq.state == SequenceState.LOST
+    stream = seq.generate([0], SamplingParams(max_tokens=1), resume=True)
+    assert sched.step() is None         # nothing can move any more
+    done = stream.done()
+    ex.close()
+    assert done, stream
+
+
+@_xfail("cancel_mid_step", "Stream._on_logits checks the cancel flag before the length "
+        "and stop checks, then delivers without checking it again")
+def test_a_cancel_while_the_last_token_is_sampled_delivers_nothing():
+    """``cancel()`` lands while the completion side samples the stream's last token (a
+    sampler calling it makes the window deterministic; a consumer thread can land there
+    in threaded mode): it returned True, so no token is delivered and the stream ends
+    ``cancelled``."""
+    ex = make_executor("step", max_sequences=SEQS)
+    seq = ex.open_sequence()
+    box: dict[str, Any] = {}
+
+    def sampler(row: np.ndarray) -> int:
+        box.setdefault("cancel", box["stream"].cancel())
+        return int(np.argmax(row))
+
+    stream = box["stream"] = seq.generate([0], SamplingParams(max_tokens=1,
+                                                              sampler=sampler))
+    StepScheduler(ex).run_until(stream.done)
+    events = list(stream)
+    result = stream.result(0)
+    ex.close()
+    assert box["cancel"] is True
+    assert events == [] and result.finish_reason is FinishReason.CANCELLED, result
