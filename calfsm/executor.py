@@ -27,8 +27,9 @@ from typing import Any
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver, EngineSlot
 from calfsm.epoch import WARMUP_SEQ, Epoch
-from calfsm.errors import Cancelled, Unavailable
+from calfsm.errors import CalfsmError, Cancelled, Unavailable
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
+from calfsm.kv import SeqState
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
 from calfsm.manifest import Manifest
 from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
@@ -133,7 +134,15 @@ class DeviceExecutor:
         """A sequence id of this executor's allocator, as a :class:`Sequence` (a sync and
         an async context manager that releases the KV on exit)."""
         self._life.gate()
-        return Sequence(self, self._sequences.take(), self._sequences)
+        seq_id = self._sequences.take()
+        try:
+            epoch = self.epoch
+            if epoch is not None and epoch.kv.sequence_state(seq_id) is SeqState.UNKNOWN:
+                epoch.kv.reset_sequence(seq_id)  # lost in a reset while nobody held it
+        except CalfsmError:
+            self._sequences.give_back(seq_id)
+            raise
+        return Sequence(self, seq_id, self._sequences)
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True) -> Stream:
@@ -214,6 +223,8 @@ class DeviceExecutor:
             job.cancel_requested = True
             self._pipeline.fail_before_submit(job, _shutdown_cancel(job))
         self._pipeline.wake_waiters()
+        while self._pipeline.run_deferred():    # streams end, sequences are released
+            pass
         self._runtime.join_recovery(timeout)   # a recovery stops at its next step
         undrained = self._runtime.drain(timeout)
         self._pipeline.abandon(undrained, lambda job: Unavailable(
@@ -221,6 +232,8 @@ class DeviceExecutor:
             stage="shutdown", job_id=job.job_id, seq_id=job.seq_id,
             generation=job.generation))
         alive = self._runtime.stop(timeout)
+        while self._pipeline.run_deferred():    # what the drained jobs left to do
+            pass
         self._life.fire_if_declared("close")
         if self.epoch is not None:
             self.epoch.kv.shutdown()

@@ -125,6 +125,11 @@ class Sequence:
         """Tokens the sequence's KV holds: the next token goes at this position."""
         return self._position
 
+    @property
+    def last_job(self) -> JobHandle | None:
+        """The handle of the sequence's most recent job (None before the first)."""
+        return self._last
+
     # ---- jobs ----------------------------------------------------------------------
     def prefill(self, tokens: Seq[int], **kw: Any) -> JobHandle:
         """A prefill of ``tokens`` after what the sequence holds."""
@@ -244,6 +249,21 @@ class Sequence:
                 last.result(timeout)
             except CalfsmError:
                 pass                    # its outcome is its caller's; we only wait
+        if last is not None and not last.done():
+            # the device still writes this sequence's KV: release it (and the id) once
+            # the job has ended, never before
+            last.add_done_callback(self._after_last_job)
+            return
+        self._release()
+
+    def _after_last_job(self, _handle: JobHandle) -> None:
+        if self.executor.lifecycle.closing:
+            self._release()             # close() is running what is left: do it now
+        else:
+            self.executor.defer(self._release)  # not on the completion side
+
+    def _release(self) -> None:
+        """Release the KV and give the id back (the sequence's last job has ended)."""
         try:
             if self.executor.epoch is not None and not self.executor.lifecycle.closing:
                 self.executor.reset_sequence(self.seq_id)
@@ -382,8 +402,11 @@ class Stream:
                 return False
             self._cancelled = True
             handle = self._handle
+            waiting = self._listening or handle is None or handle.done()
         if handle is not None:
             handle.cancel()
+        if waiting:                 # no step runs (it waits to resume): end it now
+            self._finish(FinishReason.CANCELLED)
         return True
 
     def done(self) -> bool:
@@ -555,7 +578,13 @@ class Stream:
             self._finish(FinishReason.STOP)
             return
         position = self.sequence.position        # where ``token`` goes
-        delivered = len(self._tokens) + (want is None)
+        # the token is the stream's from here (a next step that fails at once ends the
+        # stream with it), but the consumer is woken only after the next step went to
+        # the submitter
+        if want is None and not self._record(token, result, position):
+            self._finish(FinishReason.CANCELLED)
+            return
+        delivered = len(self._tokens)
         if delivered >= self.params.max_tokens or position >= self._max_seq:
             reason: FinishReason | None = FinishReason.LENGTH
         elif self._cancelled:
@@ -568,22 +597,26 @@ class Stream:
             target = staged.context.request.target if staged is not None else self._row()
             self._submit(Request.decode(self.sequence.seq_id, token, position,
                                         target=target, deadline_s=self._left()), staged)
-        if want is None and reason is not FinishReason.CANCELLED:
-            self._deliver(token, result, position)
+        with self._lock:
+            self._wake_locked()
         if reason is FinishReason.DEADLINE:
             self._finish(reason, DeadlineExceeded(
                 "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"))
         elif reason is not None:
             self._finish(reason)
 
-    def _deliver(self, token: int, result: InferenceResult, position: int) -> None:
+    def _record(self, token: int, result: InferenceResult, position: int) -> bool:
+        """Make ``token`` the stream's (not yet woken); False if a cancel or the end of
+        the stream came first: then nothing is delivered."""
         now = self._clock.now()
         with self._lock:
+            if self._cancelled or self._result is not None:
+                return False
             self._tokens.append(token)
             self._times.append(now)
             self._events.append(TokenEvent(token, position, len(self._tokens) - 1,
                                            result.timings))
-            self._wake_locked()
+            return True
 
     def _on_error(self, err: CalfsmError) -> None:
         if isinstance(err, Cancelled) or self._cancelled:
@@ -611,25 +644,28 @@ class Stream:
     def _wait_for_ready(self) -> None:
         """Replay once the executor is Ready again (a lifecycle listener; the replay
         itself is deferred to the executor's admission step, outside every lock)."""
-        self._resumes += 1
         ex = self.sequence.executor
-        if ex.lifecycle.ready:
-            ex.defer(self._replay)
-            return
+        life = ex.lifecycle
         with self._lock:
             if not self._listening:
                 self._listening = True
-                ex.lifecycle.on_change(self._lifecycle_changed)
+                life.on_change(self._lifecycle_changed)
+        self._lifecycle_changed()           # it may be Ready, Failed or closing already
 
     def _lifecycle_changed(self) -> None:
         ex = self.sequence.executor
         life = ex.lifecycle
         if not self._listening:
             return
-        if life.ready or life.closing or life.state == "Failed":
-            self._listening = False
+        if life.ready or life.closing or life.state == "Failed" or self._cancelled:
+            with self._lock:
+                if not self._listening:
+                    return
+                self._listening = False
             life.remove_listener(self._lifecycle_changed)
-            if life.ready:
+            if self._cancelled:
+                self._finish(FinishReason.CANCELLED)
+            elif life.ready:
                 ex.defer(self._replay)
             else:
                 self._finish(FinishReason.ERROR, Unavailable(
@@ -639,6 +675,9 @@ class Stream:
     def _replay(self) -> None:
         if self._cancelled:
             self._finish(FinishReason.CANCELLED)
+            return
+        if not self.sequence.executor.lifecycle.ready:
+            self._wait_for_ready()          # it left Ready again: this costs no resume
             return
         seq = self.sequence
         if self._start:
@@ -654,6 +693,7 @@ class Stream:
             return
         history = list(self.prompt) + self._tokens[:-1]
         self._replay_check = self._tokens[-1] if self._tokens else None
+        self._resumes += 1
         log.warning("stream on sequence %s resumes after a reset: replaying %s tokens",
                     seq.seq_id, len(history), extra={"seq_id": seq.seq_id,
                                                      "stage": "resume"})
