@@ -119,6 +119,7 @@ class Sequence:
         self._lock = threading.Lock()
         self._position = 0
         self._last: JobHandle | None = None
+        self._settled: JobHandle | None = None      # the last job already booked
 
     @property
     def position(self) -> int:
@@ -146,6 +147,9 @@ class Sequence:
             raise InvalidArgument(f"request for sequence {request.seq_id} run on sequence "
                                   f"{self.seq_id}", stage="sequence", seq_id=self.seq_id)
         with self._lock:
+            last = self._last
+            if self.state == SequenceState.BUSY and last is not None and last.done():
+                self._settle_locked(last)
             self._check_lost_locked()
             state = self.state
             if state != SequenceState.OPEN:
@@ -209,13 +213,22 @@ class Sequence:
 
     def _job_done(self, handle: JobHandle) -> None:
         with self._lock:
-            err = handle.exception(0)
-            if err is None:
-                job = handle.context
-                self._position = job.past_len + job.token_count
-            elif self._kv_lost():
-                _fire_if(self, "lose")
-            _fire_if(self, "job_ended")
+            self._settle_locked(handle)
+
+    def _settle_locked(self, handle: JobHandle) -> None:
+        """Book a finished job once: its position, a lost KV, Busy -> Open. Run by its
+        done-callback, or earlier by the next ``run`` (a caller whose ``result()`` has
+        returned may go on before the callbacks have run)."""
+        if self._settled is handle:
+            return
+        self._settled = handle
+        err = handle.exception(0)
+        if err is None:
+            job = handle.context
+            self._position = job.past_len + job.token_count
+        elif self._kv_lost():
+            _fire_if(self, "lose")
+        _fire_if(self, "job_ended")
 
     def reset(self) -> None:
         """Forget the KV (after it was lost, or to start over): position 0, Open."""

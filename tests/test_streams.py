@@ -823,3 +823,22 @@ def test_two_streams_on_one_sequence_continue_its_kv(mode, golden):
             assert second.result(0).usage.prompt_tokens == 1
         assert ex.epoch.kv.sequence_length(0) == 0
         assert_freed(ex)
+
+
+def test_a_sequence_takes_its_next_job_as_soon_as_result_returned(monkeypatch):
+    """``result()`` may return before the handle's done-callbacks ran (the latch is
+    released first); the sequence's own bookkeeping must not make the caller's next job
+    look like a second job on a busy sequence."""
+    from calfsm.streams import Sequence as Seq
+
+    late: list = []
+    monkeypatch.setattr(Seq, "_job_done", lambda self, h: late.append((self, h)))
+    with make_executor("step") as ex:
+        seq = ex.open_sequence()
+        h = seq.prefill([1, 2, 3])
+        StepScheduler(ex, 0).run_until(h.done)
+        tok = h.result(0).greedy()
+        assert late, "the callback was held back"
+        h2 = seq.decode(tok)                 # not refused: the finished job is booked now
+        StepScheduler(ex, 0).run_until(h2.done)
+        assert h2.result(0).token_count == 1 and seq.position == 3
