@@ -451,6 +451,11 @@ class Pipeline:
         lease.load(job.seq_id, job.request.tokens, job.request.positions)
         now = self.clock.now()
         job.timings.h2d_ms = (now - t0) * 1e3
+        self._queue(job, now, "prepare")
+
+    def _queue(self, job: JobContext, now: float, stage: str) -> None:
+        """A prepared job joins the submit queue (its queue deadline starts now), unless
+        it was cancelled or the executor is closing: then Cancelled."""
         job.timings.queued = now
         job.queue_deadline = min(job.deadline, now + self.t.queue_s)
         with self._lock:
@@ -459,7 +464,7 @@ class Pipeline:
                 self._submit_q.append(job)
                 self.hooks.work_queued()
                 return
-        raise Cancelled("cancelled before submit", **_ctx(job, "prepare"))
+        raise Cancelled("cancelled before submit", **_ctx(job, stage))
 
     def admit_parked(self) -> bool:
         """Try to admit the head parked job (FIFO). True if it moved (or failed)."""
@@ -554,15 +559,7 @@ class Pipeline:
             _fire(job, "admit")
             job.timings.admitted = now = self.clock.now()
             _fire(job, "prepare")
-            job.timings.queued = now
-            job.queue_deadline = min(job.deadline, now + self.t.queue_s)
-            with self._lock:
-                if not (job.cancel_requested or self.life.closing):
-                    _fire(job, "enqueue")
-                    self._submit_q.append(job)
-                    self.hooks.work_queued()
-                    return True
-            raise Cancelled("cancelled before submit", **_ctx(job, "stage"))
+            self._queue(job, now, "stage")
         except CalfsmError as e:
             self._failed_to_start(job, e)
         except Exception as e:

@@ -170,12 +170,6 @@ class FaultPolicy:
         return False
 
 
-def admission_stops(decision: Decision) -> bool:
-    """Whether a decision takes the generation out of service (admission effect of the
-    table rows it comes from is pause, stop now, reject generation or stop)."""
-    return decision in (Decision.DRAIN_AND_RESET, Decision.ROLL_BACK, Decision.STOP)
-
-
 # The table is the source: a row this module cannot map fails at import, not in service.
 assert set(_BY_ACTION) == set(RecoveryAction), "every recovery action needs a decision"
 assert {a.admission for a in ACTIONS.values()} <= set(AdmissionEffect)
