@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import numpy as np
 
+from calfsm import soak
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.errors import CalfsmError, InvalidArgument, Unavailable
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -429,6 +430,7 @@ def _parser() -> argparse.ArgumentParser:
                           "its prompt and tokens and goes on (without it the prompt fails, "
                           "as on the jobs path)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    soak.add_parser(sub, _HelpFormatter)
     return parser
 
 
@@ -477,6 +479,8 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as e:              # --help, or argparse's own usage error
         return e.code if isinstance(e.code, int) else EXIT_USAGE
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "soak":
+        return soak.main(args)
     try:
         _check_counts(args)
         if args.resume and args.path != "streams":
