@@ -520,6 +520,9 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     except CalfsmError as e:
         tally.close_error = str(e)
     tally.leased_closed = ex.epoch.pool.stats().leased if ex.epoch is not None else 0
+    for c in clients:               # a stuck client may answer once close() ended its stream
+        c.join(0.5)
+    tally.open_at_end = soak.ledger.open_now()[0]
     if soak.crashes:
         tally.unexplained_count += soak.crashes
         tally.unexplained.append(f"{soak.crashes} soak client request(s) raised")
@@ -621,7 +624,7 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
                    help="seeds the clients, the swarm plan and the driver")
     p.add_argument("--kinds", default=",".join(SOAK_KINDS), metavar="K,K,...",
                    help="swarm kinds to draw from; left out by default: "
-                        + "; ".join(f"{k} ({why})" for k, why in EXCLUDED_KINDS.items()))
+                        f"{', '.join(EXCLUDED_KINDS)} (why: docs/soak.md)")
     p.add_argument("--fault-rate", type=float, default=0.005, metavar="R",
                    help="swarm: each drawn kind fires on about this fraction of the calls "
                         "at its point, in (0, 1]")

@@ -101,6 +101,7 @@ class Tally:
     issued: Counter[str] = attrs.Factory(Counter)      # request kind -> issued
     outcomes: Counter[str] = attrs.Factory(Counter)    # outcome -> requests
     open_requests: int = 0          # issued and not answered when the workload drained
+    open_at_end: int = 0            # ... and still not answered after close()
     double_answers: int = 0         # a request or job answered a second time
     token_mismatches: int = 0       # a stream whose events are not its result's tokens
     misanswered_bad: int = 0        # a bad request that got a result, or a device error
@@ -272,8 +273,8 @@ def _once_gate(tally: Tally) -> Gate:
     issued = sum(tally.issued.values())
     answered = sum(tally.outcomes.values())
     problems = []
-    if answered + tally.open_requests != issued:
-        problems.append(f"{issued} issued, {answered} answered, {tally.open_requests} open")
+    if answered + tally.open_at_end != issued:
+        problems.append(f"{issued} issued, {answered} answered, {tally.open_at_end} open")
     if tally.jobs_answered + tally.open_jobs != tally.jobs:
         problems.append(f"{tally.jobs} jobs, {tally.jobs_answered} answered, "
                         f"{tally.open_jobs} open")

@@ -81,10 +81,11 @@ def write_plots(samples: Sequence[Sample], trend: RssTrend, out: Path, *, title:
     paths.append(_save(fig, out / PLOTS[1], plt))
 
     fig, ax = plt.subplots(figsize=(9, 4.5))
-    ax.step(t, [s.recoveries for s in samples], where="post", label="recoveries")
     if any(s.faults is not None for s in samples):
         ax.step(t, [s.faults or 0 for s in samples], where="post", label="faults injected")
-    ax.step(t, [s.generation for s in samples], where="post", label="generation")
+    ax.step(t, [s.recoveries for s in samples], where="post", lw=2.5, label="recoveries")
+    ax.step(t, [s.generation for s in samples], where="post", ls="--", color="k", lw=0.8,
+            label="generation")
     for s0, s1 in itertools.pairwise(samples):
         if s0.lifecycle != "Ready":
             ax.axvspan(s0.t, s1.t, color="tab:orange", alpha=0.2, lw=0)

@@ -165,6 +165,7 @@ def test_rss_gate_needs_enough_samples():
     (dict(token_mismatches=1), "once"),
     (dict(misanswered_bad=1), "once"),
     (dict(jobs_answered=9), "once"),
+    (dict(open_at_end=1), "once"),
 ])
 def test_each_gate_fails_on_what_it_guards(change, gate):
     tally = _clean_tally()
@@ -172,6 +173,7 @@ def test_each_gate_fails_on_what_it_guards(change, gate):
         setattr(tally, k, v)
     if "open_requests" in change:
         tally.outcomes["length"] -= change["open_requests"]
+        tally.open_at_end = change["open_requests"]
     if "open_jobs" in change:
         tally.jobs_answered -= change["open_jobs"]
     passed = _passed(_samples([100 * MIB] * 40), tally)
