@@ -232,6 +232,8 @@ class SoakExecutor(DeviceExecutor):
                 return
             if err.category in DEVICE_CATEGORIES:
                 t.device_errors += 1
+            elif err.category is ErrorCategory.PROGRAMMING:
+                t.programming_errors += 1
             if why is None:
                 t.unexplained_count += 1
                 if len(t.unexplained) < 20:
@@ -508,13 +510,17 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     drain_end = time.perf_counter() + config.drain_s
     for c in clients:
         c.join(max(0.0, drain_end - time.perf_counter()))
-    ex.wait_until(ex.idle, max(0.0, drain_end - time.perf_counter()))
+    # in short waits: wait_until can miss the wake-up of the last job (see docs/soak.md)
+    while not ex.idle() and time.perf_counter() < drain_end:
+        ex.wait_until(ex.idle, 0.1)
+    tally.idle_after_drain = ex.idle()
     soak.sample()
     tally.open_requests = soak.ledger.open_now()[0]
     tally.open_jobs = ex.open_jobs
     tally.leased_drained = ex.stats().leased
     tally.fired = soak.fired_by_point()
     tally.final_state, tally.failure_reason = ex.lifecycle_state, ex.failure_reason
+    tally.executor_bugs = ex.stats().errors_by_category.get(ErrorCategory.PROGRAMMING.value, 0)
     try:
         ex.close(timeout=min(config.drain_s, 10.0))
     except CalfsmError as e:

@@ -18,10 +18,12 @@ each one is unit-tested on synthetic data and a broken gate is caught without a 
   category (device, unknown, artifact, compatibility) is explained by a rule of the
   fault plan that injects it (:func:`explain`), or is collateral of a recovery (its
   generation was retired when it was answered); a programming error (a bug) is never
-  explained; on a driver that counts its faults, no point explains more errors than it
-  fired; the executor did not end Failed unless the plan fails resets.
-- **stuck** — no stuck job or stream: nothing open when the workload drained, no request
-  open longer than ``stuck_s`` at any sample, and ``close()`` drained the device.
+  explained (one only the executor's counters saw, its caller already answered, is
+  reported as a warning); on a driver that counts its faults, no point explains more
+  errors than it fired; the executor did not end Failed unless the plan fails resets.
+- **stuck** — no stuck job or stream: nothing open when the workload drained, the
+  executor idle then, no request open longer than ``stuck_s`` at any sample, and
+  ``close()`` drained the device.
 - **once** — every request answered exactly once: issued == answered, no second answer
   (request or job), a stream's events are its result's tokens, and a bad request never
   got a result (it is refused, or ends with an error).
@@ -116,6 +118,9 @@ class Tally:
     leased_drained: int = 0         # leased once the workload drained
     leased_closed: int = 0          # leased after close()
     close_error: str | None = None  # close() could not drain the device
+    idle_after_drain: bool = True   # the executor had no job left in any queue
+    programming_errors: int = 0     # job errors of category programming (bugs) delivered
+    executor_bugs: int = 0          # programming errors the executor's counters hold
     final_state: str = "Ready"
     failure_reason: str | None = None
     plan_fails_resets: bool = False
@@ -251,6 +256,11 @@ def _device_gate(tally: Tally) -> Gate:
     detail = "; ".join(problems) or (
         f"{tally.device_errors} device-side job errors, all explained "
         f"(by point: {dict(sorted(tally.attributed.items())) or 'none'})")
+    if tally.executor_bugs > tally.programming_errors:
+        # a bug only the executor's counters saw: the caller had its answer already
+        detail += (f"; warning: the executor counted "
+                   f"{tally.executor_bugs - tally.programming_errors} programming error(s) "
+                   "no job delivered (docs/soak.md, findings)")
     return Gate("device", not problems, detail)
 
 
@@ -263,6 +273,8 @@ def _stuck_gate(samples: Sequence[Sample], tally: Tally, limits: GateLimits) -> 
         problems.append(f"{tally.open_jobs} job(s) still open after the drain")
     if oldest > limits.stuck_s:
         problems.append(f"a request stayed open {oldest:.1f} s (limit {limits.stuck_s:g} s)")
+    if not tally.idle_after_drain:
+        problems.append("the executor was not idle after the drain")
     if tally.close_error:
         problems.append(f"close: {tally.close_error}")
     return Gate("stuck", not problems, "; ".join(problems) or

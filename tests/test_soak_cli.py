@@ -158,6 +158,7 @@ def test_rss_gate_needs_enough_samples():
     (dict(leased_closed=2), "leased"),
     (dict(unexplained_count=1, unexplained=["Internal: boom"]), "device"),
     (dict(final_state="Failed", failure_reason="reset failed"), "device"),
+    (dict(idle_after_drain=False), "stuck"),
     (dict(open_requests=1), "stuck"),
     (dict(open_jobs=1), "stuck"),
     (dict(close_error="shutdown did not drain"), "stuck"),
@@ -190,6 +191,13 @@ def test_device_gate_counts_against_the_faults_fired():
     assert _passed(_samples([100 * MIB] * 40), tally)["device"]
     tally.fired = None                              # a driver that cannot count
     assert _passed(_samples([100 * MIB] * 40), tally)["device"]
+
+
+def test_a_bug_only_the_executor_counted_is_a_warning():
+    tally = _clean_tally(executor_bugs=2, programming_errors=1)
+    gate = next(g for g in evaluate(_samples([100 * MIB] * 40), tally, LIMITS)
+                if g.name == "device")
+    assert gate.passed and "warning" in gate.detail and "1 programming error" in gate.detail
 
 
 def test_a_failed_executor_is_explained_only_by_failing_resets():
