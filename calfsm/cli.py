@@ -48,6 +48,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
 )
 from calfsm.sampling import SamplingParams
+from calfsm.serve import cli as serve_cli
 
 if TYPE_CHECKING:
     from calfsm.drivers.faults import FaultPlan
@@ -429,6 +430,7 @@ def _parser() -> argparse.ArgumentParser:
                           "its prompt and tokens and goes on (without it the prompt fails, "
                           "as on the jobs path)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    serve_cli.add_parser(sub, formatter_class=_HelpFormatter)
     return parser
 
 
@@ -476,6 +478,8 @@ def main(argv: list[str] | None = None) -> int:
         args = _parser().parse_args(argv)
     except SystemExit as e:              # --help, or argparse's own usage error
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if args.command == "serve":
+        return serve_cli.run(args)
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     try:
         _check_counts(args)
