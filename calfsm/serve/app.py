@@ -45,12 +45,12 @@ from calfsm.executor import DeviceExecutor
 from calfsm.manifest import TaskKind
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, from_calfsm
-from calfsm.serve.probes import LivenessMonitor, readiness
+from calfsm.serve.probes import Liveness, LivenessMonitor, readiness
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
 
-__all__ = ["ServerConfig", "create_app"]
+__all__ = ["ServerConfig", "create_app", "liveness"]
 
 log = logging.getLogger("calfsm.serve")
 
@@ -339,6 +339,15 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
                                         405: _not_allowed})
     app.state.calfsm = server
     return app
+
+
+def liveness(app: Starlette) -> Liveness:
+    """The answer ``GET /health`` of ``app`` gives now (for a supervisor in the same
+    process, such as Ray Serve's ``check_health``)."""
+    server: _Server = app.state.calfsm
+    if server.monitor is None:
+        return Liveness(False, server.start_error or "starting", 0.0, 0)
+    return server.monitor.check()
 
 
 async def _start_owned(server: _Server, factory: Any) -> None:
