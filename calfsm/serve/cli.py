@@ -10,8 +10,12 @@ startup probe waits for), and a start-up that fails stops the server with exit s
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +39,7 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="run the OpenAI-compatible reference server",
                        description=_DESCRIPTION, **kw)
     p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8000, help="port to bind (0: any free one)")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
     p.add_argument("--driver", default="sim", choices=driver_names(),
                    help="sim: the simulated device in real time (--decode-ms, "
                         "--prefill-token-us); calrt: the C ABI through cffi")
@@ -51,10 +55,12 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--faults", default="none", metavar="none|swarm|PLAN.json",
                    help="sim: a fault plan (swarm: a random one drawn from --seed)")
     p.add_argument("--seed", type=int, default=0, help="seeds the driver and swarm plan")
-    p.add_argument("--max-waiting", type=int, default=64,
-                   help="jobs that may wait for the device; more are answered 429")
-    p.add_argument("--max-sequences", type=int, default=256,
-                   help="streams at once; more are answered 429")
+    p.add_argument("--max-sequences", type=int, default=64,
+                   help="choices (streams) at once; a request past them is answered 429")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="jobs that may wait for the device, else 429 (default: twice "
+                        "--max-sequences: a stream has at most one step queued and one "
+                        "prepared ahead, so a running stream's next step is never refused)")
     p.add_argument("--request-timeout", type=float, default=60.0,
                    help="seconds a choice may take, then 504")
     p.add_argument("--hang-after", type=float, default=5.0,
@@ -93,6 +99,22 @@ def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
                        faults=faults)
 
 
+@contextlib.contextmanager
+def _stop_signals_handled() -> Iterator[None]:
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
+    handler that was there before: make that one a no-op, so a clean stop exits 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT,
+                                                                  signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; the exit status."""
     try:
@@ -108,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         manifest = _manifest(args.manifest)
         driver = _driver(args, manifest)
-        exconfig = ExecutorConfig(max_waiting=args.max_waiting,
+        exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
                                   max_sequences=args.max_sequences)
         config = ServerConfig(model_name=args.model_name,
                               request_timeout_s=args.request_timeout,
@@ -130,7 +152,8 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uvicorn.Config(
         create_app(start, config), host=args.host, port=args.port,
         log_level=args.log_level, timeout_graceful_shutdown=10))
-    server.run()
+    with _stop_signals_handled():
+        server.run()
     if failed:
         print(f"calfsm: start-up failed: {failed[0]}", file=sys.stderr)
         return EXIT_DEVICE_FAILED
