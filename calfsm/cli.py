@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import numpy as np
 
+from calfsm import capabilities_cli
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.errors import CalfsmError, InvalidArgument, Unavailable
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -430,6 +431,7 @@ def _parser() -> argparse.ArgumentParser:
                           "its prompt and tokens and goes on (without it the prompt fails, "
                           "as on the jobs path)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    capabilities_cli.add_parser(sub, _HelpFormatter)
     serve_cli.add_parser(sub, formatter_class=_HelpFormatter)
     return parser
 
@@ -473,11 +475,14 @@ def _error(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``calfsm run [options]``; returns the exit status (``--help``: 0)."""
+    """``calfsm run [options]`` (or ``calfsm capabilities``); returns the exit status
+    (``--help``: 0)."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:              # --help, or argparse's own usage error
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if args.command == "capabilities":
+        return capabilities_cli.main(args)
     if args.command == "serve":
         return serve_cli.run(args)
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
