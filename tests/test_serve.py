@@ -439,3 +439,33 @@ def test_a_server_that_is_starting_answers_503_with_retry_after():
             poll(lambda: c.get("/health").status_code == 200, 10, "never live")
     finally:
         srv.stop()
+
+
+# ---- the embedding example of docs/serving.md runs as written ------------------------------
+
+def _doc_example() -> dict[str, Any]:
+    from pathlib import Path
+    text = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    block = text.split("## Embedding the executor", 1)[1].split("```python\n", 1)[1]
+    namespace: dict[str, Any] = {}
+    exec(compile(block.split("```", 1)[0], "docs/serving.md", "exec"), namespace)
+    return namespace
+
+
+def test_the_embedding_example_in_the_docs_serves_a_request(executor):
+    handle = _doc_example()["handle"]
+    sent: list[int] = []
+    errors: list[tuple[int, Any, str]] = []
+
+    async def send(token: int) -> None:
+        sent.append(token)
+
+    async def send_error(status: int, retry_after: Any, message: str) -> None:
+        errors.append((status, retry_after, message))
+
+    asyncio.run(handle(executor, [3, 1, 4], send, send_error))
+    assert errors == []
+    assert sent == reference([3, 1, 4], SamplingParams(max_tokens=64, temperature=0.7,
+                                                       seed=1))
+    asyncio.run(handle(executor, [3, VOCAB], send, send_error))
+    assert [e[0] for e in errors] == [400]

@@ -213,7 +213,7 @@ def test_a_burst_over_capacity_gets_one_answer_each():
 
 def test_disconnected_clients_cancel_only_their_own_streams():
     tokens = 150
-    ex = RecordingExecutor(realtime_sim(TINY, decode_ms=1), TINY)
+    ex = RecordingExecutor(realtime_sim(TINY, decode_ms=1, prefill_token_us=50), TINY)
     srv = serve(ex)
     params = {"temperature": 0, "max_tokens": tokens}
 
@@ -237,11 +237,18 @@ def test_disconnected_clients_cancel_only_their_own_streams():
         with pytest.raises(httpx.ReadTimeout):
             await c.post("/v1/completions", json=body, timeout=0.15)
 
+    async def leave_before_the_first_token(c: httpx.AsyncClient, i: int) -> None:
+        # a prefill of 6000 tokens takes 0.3 s on this device: the client is gone first
+        body = {"model": MODEL, "prompt": [i] + [1] * 5999, "stream": True} | params
+        with pytest.raises(httpx.ReadTimeout):
+            async with c.stream("POST", "/v1/completions", json=body, timeout=0.1) as r:
+                await r.aread()
+
     async def clients() -> list[Any]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=20) as c:
             return await asyncio.gather(
                 *(keep(c, i) for i in range(0, 4)), *(leave(c, i) for i in range(10, 14)),
-                give_up(c, 20))
+                give_up(c, 20), leave_before_the_first_token(c, 30))
 
     try:
         results = asyncio.run(clients())
@@ -253,10 +260,10 @@ def test_disconnected_clients_cancel_only_their_own_streams():
     for i, got in enumerate(results[:4]):
         assert got == reference([i, 1], params_of(params)), i
     ended = {s.prompt[0]: s.result() for s in ex.streams}
-    assert len(ended) == 9
+    assert len(ended) == 10
     for i in range(4):
         assert ended[i].finish_reason is FinishReason.LENGTH
         assert len(ended[i].tokens) == tokens
-    for i in (*range(10, 14), 20):
+    for i in (*range(10, 14), 20, 30):
         assert ended[i].finish_reason is FinishReason.CANCELLED, i
         assert len(ended[i].tokens) < tokens, i

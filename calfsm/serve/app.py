@@ -245,10 +245,22 @@ class _Server:
     async def _stream(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                       shape: Shape) -> Response:
         pieces = merged(choices)
+        first_piece = asyncio.ensure_future(anext(pieces))
+        gone = asyncio.ensure_future(_disconnected(request))
         try:
-            first = await anext(pieces)
+            await asyncio.wait({first_piece, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not first_piece.done():  # the client left before the first token
+                first_piece.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await first_piece
+        try:
+            first = first_piece.result()
         except BaseException:
             await pieces.aclose()
+            if first_piece.cancelled():
+                return Response(status_code=499)     # nobody reads it
             raise
         if first.error is not None:
             await pieces.aclose()
