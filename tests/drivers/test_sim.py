@@ -39,7 +39,7 @@ def test_trace_replays_byte_for_byte(tmp_path) -> None:
 
 
 def test_trace_records_injected_effects() -> None:
-    d = SimDriver(faults=FaultPlan.of(FaultRule("infer", "code", code=17)))
+    d = SimDriver(faults=FaultPlan.of(FaultRule("infer", "code", code=17)), trace=True)
     d.configure(CB)
     dec = setup(d, CB, TaskKind.DECODE)
     prepare(d, dec, 0, [1], 0)
