@@ -243,3 +243,62 @@ def test_reset_during_the_final_poll_ends_the_wait() -> None:
     assert not t.is_alive()
     assert result in ([0], [C.TIMEOUT])      # aborted by the reset, or timed out first
     assert d.status(dec.out) == OutputStatus.DONE_ABORTED
+
+
+# ---- trace and timeline bounds, the transfer share ----------------------------------
+
+def _jobs(d: SimDriver, n: int) -> None:
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    for pos in range(n):
+        assert run(d, dec, 0, [pos % 64], pos) == OutputStatus.DONE_OK
+
+
+def test_trace_is_off_by_default_and_a_ring_keeps_the_last_records() -> None:
+    off = SimDriver()
+    _jobs(off, 5)
+    assert off.trace_lines() == []
+    full, ring = SimDriver(trace=True), SimDriver(trace=7)
+    _jobs(full, 20)
+    _jobs(ring, 20)
+    lines = full.trace_lines()
+    assert len(lines) > 100 and json.loads(lines[0])["call"] == "open"
+    assert ring.trace_lines() == lines[-7:]           # the same records, the last seven
+    with pytest.raises(InvalidArgument, match="trace"):
+        SimDriver(trace=-1)
+
+
+def test_trace_path_without_a_ring_writes_everything(tmp_path) -> None:
+    d = SimDriver(trace_path=tmp_path / "t.jsonl")
+    _jobs(d, 3)
+    d.close()
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["call"] == "open" and json.loads(lines[-1])["call"] == "close"
+
+
+def test_timeline_keeps_the_last_jobs_only() -> None:
+    d = SimDriver(timeline_jobs=3, latency=LatencyModel.fixed(decode_s=0.01))
+    _jobs(d, 10)
+    spans = d.timeline()
+    assert sorted({s.job for s in spans}) == [8, 9, 10] and len(spans) == 9
+    none = SimDriver(timeline_jobs=0)
+    _jobs(none, 3)
+    assert none.timeline() == []
+    with pytest.raises(InvalidArgument, match="timeline"):
+        SimDriver(timeline_jobs=-1)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, 2, float("nan"), "0.3"])
+def test_transfer_share_out_of_range_is_refused(share) -> None:
+    with pytest.raises(InvalidArgument, match="transfer_share"):
+        LatencyModel.fixed(transfer_share=share)
+
+
+def test_transfer_share_redivides_a_job_without_changing_it() -> None:
+    plain = LatencyModel.fixed(decode_s=0.01, h2d_s_per_byte=1e-6, d2h_s_per_byte=1e-6)
+    shared = LatencyModel.fixed(decode_s=0.01, h2d_s_per_byte=1e-6, d2h_s_per_byte=1e-6,
+                                transfer_share=0.4)
+    a = plain.stages(True, 1, 8, 128)
+    b = shared.stages(True, 1, 8, 128)
+    assert sum(b) == pytest.approx(sum(a))
+    assert b[0] == b[2] == pytest.approx(0.2 * sum(a)) and b[1] == pytest.approx(0.6 * sum(a))
