@@ -34,6 +34,12 @@ the GIL). With a :class:`~calfsm.clock.VirtualClock` the emulator follows that c
 device time moves only through ``wait`` (and whoever advances the clock), exactly like
 :class:`~calfsm.drivers.sim.SimDriver` — the jobs still execute on the device thread.
 
+Phases: the emulator models one DMA channel and one compute unit like SimDriver (the
+``transfer_share`` of a :class:`~calfsm.drivers.sim.LatencyModel` is pushed down with
+the rest of it) and keeps a ring of the last ``timeline_jobs`` ended jobs, which
+:meth:`CalrtDriver.timeline` reads; on a vendor library the timeline is None. The trace
+(of C calls) is off by default, ``trace=True`` keeps every call, ``trace=N`` the last N.
+
 Faults: a :class:`~calfsm.drivers.faults.FaultPlan` is pushed down as rules
 (``calrt_emu_add_rule``); the emulator applies them with the plan's counting rules at the
 points where SimDriver does.

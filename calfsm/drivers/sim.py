@@ -29,11 +29,20 @@ on every turn; ``wake_lead_s=0`` restores a plain sleep.
 honest call would have succeeded; job effects are attached at submit and act at
 execution (or at a reset, for ``stale``).
 
-*Trace.* Every call and every injected effect is recorded as one JSON line: virtual time
-in integer nanoseconds, the call, an argument summary (model names, buffer labels such as
-``in1``/``out1`` numbered in creation order, values) and the result. No ids, addresses or
-wall-clock time, so a seed and a plan replay to the same trace byte for byte. Records are
-kept as tuples and formatted only when :meth:`SimDriver.trace_lines` is called.
+*Phases.* A job's H2D and D2H use the device's one DMA channel, its compute the one
+compute unit; in parallel mode a job's transfers take the first free gap of the channel,
+so they run while the other engine's job computes (``docs/driver-protocol.md``, Timing).
+The planned phases are fixed at submit; a ring of the last ``timeline_jobs`` jobs that
+ended feeds :meth:`SimDriver.timeline` (:mod:`calfsm.drivers.timeline`).
+
+*Trace.* Off by default (a serving process would keep ~3 KB per job): ``trace=True``
+records every call and every injected effect, ``trace=N`` only the last ``N`` records,
+and a ``trace_path`` alone means everything, written at ``close``. A record is one JSON
+line: virtual time in integer nanoseconds, the call, an argument summary (model names,
+buffer labels such as ``in1``/``out1`` numbered in creation order, values) and the
+result. No ids, addresses or wall-clock time, so a seed and a plan replay to the same
+trace byte for byte. Records are kept as tuples and formatted only when
+:meth:`SimDriver.trace_lines` is called.
 
 Thread safety: one lock guards all state; the executor's submitter (``infer``) and
 completion thread (``wait``) may call concurrently.
