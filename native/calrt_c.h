@@ -361,7 +361,7 @@ int32_t calrt_emu_set_latency(calrt_device_t dev, double h2d_s_per_byte,
 int32_t calrt_emu_set_transfer_share(calrt_device_t dev, double share);
 
 /* Phase timeline (docs/driver-protocol.md, Timeline): the device keeps the last `jobs`
- * jobs that ended (executed or aborted; default 1024, 0 keeps none, at most 2^20, else
+ * jobs that ended (executed or aborted; default 256, 0 keeps none, at most 2^20, else
  * INVALID_VALUE), each with the planned start and end of its H2D, compute and D2H in
  * device-time ns (NEVER = INT64_MAX for a compute that never ends) and when it ended (its
  * finish, or the reset or close that aborted it). Setting it clears what was kept. */

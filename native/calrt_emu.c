@@ -40,7 +40,7 @@
 #define MAX_RULES 1024
 #define NEVER INT64_MAX
 #define DMA_BOOKINGS 16
-#define DEFAULT_TIMELINE_JOBS 1024
+#define DEFAULT_TIMELINE_JOBS 256
 
 /* ---- handles ---------------------------------------------------------------------- */
 

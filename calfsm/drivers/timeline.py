@@ -34,8 +34,8 @@ from calfsm.errors import InvalidArgument
 __all__ = ["DEFAULT_TIMELINE_JOBS", "JobRing", "Phase", "PhaseSpan", "PhaseTimeline",
            "busy_s", "overlap_s", "phase_timeline", "spans_of_job"]
 
-#: jobs a driver keeps in its timeline ring by default (about 100 bytes each)
-DEFAULT_TIMELINE_JOBS = 1024
+#: jobs a driver keeps in its timeline ring by default (~0.4 KB each in SimDriver)
+DEFAULT_TIMELINE_JOBS = 256
 
 
 class Phase(enum.StrEnum):
