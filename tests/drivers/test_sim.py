@@ -7,6 +7,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from calfsm.clock import RealClock, VirtualClock
 from calfsm.drivers.base import Calbin, OutputStatus, ResetKind
@@ -302,3 +304,56 @@ def test_transfer_share_redivides_a_job_without_changing_it() -> None:
     b = shared.stages(True, 1, 8, 128)
     assert sum(b) == pytest.approx(sum(a))
     assert b[0] == b[2] == pytest.approx(0.2 * sum(a)) and b[1] == pytest.approx(0.6 * sum(a))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["ping", "pong", "wait_ping", "wait_pong"]),
+                          st.integers(1, 40), st.floats(0, 0.02)), min_size=1, max_size=30),
+       st.floats(0, 0.9), st.floats(0, 0.5), st.floats(1e-6, 1e-4))
+@settings(max_examples=60)
+def test_phased_schedule_keeps_one_dma_channel_one_compute_unit_and_the_order(
+        ops, share, jitter, per_byte) -> None:
+    """Whatever the mix of prefill lengths, waits and idle gaps on Ping and Pong: no two
+    transfers share the DMA channel, no two computes the compute unit, jobs finish in
+    submission order, and every output is the reference model's."""
+    from calfsm.drivers.base import EngineSlot, JobTag
+    from calfsm.drivers.timeline import Phase, busy_s
+    from calfsm.testing import refmodel_pure as pure
+    from calfsm.testing.conformance.util import last_row
+
+    lat = LatencyModel(h2d_s_per_byte=per_byte, prefill_per_token_s=2e-3, decode_s=0.01,
+                       d2h_s_per_byte=per_byte / 4, jitter=jitter, transfer_share=share)
+    d = SimDriver(latency=lat, seed=5)
+    d.configure(CB)
+    assert d.enable_parallel_mode(True) == 0
+    bufs = {e: setup(d, CB, TaskKind.PREFILL_IDS, engine=e)
+            for e in (EngineSlot.PING, EngineSlot.PONG)}
+    pending: dict[EngineSlot, list[int]] = {}
+
+    def finish(engine: EngineSlot) -> None:
+        b, toks = bufs[engine], pending.pop(engine)
+        assert d.wait(b.out, 1e6) == 0 and d.status(b.out) is OutputStatus.DONE_OK
+        assert last_row(b, len(toks)).tolist() == pure.logits_bf16(pure.hashes(toks)[-1], 64)
+
+    for n, (op, length, idle) in enumerate(ops):
+        engine = EngineSlot.PING if op.endswith("ping") else EngineSlot.PONG
+        if engine in pending:
+            finish(engine)
+        if op.startswith("wait"):
+            continue
+        d.clock.advance(idle)
+        toks = [(n * 7 + i) % 64 for i in range(length)]
+        b = bufs[engine]
+        prepare(d, b, n, toks, 0)
+        assert d.infer_fixed(b.model, b.inp, b.out, engine, tag=JobTag(n, n)) == 0
+        pending[engine] = toks
+    for engine in list(pending):
+        finish(engine)
+    spans = d.timeline()
+    dma = [s for s in spans if s.phase.on_dma]
+    comp = [s for s in spans if s.phase is Phase.COMPUTE]
+    assert busy_s(dma) == pytest.approx(sum(s.duration for s in dma), abs=1e-9)
+    assert busy_s(comp) == pytest.approx(sum(s.duration for s in comp), abs=1e-9)
+    finishes = [s.end for s in spans if s.phase is Phase.D2H]
+    assert finishes == sorted(finishes)
+    assert [s.job for s in spans if s.phase is Phase.D2H] == sorted(
+        s.job for s in spans if s.phase is Phase.D2H)
