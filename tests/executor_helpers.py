@@ -66,7 +66,9 @@ class GatedDriver:
 def make_sim(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
              **kw: Any) -> SimDriver:
     """Step mode: the virtual clock (time moves only when driven). Threaded mode: real
-    time with zero device latency, so deadlines pass while a test holds the device."""
+    time with zero device latency, so deadlines pass while a test holds the device. The
+    whole trace is kept (tests read it through :func:`calls`)."""
+    kw.setdefault("trace", True)
     if mode == "threaded":
         kw.setdefault("clock", RealClock())
         kw.setdefault("latency", LatencyModel.zero())
