@@ -70,7 +70,8 @@ _STAGE = "llama_decode"
 class DecodeResult:
     """A decoded batch: its sequence (llama id), where it started, the batch indexes
     that have logits (row ``k`` of the output buffer is ``outputs[k]``) and each job's
-    result (its ``logits`` a view of its row)."""
+    result — its ``logits`` a view of its row (of the scratch row for a job without an
+    output), valid until the next decode."""
 
     seq_id: int
     pos0: int
