@@ -52,6 +52,8 @@ from calfsm.llama import (
 )
 from calfsm.llama.codes import render_table
 from calfsm.manifest import TaskKind
+from calfsm.recovery import RecoveryPolicy
+from calfsm.request import Request
 from tests.executor_helpers import TINY, GatedDriver, drive, make_executor, make_sim
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +200,12 @@ def test_sequences_of_one_context_are_apart():
         assert ctx.decode(b) == SUCCESS
         assert int(np.argmax(ctx.get_logits_ith(4))) == reference(other, 1)[0]
         assert greedy_loop(ctx, PROMPT, 4) == reference(PROMPT, 4)
-        assert (ctx.memory.seq_pos_max(0), ctx.memory.seq_pos_max(1)) == (12, 4)
+        numpy_fields = LlamaBatch(token=np.array([2]), pos=np.array([5]),
+                                  n_seq_id=np.array([1]), seq_id=np.array([[1]]),
+                                  logits=np.array([True]))
+        assert ctx.decode(numpy_fields) == SUCCESS
+        assert int(np.argmax(ctx.get_logits_ith(0))) == reference([*other, 2], 1)[0]
+        assert (ctx.memory.seq_pos_max(0), ctx.memory.seq_pos_max(1)) == (12, 5)
         b.clear()
         assert b.n_tokens == 0 and ctx.decode(b) == INVALID_INPUT
 
@@ -224,6 +231,8 @@ BAD_BATCHES = {
     "float token": LlamaBatch(token=[1.0]),
     "bool token": LlamaBatch(token=[True]),
     "no tokens": LlamaBatch(token=[]),
+    "token not a sequence": LlamaBatch(token=5),
+    "embeddings not an array": LlamaBatch(embd=[[0.0] * 64]),
     "tokens and embeddings": LlamaBatch(token=[1], embd=np.zeros((1, 64), np.float32)),
     "embeddings of the wrong dtype": LlamaBatch(embd=np.zeros((2, 64), np.float32)),
     "embeddings of the wrong width": LlamaBatch(
@@ -345,16 +354,18 @@ def test_abort_from_another_thread_cancels_the_job_in_flight(caplog):
 FATAL_FAULTS = {
     "ccu exception": (FaultRule("infer", "ccu_exception", seq_id=0), "Unavailable", None),
     "NaN logits": (FaultRule("infer", "nan", seq_id=0, index=3), "Internal", None),
-    "wait timeout": (FaultRule("wait", "code", seq_id=0), "DeadlineExceeded", 13),
+    "execution deadline": (FaultRule("infer", "hang", seq_id=0), "DeadlineExceeded", 13),
     "device unavailable at submit": (
         FaultRule("infer", "code", seq_id=0, code=18), "Unavailable", 18),
 }
 
 
 @pytest.mark.parametrize("name", FATAL_FAULTS)
-def test_device_failure_is_fatal_and_the_sequence_starts_again(name, caplog):
+def test_device_failure_is_fatal_and_the_sequence_starts_again(mode, name, caplog):
     rule, error, calrt = FATAL_FAULTS[name]
-    with make_executor("step", faults=FaultPlan.of(rule)) as ex, LlamaContext(ex) as ctx:
+    quick = {"execution_timeout_s": 0.2, "recovery": RecoveryPolicy(grace_period_s=0.05)}
+    with make_executor(mode, faults=FaultPlan.of(rule), **quick) as ex, \
+            LlamaContext(ex) as ctx:
         g0 = ex.generation
         with caplog.at_level(logging.WARNING, logger="calfsm"):
             assert ctx.decode(LlamaBatch.get_one(PROMPT)) == DEVICE_FAILED
@@ -482,12 +493,14 @@ def test_a_failed_release_leaves_the_sequence_to_start_again():
 def test_truncate_is_refused_while_a_job_holds_the_sequence():
     with make_executor("step") as ex, LlamaContext(ex) as ctx:
         assert ctx.decode(LlamaBatch.get_one(PROMPT)) == SUCCESS
-        from calfsm.request import Request
-        handle = ex.enqueue_nowait(Request.decode(0, 1, len(PROMPT)))
+        dev = ctx.memory.seq_ids[0]
+        handle = ex.enqueue_nowait(Request.decode(dev, 1, len(PROMPT)))
         with pytest.raises(FailedPrecondition, match="open KV reservation"):
-            ex.epoch.kv.truncate_sequence(0, 3)
+            ex.epoch.kv.truncate_sequence(dev, 3)
         drive(ex, handle.done)
-        assert ex.epoch.kv.sequence_length(0) == len(PROMPT) + 1
+        assert ex.epoch.kv.sequence_length(dev) == len(PROMPT) + 1
+        ex.epoch.kv.truncate_sequence(dev, 3)
+        assert ex.epoch.kv.sequence_length(dev) == 3 == ex.driver.kv_allocated(dev)
 
 
 def test_context_arguments_are_checked():

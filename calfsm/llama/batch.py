@@ -105,6 +105,13 @@ def _bad(message: str, ctx: Mapping[str, Any]) -> InvalidArgument:
     return InvalidArgument(message, stage=_STAGE, **ctx)
 
 
+def _is_seq(value: Any) -> bool:
+    """A list-like of entries: a sequence (not text) or a 1-D or 2-D numpy array."""
+    if isinstance(value, np.ndarray):
+        return value.ndim in (1, 2)
+    return isinstance(value, Seq) and not isinstance(value, str | bytes)
+
+
 def _ints(values: Any, field: str, n: int, ctx: Mapping[str, Any], *,
           flags: bool = False) -> np.ndarray:
     """``values`` as ``int64[n]``; bools only where ``flags`` (a logits flag)."""
@@ -141,13 +148,13 @@ def _one_sequence(batch: LlamaBatch, n: int, n_seq_max: int,
         seq = 0
     else:
         ids = batch.seq_id
-        if not isinstance(ids, Seq) or len(ids) != n:
+        if not _is_seq(ids) or len(ids) != n:
             raise _bad(f"seq_id must hold one list of sequence ids per token ({n})", ctx)
         counts = (_ints(batch.n_seq_id, "n_seq_id", n, ctx) if batch.n_seq_id is not None
                   else None)
         seqs = set()
         for i, row in enumerate(ids):
-            if not isinstance(row, Seq) or isinstance(row, str | bytes):
+            if not _is_seq(row):
                 raise _bad(f"seq_id[{i}] must be a list of sequence ids, got "
                            f"{reprlib.repr(row)}", ctx)
             k = len(row) if counts is None else int(counts[i])
@@ -155,7 +162,7 @@ def _one_sequence(batch: LlamaBatch, n: int, n_seq_max: int,
                 raise _bad(f"token {i} belongs to {k} sequences: the calbin takes one "
                            "sequence per batch (batch 1), so each token names exactly one",
                            ctx)
-            seqs.update(_ints(list(row[:1]), f"seq_id[{i}]", 1, ctx).tolist())
+            seqs.update(_ints(list(row)[:1], f"seq_id[{i}]", 1, ctx).tolist())
         if len(seqs) != 1:
             raise _bad(f"the batch mixes sequences {sorted(seqs)}: the calbin takes one "
                        "sequence per batch (batch 1)", ctx)
@@ -174,14 +181,18 @@ def plan_batch(batch: LlamaBatch, *, seq_ids: Seq[int], n_ubatch: int, n_outputs
     ctx = dict(context)
     if not isinstance(batch, LlamaBatch):
         raise _bad(f"decode takes a LlamaBatch, got {type(batch).__name__}", ctx)
+    if batch.embd is not None and (not isinstance(batch.embd, np.ndarray)
+                                   or batch.embd.ndim != 2):
+        raise _bad("embd must be a 2-D (n_tokens, hidden) numpy array", ctx)
+    if batch.token is not None and not _is_seq(batch.token):
+        raise _bad(f"token must be a sequence of token ids, got "
+                   f"{reprlib.repr(batch.token)}", ctx)
     has_tok = batch.token is not None and len(batch.token) > 0
     has_embd = batch.embd is not None and len(batch.embd) > 0
     if has_tok and has_embd:
         raise _bad("a batch holds token ids or embeddings, not both", ctx)
     tokens = embd = None
     if has_embd:
-        if not isinstance(batch.embd, np.ndarray) or batch.embd.ndim != 2:
-            raise _bad("embd must be a 2-D (n_tokens, hidden) numpy array", ctx)
         embd = batch.embd
         n = len(embd)
     else:
