@@ -329,14 +329,30 @@ def test_abort_callback_is_two_and_keeps_what_was_processed(caplog):
         assert np.array_equal(ctx.get_logits_ith(-1), rows[5])
 
 
+def test_abort_before_a_job_is_submitted_runs_nothing_more():
+    with make_executor("step") as ex, LlamaContext(ex, n_outputs_max=2) as ctx:
+        calls = []
+        # the callback aborts through abort() and lets the ubatch go on to its enqueue
+        ctx.set_abort_callback(lambda: (calls.append(1), len(calls) == 2 and ctx.abort()
+                                        and False)[1])
+        assert ctx.decode(LlamaBatch(token=PROMPT[:4], logits=[0, 1, 0, 1])) == ABORTED
+        assert ex.stats().cancelled == 1 and ctx.memory.seq_pos_max(0) == 1
+        assert len(calls) == 2
+        ctx.set_abort_callback(None)
+        assert not ctx.abort()                                  # no decode running
+        assert ctx.decode(LlamaBatch.get_one(PROMPT[2:4])) == SUCCESS
+
+
 def test_abort_from_another_thread_cancels_the_job_in_flight(caplog):
     driver = GatedDriver(make_sim("threaded"))
-    with make_executor("threaded", driver=driver) as ex, LlamaContext(ex) as ctx:
+    with make_executor("threaded", driver=driver) as ex, \
+            LlamaContext(ex, n_outputs_max=2) as ctx:
         assert not ctx.abort()                               # nothing running
         driver.gate.clear()
+        accepted = ex.stats().accepted
+        two_ubatches = LlamaBatch(token=PROMPT, logits=[0, 0, 0, 0, 1, 0, 0, 0, 0, 1])
         codes: list[int] = []
-        worker = threading.Thread(target=lambda: codes.append(
-            ctx.decode(LlamaBatch.get_one(PROMPT))))
+        worker = threading.Thread(target=lambda: codes.append(ctx.decode(two_ubatches)))
         with caplog.at_level(logging.WARNING, logger="calfsm"):
             worker.start()
             assert driver.waiting.wait(10)
@@ -346,8 +362,9 @@ def test_abort_from_another_thread_cancels_the_job_in_flight(caplog):
         assert codes == [ABORTED]
         [rec] = failure_records(caplog)
         assert rec.error == "Cancelled" and rec.job_id is not None
-        # cancelled after submit: the job ran and its KV stays, as llama.cpp says for 2
-        assert ctx.memory.seq_pos_max(0) == len(PROMPT) - 1
+        # cancelled after submit: the job ran and its KV stays, as llama.cpp says for 2;
+        # the second ubatch never ran
+        assert ctx.memory.seq_pos_max(0) == 4 and ex.stats().accepted == accepted + 1
         assert ctx.get_logits().shape[0] == 0
 
 

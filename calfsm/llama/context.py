@@ -120,6 +120,7 @@ class LlamaContext:
         self._abort_lock = threading.Lock()
         self._current: JobHandle | None = None
         self._abort_requested = False
+        self._decoding = False
         self._sequences: list[Sequence] = []
         try:
             for _ in range(n_seq_max):
@@ -153,8 +154,6 @@ class LlamaContext:
         :class:`~calfsm.errors.CalfsmError` (spec 6.1's ``decode_sync``)."""
         with self._lock:
             self._rows, self._n_outputs = {}, 0
-            with self._abort_lock:
-                self._abort_requested = False
             ctx = {"generation": self.executor.generation}
             try:
                 plan = plan_batch(batch, seq_ids=self.memory.seq_ids,
@@ -164,7 +163,13 @@ class LlamaContext:
                 requests = self._requests(plan)
             except CalfsmError as err:
                 raise self._logged(err) from None
-            return self._run(plan, requests)
+            with self._abort_lock:
+                self._decoding, self._abort_requested = True, False
+            try:
+                return self._run(plan, requests)
+            finally:
+                with self._abort_lock:
+                    self._decoding = False
 
     def _ubatch_limit(self, batch: LlamaBatch) -> int:
         if isinstance(batch, LlamaBatch) and batch.embd is not None and len(batch.embd):
@@ -238,9 +243,12 @@ class LlamaContext:
 
     def _job(self, request: Request) -> InferenceResult:
         """Run one job to its end, in either executor mode."""
-        if self._abort_cb is not None and self._abort_cb():
-            raise self._logged(Cancelled("aborted by the abort callback before the next "
-                                         "ubatch", stage=_STAGE, seq_id=request.seq_id,
+        by = ("abort()" if self._abort_requested else
+              "the abort callback" if self._abort_cb is not None and self._abort_cb()
+              else None)
+        if by is not None:
+            raise self._logged(Cancelled(f"aborted by {by} before the next ubatch",
+                                         stage=_STAGE, seq_id=request.seq_id,
                                          generation=self.executor.generation))
         try:
             handle = self.executor.enqueue_nowait(request)
@@ -274,11 +282,15 @@ class LlamaContext:
 
     def abort(self) -> bool:
         """Abort the decode in progress (any thread): the job in flight is cancelled and
-        no further ubatch runs. False if no decode was running a job."""
+        no further ubatch runs. False (and nothing happens) if no decode is running."""
         with self._abort_lock:
+            if not self._decoding:
+                return False
             self._abort_requested = True
             handle = self._current
-        return handle is not None and handle.cancel()
+        if handle is not None:
+            handle.cancel()
+        return True
 
     # ---- logits ---------------------------------------------------------------------
     def get_logits(self) -> np.ndarray:
