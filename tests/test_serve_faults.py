@@ -267,3 +267,29 @@ def test_disconnected_clients_cancel_only_their_own_streams():
     for i in (*range(10, 14), 20, 30):
         assert ended[i].finish_reason is FinishReason.CANCELLED, i
         assert len(ended[i].tokens) < tokens, i
+
+
+def test_a_failed_device_is_not_live_and_says_restart():
+    """An incompatible driver code stops the device for good (lifecycle Failed): the
+    request that met it and every one after is a 503 without Retry-After (a retry in
+    this process cannot help), /ready is 503, and /health 503 so a supervisor restarts."""
+    from calfsm.errors import CalrtCode
+    plan = FaultPlan([FaultRule("infer", "code", seq_id=0,
+                                code=int(CalrtCode.DRIVER_INCOMPATIBLE))])
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0, faults=plan), TINY)
+    srv = serve(ex)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            assert c.get("/health").status_code == 200
+            for _ in range(2):
+                r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1]} | GREEDY)
+                assert r.status_code == 503, r.text
+                assert "retry-after" not in r.headers
+            assert ex.lifecycle_state == "Failed"
+            r = c.get("/health")
+            assert r.status_code == 503 and "executor failed" in r.json()["reason"]
+            r = c.get("/ready")
+            assert r.status_code == 503 and "retry-after" not in r.headers
+    finally:
+        srv.stop()
+        ex.close()
