@@ -293,3 +293,21 @@ def test_a_failed_device_is_not_live_and_says_restart():
     finally:
         srv.stop()
         ex.close()
+
+
+def test_a_bug_in_the_server_path_is_a_500_with_an_openai_body():
+    class Buggy(DeviceExecutor):
+        def generate(self, *args: Any, **kw: Any) -> Stream:
+            raise RuntimeError("a bug")
+
+    ex = Buggy(realtime_sim(TINY, decode_ms=0), TINY)
+    srv = serve(ex)
+    try:
+        with httpx.Client(base_url=srv.url, timeout=10) as c:
+            r = c.post("/v1/completions", json={"model": MODEL, "prompt": [1]})
+            assert r.status_code == 500
+            assert r.json()["error"]["type"] == "server_error"
+            assert c.get("/health").status_code == 200    # the process goes on
+    finally:
+        srv.stop()
+        ex.close()

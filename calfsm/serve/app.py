@@ -185,9 +185,14 @@ class _Server:
             return _error_response(e)
         except CalfsmError as e:
             return _error_response(from_calfsm(e))
-        if plan.stream:
-            return await self._stream(request, plan, choices, shape)
-        return await self._collect(request, plan, choices, shape)
+        except Exception as e:          # a bug of ours: the traceback goes to the log
+            return _internal(request, e)
+        try:
+            if plan.stream:
+                return await self._stream(request, plan, choices, shape)
+            return await self._collect(request, plan, choices, shape)
+        except Exception as e:
+            return _internal(request, e)
 
     def _start(self, ex: DeviceExecutor, plan: GenerationPlan) -> list[Choice]:
         """A stream per choice; if one cannot start, those started are cancelled."""
@@ -301,6 +306,13 @@ async def _disconnected(request: Request) -> None:
     """Returns when the client disconnects (the body has been read already)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def _internal(request: Request, exc: Exception) -> Response:
+    """500 with an OpenAI body for an unexpected exception (logged with its traceback)."""
+    log.error("unexpected %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
+    return _error_response(ApiError(500, f"internal error: {type(exc).__name__}",
+                                    code="internal"))
 
 
 def _error_response(err: ApiError) -> Response:
