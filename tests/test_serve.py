@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calfsm.direct import DirectRunner
@@ -350,6 +350,7 @@ FIELDS = ("model", "prompt", "messages", "max_tokens", "temperature", "top_p", "
           "seed", "stop", "n", "stream", "stream_options", "logprobs", "stop_token_ids")
 
 
+@settings(deadline=None, max_examples=60)     # each example is an HTTP round trip
 @given(st.dictionaries(st.sampled_from(FIELDS), JSON_VALUES, max_size=6),
        st.sampled_from(["/v1/completions", "/v1/chat/completions"]))
 def test_no_body_gets_a_5xx(client, body, path):
