@@ -103,6 +103,9 @@ class Hooks:
     def after_device_freed(self) -> None:
         """Called by the step that freed the device, outside every lock."""
 
+    def after_work_queued(self) -> None:
+        """Called by the step that queued a job, outside every lock."""
+
     def changed(self) -> None:
         """Queues or in-flight accounting changed (drains and recovery wait for this).
         Called outside the queue lock, so it may take locks of its own."""
@@ -461,12 +464,14 @@ class Pipeline:
         job.timings.queued = now
         job.queue_deadline = min(job.deadline, now + self.t.queue_s)
         with self._lock:
-            if not (job.cancel_requested or self.life.closing):
+            queued = not (job.cancel_requested or self.life.closing)
+            if queued:
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
                 self.hooks.work_queued()
-                return
-        raise Cancelled("cancelled before submit", **_ctx(job, stage))
+        if not queued:
+            raise Cancelled("cancelled before submit", **_ctx(job, stage))
+        self.hooks.after_work_queued()
 
     def admit_parked(self) -> bool:
         """Try to admit the head parked job (FIFO). True if it moved (or failed)."""
