@@ -26,6 +26,7 @@ from typing import Any
 
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver, EngineSlot
+from calfsm.dump import DumpSink
 from calfsm.epoch import WARMUP_SEQ, Epoch
 from calfsm.errors import CalfsmError, Cancelled, Unavailable
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
@@ -90,6 +91,10 @@ class DeviceExecutor:
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
+        #: the dump sink when ``config.dump`` enables it (spec S12), else None
+        self.dump_sink = DumpSink(cfg.dump) if cfg.dump is not None else None
+        if self.dump_sink is not None:
+            self.add_observer(self.dump_sink)
         self._control.start(manifest, calbin or Calbin.from_manifest(manifest))
         self._runtime.start()
 
