@@ -2,8 +2,8 @@
 
 Run from the repository root::
 
-    python bench/bench_metrics.py            # ~30 s
-    python bench/bench_metrics.py --quick    # ~10 s
+    python bench/bench_metrics.py            # ~10 s
+    python bench/bench_metrics.py --quick    # ~3 s
 
 Step-mode executors (no threads, zero device latency, the virtual clock) on SimDriver,
 so the figure is the executor's own CPU per job, without thread hand-offs or device

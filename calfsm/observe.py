@@ -39,6 +39,7 @@ from calfsm.errors import (
     CalfsmError,
     ExecutorBroken,
     ExecutorClosed,
+    InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
@@ -142,12 +143,14 @@ class Observers:
 
     def add(self, observer: Any) -> None:
         """Register ``observer`` (an :class:`Observer`, or any object with some of its
-        methods). Adding the same object twice is a misuse."""
+        methods). Adding the same object twice is a misuse (InvalidArgument)."""
         if not any(callable(getattr(observer, name, None)) for name in EVENTS):
-            raise TypeError(f"{observer!r} has none of the observer methods {EVENTS}")
+            raise InvalidArgument(f"{observer!r} has none of the observer methods "
+                                  f"{EVENTS}", stage="observe")
         with self._lock:
             if any(o is observer for o in self._all):
-                raise ValueError(f"{observer!r} is already observing this executor")
+                raise InvalidArgument(f"{observer!r} is already observing this executor",
+                                      stage="observe")
             self._bind((*self._all, observer))
 
     def remove(self, observer: Any) -> bool:

@@ -22,6 +22,7 @@ from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.errors import (
     CalrtCode,
     ExecutorClosed,
+    InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
@@ -423,13 +424,13 @@ def test_job_ended_carries_the_outcome_the_error_and_the_result(step_ex):
 
 def test_observers_refuse_misuse_and_skip_what_is_not_overridden():
     obs = Observers()
-    with pytest.raises(TypeError):
+    with pytest.raises(InvalidArgument):
         obs.add(object())
     only_streams = type("OnlyStreams", (Observer,), {
         "stream_ended": lambda self, stream, result: None})()
     obs.add(only_streams)
     assert not obs.jobs                  # no JobEnded is built for it
-    with pytest.raises(ValueError):
+    with pytest.raises(InvalidArgument, match="already"):
         obs.add(only_streams)
     obs.add(Recorder())
     assert obs.jobs and len(obs) == 2
