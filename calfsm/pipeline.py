@@ -65,6 +65,7 @@ from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.lifecycle import Lifecycle
 from calfsm.machines.job import JOB_MACHINE, JobState
 from calfsm.machines.lifecycle import LifecycleState
+from calfsm.observe import JobEnded, Observers
 from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.request import check_request
 from calfsm.staging import check_output, read_output
@@ -102,6 +103,9 @@ class Hooks:
 
     def after_device_freed(self) -> None:
         """Called by the step that freed the device, outside every lock."""
+
+    def after_work_queued(self) -> None:
+        """Called by the step that queued a job, outside every lock."""
 
     def changed(self) -> None:
         """Queues or in-flight accounting changed (drains and recovery wait for this).
@@ -142,6 +146,7 @@ class Pipeline:
         self._apply = apply             # the lifecycle carries out a policy decision
         self._drain = drain             # ... and starts a drain for a suspect device
         self.hooks = Hooks()
+        self.observers = Observers()    # told of every job's end (metrics, dump sink)
         self._lock = threading.Lock()
         self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
@@ -461,12 +466,14 @@ class Pipeline:
         job.timings.queued = now
         job.queue_deadline = min(job.deadline, now + self.t.queue_s)
         with self._lock:
-            if not (job.cancel_requested or self.life.closing):
+            queued = not (job.cancel_requested or self.life.closing)
+            if queued:
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
                 self.hooks.work_queued()
-                return
-        raise Cancelled("cancelled before submit", **_ctx(job, stage))
+        if not queued:
+            raise Cancelled("cancelled before submit", **_ctx(job, stage))
+        self.hooks.after_work_queued()
 
     def admit_parked(self) -> bool:
         """Try to admit the head parked job (FIFO). True if it moved (or failed)."""
@@ -542,6 +549,7 @@ class Pipeline:
                 return False
             self._staged.remove(job)
         job.request = request
+        job.timings.released = self.clock.now()
         try:
             job.lease.write_inputs(request.tokens, request.positions)
             if self.life.state != _READY or job.epoch is not self.life.epoch:
@@ -893,14 +901,18 @@ class Pipeline:
         self._leave_waiting(job)
         if JOB_MACHINE.fire(job, "succeed"):
             self.count("succeeded")
-            job.handle._resolve(InferenceResult(
-                job.job_id, job.seq_id, job.generation, job.kind, job.token_count, logits,
-                job.timings), None)
+            result = InferenceResult(job.job_id, job.seq_id, job.generation, job.kind,
+                                     job.token_count, logits, job.timings)
+            if self.observers.jobs:
+                self._observe(job, "succeeded", result, None)
+            job.handle._resolve(result, None)
         else:                                       # cancelled after submit (FI12)
             _fire(job, "fail")
             err = Cancelled("cancelled after submit; the job ran, its result was dropped",
                             **_ctx(job, "complete"))
             self._count_outcome("cancelled", err)
+            if self.observers.jobs:
+                self._observe(job, "cancelled", None, err)
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.hooks.job_parked()         # a slot and KV came free: admission may go on
@@ -918,9 +930,12 @@ class Pipeline:
     def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
         Unknown (the device ran), the slot is quarantined, the fault policy decides."""
+        # the raw output, for observers (a dump sink): the slot is quarantined below, so
+        # its host arrays stay as the device left them
+        output = job.lease.slot.logits_bf16 if self.observers.jobs else None
         self._withhold(job, str(err))
         _fire(job, "quarantine")
-        self._finish(job, err, "quarantined")
+        self._finish(job, err, "quarantined", output=output)
         self._apply(self.faults.decide(err, self.clock.now()))
 
     def _execution_timeout(self, job: JobContext) -> None:
@@ -993,7 +1008,8 @@ class Pipeline:
             job.epoch.pool.quarantine(job.lease, reason)
             job.lease = None
 
-    def _finish(self, job: JobContext, err: CalfsmError, outcome: str) -> None:
+    def _finish(self, job: JobContext, err: CalfsmError, outcome: str, *,
+                output: Any = None) -> None:
         err.with_context(**_ctx(job, None))
         job.timings.completed = self.clock.now()
         self._leave_waiting(job)
@@ -1001,7 +1017,17 @@ class Pipeline:
         if not isinstance(err, Cancelled):
             log.warning("job failed: %s", err.message, extra=err.context())
         if not job.ended:
+            if self.observers.jobs:
+                self._observe(job, outcome, None, err, output)
             job.handle._resolve(None, err)
+
+    def _observe(self, job: JobContext, outcome: str, result: InferenceResult | None,
+                 err: CalfsmError | None, output: Any = None) -> None:
+        """Tell the observers a job ended, before its handle resolves (holding no lock):
+        a caller that has the outcome finds it counted."""
+        self.observers.job_ended(JobEnded(
+            job.job_id, job.seq_id, job.generation, job.kind, outcome, job.timings,
+            job.request, result, err, output))
 
     def _count_outcome(self, outcome: str, err: CalfsmError) -> None:
         cat = err.category.value

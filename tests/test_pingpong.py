@@ -16,6 +16,7 @@ import pytest
 from calfsm.clock import RealClock
 from calfsm.direct import DirectRunner
 from calfsm.drivers.base import EngineSlot, ResetKind
+from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import DEFAULT_CAPABILITIES, LatencyModel, SimDriver
 from calfsm.errors import CalfsmError, CalrtCode, ErrorCategory
@@ -81,6 +82,12 @@ def _driver(mode: str, **kw: Any) -> SimDriver:
     return make_sim(mode, **kw)
 
 
+def _emulator(mode: str) -> CalrtDriver:
+    if mode == "step":
+        return CalrtDriver.virtual(manifest_or_calbin=TINY)
+    return CalrtDriver(TINY, latency=LatencyModel(decode_s=1e-3))
+
+
 def _two(mode: str, tmp_path: Path, driver: Any = None, **config: Any) -> Any:
     drv = driver or InflightProbe(_driver(mode))
     write_evidence(tmp_path, drv)
@@ -130,6 +137,18 @@ def _both_on_device(ex: Any, gated: GatedDriver | None) -> None:
         while len(ex.on_device()) < 2 and time.monotonic() < deadline:
             gated.submitted.wait(0.01)
     assert len(ex.on_device()) == 2, "both jobs must be on the device at once"
+
+
+def test_two_streams_on_the_native_emulators_ping_pong(mode, tmp_path, runner):
+    probe = InflightProbe(_emulator(mode))
+    prompts = [[1, 2, 3], [9]]
+    with _two(mode, tmp_path, probe) as ex:
+        assert ex.driver.name == "calrt" and ex.health().max_inflight == 2
+        results = _streams(ex, prompts, 60)
+        assert [list(r.tokens) for r in results] == [
+            runner.generate(i, p, 60) for i, p in enumerate(prompts)]
+        assert ex.stats().leased == 0
+    assert probe.most == 2 and probe.most_per_engine == 1
 
 
 def test_a_fault_on_ping_while_pong_is_in_flight_fails_only_its_job(mode, tmp_path,
