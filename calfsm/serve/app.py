@@ -35,6 +35,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -43,6 +44,7 @@ from starlette.routing import Route
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.manifest import TaskKind
+from calfsm.metrics import ExecutorMetrics
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, from_calfsm
 from calfsm.serve.probes import Liveness, LivenessMonitor, readiness
@@ -87,10 +89,12 @@ class _Server:
     """The app's state: the executor (None while it starts), its liveness monitor, the
     tokenizer and the limits of its model."""
 
-    def __init__(self, config: ServerConfig) -> None:
+    def __init__(self, config: ServerConfig, registry: CollectorRegistry | None) -> None:
         self.config = config
+        self.registry = registry
         self.executor: DeviceExecutor | None = None
         self.monitor: LivenessMonitor | None = None
+        self.metrics: ExecutorMetrics | None = None
         self.tokenizer: ByteTokenizer | None = None
         self.limits: Limits | None = None
         self.start_error: str | None = None
@@ -107,6 +111,7 @@ class _Server:
         self.limits = Limits(name, contract.vocab, contract.max_seq,
                              self.config.default_max_tokens, self.config.max_choices)
         self.monitor = LivenessMonitor(executor, hang_after_s=self.config.hang_after_s)
+        self.metrics = ExecutorMetrics(executor, registry=self.registry)
         self.executor = executor
 
     def running(self) -> DeviceExecutor:
@@ -140,6 +145,14 @@ class _Server:
             "retry-after": str(max(1, round(self.executor.lifecycle.retry_after_s)))}
         return JSONResponse({"ready": ok} | shown, status_code=200 if ok else 503,
                             headers=headers)
+
+    async def metrics_text(self, request: Request) -> Response:
+        if self.metrics is None:
+            raise ApiError(503, f"the server is {self.start_error or 'starting'}",
+                           code="unavailable",
+                           retry_after_s=None if self.start_error else 1.0)
+        return Response(generate_latest(self.metrics.registry),
+                        media_type=CONTENT_TYPE_LATEST)
 
     # ---- models --------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -323,11 +336,14 @@ def _error_response(err: ApiError) -> Response:
 
 
 def create_app(executor: DeviceExecutor | ExecutorFactory,
-               config: ServerConfig | None = None) -> Starlette:
+               config: ServerConfig | None = None, *,
+               registry: CollectorRegistry | None = None) -> Starlette:
     """The ASGI app serving ``executor``: a running :class:`DeviceExecutor` (the caller
     owns it), or an async factory of one (``lambda: DeviceExecutor.create(...)``; the
-    app starts it in its lifespan and closes it on shutdown)."""
-    server = _Server(config or ServerConfig())
+    app starts it in its lifespan and closes it on shutdown). The executor's metrics
+    (:class:`~calfsm.metrics.ExecutorMetrics`) go to ``registry`` (default: one of the
+    app's own) and ``GET /metrics`` serves that registry."""
+    server = _Server(config or ServerConfig(), registry)
     owned = not isinstance(executor, DeviceExecutor)
     if not owned:
         server.attach(executor)          # type: ignore[arg-type]
@@ -345,6 +361,8 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
                     await starting
             if server.monitor is not None:
                 server.monitor.close()
+            if server.metrics is not None:
+                server.metrics.close()
             if owned and server.executor is not None:
                 try:
                     await server.executor.aclose()
@@ -357,6 +375,7 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
         Route("/v1/models", server.models, methods=["GET"]),
         Route("/health", server.health, methods=["GET"]),
         Route("/ready", server.ready, methods=["GET"]),
+        Route("/metrics", server.metrics_text, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan,
                     exception_handlers={ApiError: _api_error, 404: _not_found,
