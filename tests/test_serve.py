@@ -470,3 +470,12 @@ def test_the_embedding_example_in_the_docs_serves_a_request(executor):
                                                        seed=1))
     asyncio.run(handle(executor, [3, VOCAB], send, send_error))
     assert [e[0] for e in errors] == [400]
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("default_max_tokens", 0), ("default_max_tokens", None), ("max_choices", 1.5),
+    ("hang_after_s", 0), ("hang_after_s", None), ("request_timeout_s", -1),
+    ("max_body_bytes", True)])
+def test_server_config_refuses_bad_values(field, value):
+    with pytest.raises(InvalidArgument, match=field):
+        ServerConfig(**{field: value})

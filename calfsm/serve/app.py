@@ -66,6 +66,18 @@ def _positive_or_none(inst: object, attr: attrs.Attribute, value: Any) -> None:
                               stage="config")
 
 
+def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if value is None:
+        raise InvalidArgument(f"ServerConfig.{attr.name} must be given", stage="config")
+    _positive_or_none(inst, attr, value)
+
+
+def _count(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgument(f"ServerConfig.{attr.name} must be an integer >= 1, got "
+                              f"{value!r}", stage="config")
+
+
 @attrs.frozen
 class ServerConfig:
     """Knobs of the reference server. Times are wall seconds."""
@@ -73,16 +85,16 @@ class ServerConfig:
     #: the name clients give as ``model``; None: the manifest's name
     model_name: str | None = None
     #: tokens per choice when a request gives no max_tokens (OpenAI's is 16)
-    default_max_tokens: int = attrs.field(default=16, validator=_positive_or_none)
+    default_max_tokens: int = attrs.field(default=16, validator=_count)
     #: choices per request at most (prompts times n)
-    max_choices: int = attrs.field(default=16, validator=_positive_or_none)
+    max_choices: int = attrs.field(default=16, validator=_count)
     #: each choice's deadline (its stream's), then 504; None: the executor's own
     request_timeout_s: float | None = attrs.field(default=60.0,
                                                   validator=_positive_or_none)
     #: liveness: a job on the device this long means no progress (probes.py)
-    hang_after_s: float = attrs.field(default=5.0, validator=_positive_or_none)
+    hang_after_s: float = attrs.field(default=5.0, validator=_positive)
     #: request bodies above this are refused (413)
-    max_body_bytes: int = attrs.field(default=8 << 20, validator=_positive_or_none)
+    max_body_bytes: int = attrs.field(default=8 << 20, validator=_count)
 
 
 class _Server:
