@@ -122,7 +122,9 @@ def observe(ctx: RunContext) -> Outcome:
     verdict = Verdict(holds, ("all or nothing in every scenario" if holds
                               else "the KV was partly written or the prompt's KV damaged")
                       + " — " + "; ".join(lines))
-    return Outcome(obs, {"kv_no_partial_update": verdict} if done else {},
+    # a partial update seen in any scenario is an answer; "never partial" needs them all
+    decided = len(done) == len(runs) or (done and not holds)
+    return Outcome(obs, {"kv_no_partial_update": verdict} if decided else {},
                    [f"- {x}" for x in lines], complete=len(done) == len(runs))
 
 
