@@ -245,7 +245,7 @@ def decide(obs: dict[str, Any], engines: int) -> dict[str, Verdict]:
                               f"{t['max_concurrent_submitted']} submitted at once")
     else:
         safe = Verdict(True, f"{t['threads']} threads x {t['steps']} decodes, up to "
-                             f"{t['max_concurrent_submitted']} submitted at once, every "
+                             f"{t['max_concurrent_submitted']} jobs in progress at once, every "
                              f"output its own sequence's, {t['poller']['calls']} concurrent "
                              "status/KV polls")
     dr = obs["drain"]
