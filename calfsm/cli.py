@@ -71,7 +71,8 @@ exit status:
 """
 
 #: ``--latency real:`` parameters: name -> (default, unit in seconds)
-_LATENCY_PARAMS = {"decode_ms": (10.0, 1e-3), "prefill_token_us": (50.0, 1e-6)}
+_LATENCY_PARAMS = {"decode_ms": (10.0, 1e-3), "prefill_token_us": (50.0, 1e-6),
+                   "transfer_share": (0.0, 1.0)}
 #: the workload's paths: a stream per prompt, or the hand-written loop of jobs
 PATHS = ("streams", "jobs")
 #: options that take a count of at least one
@@ -104,14 +105,15 @@ def _faults(spec: str, seed: int, sequences: int) -> FaultPlan:
 
 def _latency(spec: str) -> LatencyModel | None:
     """``virtual`` (None: the driver's own clock), ``real`` or
-    ``real:decode_ms=10,prefill_token_us=50`` (a fixed model on the wall clock)."""
+    ``real:decode_ms=10,prefill_token_us=50,transfer_share=0.3`` (a fixed model on the
+    wall clock)."""
     from calfsm.drivers.sim import LatencyModel
     if spec == "virtual":
         return None
     kind, _, args = spec.partition(":")
     if kind != "real":
-        raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N]'",
-                              stage="cli")
+        raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N,"
+                              "transfer_share=F]'", stage="cli")
     seconds = {k: default * unit for k, (default, unit) in _LATENCY_PARAMS.items()}
     for part in filter(None, args.split(",")):
         key, _, text = (s.strip() for s in part.partition("="))
@@ -127,7 +129,8 @@ def _latency(spec: str) -> LatencyModel | None:
                                   stage="cli")
         seconds[key] = value * _LATENCY_PARAMS[key][1]
     return LatencyModel.fixed(decode_s=seconds["decode_ms"],
-                              prefill_per_token_s=seconds["prefill_token_us"])
+                              prefill_per_token_s=seconds["prefill_token_us"],
+                              transfer_share=seconds["transfer_share"])
 
 
 def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,
@@ -393,11 +396,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, metavar="N",
                      help="seeds the prompts, the swarm fault plan and the driver")
     run.add_argument("--latency", default="virtual",
-                     metavar="virtual|real[:decode_ms=N,prefill_token_us=N]",
+                     metavar="virtual|real[:decode_ms=N,prefill_token_us=N,"
+                             "transfer_share=F]",
                      help="virtual: the driver's own clock (the sim's is virtual and "
                           "never sleeps); real: a fixed latency on the wall clock, each "
                           "value a finite number >= 0 (decode_ms=10, "
-                          "prefill_token_us=50 unless given)")
+                          "prefill_token_us=50 unless given; transfer_share, below 1, "
+                          "is the part of each job spent in H2D/D2H, 0 unless given)")
     run.add_argument("--path", default="streams", choices=PATHS,
                      help="streams: each prompt a generation stream on a sequence of its "
                           "own (open_sequence + generate: the library samples and enqueues "

@@ -49,6 +49,9 @@ class ExecutorConfig:
         default=None, validator=attrs.validators.optional(_at_least_one))
     #: sequence ids open_sequence() hands out: 0 .. max_sequences-1
     max_sequences: int = attrs.field(default=256, validator=_at_least_one)
+    #: where the vendor runners' evidence files are (None: ``$CALFSM_EVIDENCE_DIR``);
+    #: ``max_inflight=2`` runs two only when they prove it (calfsm/inflight.py)
+    evidence_dir: str | None = None
 
 
 @attrs.frozen

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
-from calfsm.drivers.base import Calbin, Driver, EngineSlot
+from calfsm.drivers.base import Calbin, Driver
 from calfsm.epoch import WARMUP_SEQ, Epoch
 from calfsm.errors import CalfsmError, Cancelled, Unavailable
+from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
@@ -41,10 +42,6 @@ from calfsm.streams import Sequence, SequenceAllocator, Stream
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
 
 log = logging.getLogger("calfsm.executor")
-
-#: in-flight jobs calfsm runs until two-in-flight (ping/pong) is proven on a device
-SUPPORTED_INFLIGHT = 1
-
 
 class DeviceExecutor:
     """Runs inference jobs on one device through a driver. Use as a context manager.
@@ -61,18 +58,17 @@ class DeviceExecutor:
         self.driver = driver
         self.config = cfg = config or ExecutorConfig()
         self.clock = driver.clock
-        self._notes: tuple[str, ...] = ()
-        if cfg.max_inflight > SUPPORTED_INFLIGHT:
-            note = (f"max_inflight={cfg.max_inflight} requested, running "
-                    f"{SUPPORTED_INFLIGHT}: two in flight (ping/pong) needs evidence that "
-                    "this device overlaps jobs safely, which calfsm does not have yet")
-            self._notes = (note,)
-            log.warning("%s", note, extra={"stage": "config"})
-        engines = (EngineSlot.AUTO,)
+        plan = plan_inflight(cfg.max_inflight, driver, evidence_dir=cfg.evidence_dir)
+        self._notes: tuple[str, ...] = (plan.note,) if plan.note else ()
+        if plan.note:
+            log.warning("%s", plan.note, extra={"stage": "config"})
+        if plan.proof:
+            log.info("two in flight on Ping/Pong: %s", plan.proof, extra={"stage": "config"})
+        engines = plan.engines
         self._life = life = Lifecycle(self.clock)
         self.faults = FaultPolicy(cfg.recovery)
         self._pipeline = Pipeline(
-            driver, life, self.faults, max_inflight=SUPPORTED_INFLIGHT, engines=engines,
+            driver, life, self.faults, max_inflight=plan.max_inflight, engines=engines,
             timeouts=PipelineTimeouts(
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
                 execution_s=cfg.execution_timeout_s,
@@ -82,7 +78,7 @@ class DeviceExecutor:
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
             execution_timeout_s=cfg.execution_timeout_s,
-            build=epoch_builder(driver, max_inflight=SUPPORTED_INFLIGHT,
+            build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
                                 token_budget=cfg.token_budget, engines=engines,
                                 clock=self.clock))

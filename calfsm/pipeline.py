@@ -151,6 +151,9 @@ class Pipeline:
         self._staged: list[JobContext] = []         # streams' next steps, prepared ahead
         self._on_device: list[JobContext] = []      # submitted, wait not returned
         self._inflight = 0
+        #: ping/pong: the job each fixed engine runs now (one per engine, spec 6.4);
+        #: empty with one in flight on the AUTO engine
+        self._engine_busy: dict[EngineSlot, JobContext] = {}
         self._waiting = 0                           # accepted, not submitted nor ended
         self._job_s = 0.0                           # moving average of a job's device time
         self._broken: str | None = None
@@ -431,11 +434,10 @@ class Pipeline:
         return True
 
     def _engine_for(self, job: JobContext) -> EngineSlot:
-        """The engine a job's buffers come from: the request's own choice, else the one
-        engine in use (ping/pong alternates by job id)."""
-        if job.engine is not EngineSlot.AUTO:
-            return job.engine
-        return self.engines[job.job_id % len(self.engines)]
+        """The engine a job's buffers come from: the request's own choice, else AUTO (the
+        pool lends from the engine with the most free slots, so ping/pong stays even;
+        the submitter runs one job per engine at a time, see :meth:`claim`)."""
+        return job.engine
 
     def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
         life = self.life
@@ -507,7 +509,7 @@ class Pipeline:
                 or self._parked:
             return None
         try:
-            lease = epoch.pool.acquire(request.kind, self.engines[0])
+            lease = epoch.pool.acquire(request.kind, request.engine)
         except (ResourceExhausted, Unavailable):
             return None
         try:
@@ -624,9 +626,23 @@ class Pipeline:
 
     # ---- submit --------------------------------------------------------------------
     def submittable(self) -> bool:
-        """A job is queued, an in-flight slot is free and the device takes work."""
+        """A job is queued whose engine is free, an in-flight slot is free and the device
+        takes work."""
         return bool(self._submit_q) and self._inflight < self.max_inflight \
-            and self.life.state == _READY
+            and self.life.state == _READY and self._next_claim() is not None
+
+    def _next_claim(self) -> int | None:
+        """Index of the first queued job whose engine runs nothing now (ping/pong: one
+        job per fixed engine), or None. Jobs of one sequence never wait side by side, so
+        taking a later job first reorders only independent sequences."""
+        busy = self._engine_busy
+        if not busy:
+            return 0 if self._submit_q else None
+        for i, job in enumerate(list(self._submit_q)):   # a copy: callers may not lock
+            lease = job.lease
+            if lease is None or lease.slot.engine not in busy:
+                return i
+        return None
 
     def submittable_now(self) -> bool:
         """Submittable, and no error back-off in force."""
@@ -657,9 +673,19 @@ class Pipeline:
             self._heartbeat["submitter"] = self.clock.now()
             if not self.submittable_now():
                 return None
-            job = self._submit_q.popleft()
+            i = self._next_claim()
+            if i is None:
+                return None
+            if i == 0:
+                job = self._submit_q.popleft()
+            else:
+                job = self._submit_q[i]
+                del self._submit_q[i]
             self._inflight += 1
             job.holds_inflight = True
+            engine = job.lease.slot.engine if job.lease is not None else EngineSlot.AUTO
+            if engine is not EngineSlot.AUTO:
+                self._engine_busy[engine] = job
             return job
 
     def submit_wait_s(self) -> float | None:
@@ -769,6 +795,9 @@ class Pipeline:
             if job.holds_inflight:
                 job.holds_inflight = False
                 self._inflight -= 1
+                for engine, holder in list(self._engine_busy.items()):
+                    if holder is job:
+                        del self._engine_busy[engine]
                 self.hooks.device_freed(not self.life.closing and self.submittable_now())
                 if self._submit_q or self.life.closing:
                     self.hooks.work_queued()
