@@ -67,11 +67,12 @@ _LATENCY_UNITS = {"decode_ms": 1e-3, "prefill_token_us": 1e-6, "transfer_share":
 _DEFAULT_LATENCY = "virtual"
 
 
-def parse_latency(spec: str) -> tuple[bool, LatencyModel, float]:
+def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
     """``virtual|real[:decode_ms=N,prefill_token_us=N,transfer_share=S]`` -> (real time?,
-    the latency model, the transfer share). The base is the simulated device's plausible
-    figures (16 GB/s DMA, 0.2 ms per prefill token, 10 ms per decode); the transfer share
-    (in [0, 1)) is applied by :func:`open_driver`, which knows the calbin."""
+    the latency model). The base is the simulated device's plausible figures (16 GB/s
+    DMA, 0.2 ms per prefill token, 10 ms per decode); ``transfer_share`` (in [0, 1))
+    re-divides each job's time so that this share of it is transfers, half H2D and half
+    D2H, its total unchanged (:class:`~calfsm.drivers.sim.LatencyModel`)."""
     kind, _, args = spec.partition(":")
     if kind not in ("virtual", "real"):
         raise InvalidArgument(f"--latency {spec}: must be 'virtual' or 'real', optionally "
@@ -94,24 +95,12 @@ def parse_latency(spec: str) -> tuple[bool, LatencyModel, float]:
                                   f"{' and < 1' if key == 'transfer_share' else ''}, got "
                                   f"{text!r}", stage="runner")
         values[key] = value
-    decode_s = values["decode_ms"] * 1e-3
-    model = LatencyModel.fixed(decode_s=decode_s,
+    model = LatencyModel.fixed(decode_s=values["decode_ms"] * 1e-3,
                                prefill_per_token_s=values["prefill_token_us"] * 1e-6,
                                h2d_s_per_byte=base.h2d_s_per_byte,
-                               d2h_s_per_byte=base.d2h_s_per_byte)
-    return kind == "real", model, values["transfer_share"]
-
-
-def _with_transfer_share(model: LatencyModel, share: float, manifest: Manifest
-                         ) -> LatencyModel:
-    """``model`` with per-byte DMA rates that make transfers ``share`` of a decode job
-    of ``manifest`` (half H2D, half D2H), its compute unchanged."""
-    decode = next(s for s in manifest.submodels if s.kind is TaskKind.DECODE)
-    h2d_bytes = decode.token_or_embed.byte_size + decode.position.byte_size
-    total = model.decode_s / (1.0 - share)
-    half = total * share / 2
-    return attrs.evolve(model, h2d_s_per_byte=half / h2d_bytes,
-                        d2h_s_per_byte=half / decode.logits.byte_size)
+                               d2h_s_per_byte=base.d2h_s_per_byte,
+                               transfer_share=values["transfer_share"])
+    return kind == "real", model
 
 
 def _manifest(spec: str) -> Manifest:
@@ -153,9 +142,7 @@ def runner_parser(name: str, description: str) -> argparse.ArgumentParser:
 def open_driver(name: str, manifest: Manifest, latency: str, seed: int) -> Driver:
     """The driver registered as ``name`` for ``manifest``: on a virtual clock unless the
     latency spec says ``real`` (or the driver drives a real device)."""
-    real, model, share = parse_latency(latency)
-    if share:
-        model = _with_transfer_share(model, share, manifest)
+    real, model = parse_latency(latency)
     cls: Any = driver_class(name)
     kw: dict[str, Any] = {"manifest_or_calbin": manifest, "seed": seed, "latency": model}
     if real:

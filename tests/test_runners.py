@@ -86,9 +86,16 @@ def test_overlap_verdict_follows_the_device(driver: str, tmp_path: Path) -> None
                        "--latency", "virtual:transfer_share=0.3")
     assert rc == 0 and ev.verdicts["pingpong_overlap"].holds
     assert ev.observations["gain"] >= 0.10 and ev.observations["wrong"] == 0
+    # both shipped drivers report their phases: the PONG job's H2D ran during the PING
+    # job's compute, and the PING job's D2H during the PONG job's compute
+    assert ev.observations["device_timeline"] is True
+    overlaps = ev.observations["phase_overlap_s"]
+    assert overlaps["compute|h2d"] > 0 and overlaps["compute|d2h"] > 0
     trace = json.loads((path.parent / ev.files["chrome_trace"]).read_text())
     jobs = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 1]
     assert len(jobs) == len(ev.observations["jobs"]) == 12
+    phases = [e for e in trace["traceEvents"] if e["ph"] == "X" and e["pid"] == 2]
+    assert {e["cat"] for e in phases} == {"h2d", "compute", "d2h"}
     assert all(e["dur"] > 0 for e in jobs)
     png = path.parent / ev.files["png_chart"]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
