@@ -472,9 +472,12 @@ def write_evidence(out: Path, stem: str, evidence: Evidence, summary: Sequence[s
 
 def run_runner(name: str, description: str, observe: Callable[[RunContext], Outcome],
                argv: Sequence[str] | None = None,
-               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, *,
+               driver: Driver | None = None) -> int:
     """A runner's ``main``: options, driver, ``observe``, evidence. Returns the exit
-    status (see the module docstring)."""
+    status (see the module docstring). ``driver``: ask this driver (unconfigured; it is
+    closed at the end) instead of building one from ``--driver`` and ``--latency`` —
+    for a device that needs options the command line does not have."""
     parser = runner_parser(name, description)
     if add_arguments is not None:
         add_arguments(parser)
@@ -486,7 +489,10 @@ def run_runner(name: str, description: str, observe: Callable[[RunContext], Outc
         if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
             raise InvalidArgument("--timeout-s must be a finite number > 0", stage="runner")
         manifest = _manifest(args.manifest)
-        driver = open_driver(args.driver, manifest, args.latency, args.seed)
+        if driver is None:
+            driver = open_driver(args.driver, manifest, args.latency, args.seed)
+        else:
+            args.driver, args.latency = str(driver.name), "the given driver's own"
     except CalfsmError as e:
         print(f"{name}: error: {e.message}", file=sys.stderr)
         return EXIT_USAGE

@@ -13,6 +13,8 @@ import pytest
 
 from calfsm import cli
 from calfsm.capabilities import Evidence, EvidenceStore, Level
+from calfsm.drivers.base import Capabilities, ResetKind
+from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
 
 VENDOR = Path(__file__).resolve().parent.parent / "examples" / "vendor"
@@ -37,9 +39,10 @@ def runner(name: str) -> ModuleType:
     return module
 
 
-def run(name: str, out: Path, driver: str, *extra: str) -> tuple[int, Evidence, Path]:
+def run(name: str, out: Path, driver: str, *extra: str, given: SimDriver | None = None
+        ) -> tuple[int, Evidence, Path]:
     rc = runner(name).main(["--manifest", "tiny", "--driver", driver, "--out", str(out),
-                            *extra])
+                            *extra], driver=given)
     (path,) = out.glob(f"{name}-*-0.7.6.json")
     return rc, Evidence.load(path), path
 
@@ -142,3 +145,37 @@ def test_cli_reads_what_the_runners_wrote(tmp_path: Path, capsys: pytest.Capture
     out = json.loads(capsys.readouterr().out)
     assert out["device"] == "calrt:libcalrt_emu.so"
     assert {c["level"] for c in out["capabilities"]} <= {"claimed", "unknown"}
+
+
+def test_verdicts_come_from_what_the_device_does(tmp_path: Path) -> None:
+    """A device with one engine, no parallel mode and only a CCU reset: the same runners
+    find exactly that, and the store fails what it does not have."""
+    caps = Capabilities(resets=frozenset({ResetKind.CCU}), parallel_mode=False,
+                        fixed_engine_slots=False, engine_slots=1)
+
+    def device() -> SimDriver:
+        return SimDriver(builtin_manifest("tiny"), capabilities=caps, trace=False)
+
+    rc, ev, _ = run("parallel_mode", tmp_path, "sim", given=device())
+    assert rc == 0 and not any(v.holds for v in ev.verdicts.values())
+    assert "UNSUPPORTED" in ev.verdicts["parallel_two_in_flight"].reason
+    rc, ev, _ = run("overlap", tmp_path, "sim", given=device())
+    assert rc == 0 and not ev.verdicts["pingpong_overlap"].holds
+    rc, ev, _ = run("reset_semantics", tmp_path, "sim", given=device())
+    assert rc == 0
+    assert {k: v.holds for k, v in ev.verdicts.items()} == {
+        "reset_ccu": True, "reset_configuration": False, "reset_full": False}
+    assert "returned UNSUPPORTED" in ev.verdicts["reset_full"].reason
+    assert "A DONE_ABORTED" in ev.verdicts["reset_ccu"].reason
+    rc, ev, _ = run("cancel_after_timeout", tmp_path, "sim", given=device())
+    # with nothing on another engine, a CCU reset ends the timed-out job and only it
+    assert rc == 0 and ev.verdicts["safe_cancel_after_timeout"].holds
+    assert "no job on another engine to spare" in ev.verdicts["safe_cancel_after_timeout"].reason
+    store = EvidenceStore(tmp_path)
+    levels = {c.name: c.level for c in store.capabilities(device="sim",
+                                                          runtime_version="0.7.6")}
+    assert levels["parallel_two_in_flight"] is Level.FAILED
+    assert levels["pingpong_overlap"] is Level.FAILED
+    assert levels["reset_full"] is Level.FAILED
+    assert levels["reset_ccu"] is Level.PROVEN
+    assert levels["kv_no_partial_update"] is Level.UNKNOWN

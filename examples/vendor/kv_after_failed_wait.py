@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from calfsm.capabilities import Verdict
+from calfsm.drivers import Driver
 from calfsm.drivers.base import ResetKind
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
@@ -128,8 +129,9 @@ def observe(ctx: RunContext) -> Outcome:
                    [f"- {x}" for x in lines], complete=len(done) == len(runs))
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments)
+def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
+    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments,
+                      driver=driver)
 
 
 if __name__ == "__main__":
