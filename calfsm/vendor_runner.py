@@ -26,8 +26,9 @@ and writes what it saw. Each is a short script over this module:
   are), 1 when some could not be (the evidence says which and stays incomplete), 2 on
   bad usage.
 
-Nothing here sleeps to order events: on a virtual clock time moves only through
-``wait``; in real time the runner waits on the device with bounded timeouts.
+Nothing sleeps to order events: on a virtual clock time moves only through ``wait``
+and :meth:`Bench.settle` (which lets the finish time of a job go by, to see whether it
+writes anything late); in real time every wait on the device is bounded.
 """
 
 from __future__ import annotations
@@ -54,9 +55,9 @@ from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalfsmError, InvalidArgument, code_name
 from calfsm.manifest import Manifest, TaskKind, builtin_manifest, builtin_manifest_names
 
-__all__ = ["EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE", "Bench", "Chain", "RunContext",
-           "Slot", "golden", "open_driver", "parse_latency", "run_runner", "runner_parser",
-           "write_evidence"]
+__all__ = ["EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE", "Bench", "Chain", "Outcome",
+           "RunContext", "Slot", "golden", "open_driver", "parse_latency", "run_runner",
+           "runner_parser", "write_evidence"]
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
