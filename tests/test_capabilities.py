@@ -177,3 +177,4 @@ def test_cli_exit_codes_without_a_device(tmp_path: Path, capsys: pytest.CaptureF
     assert cli.main([*base, "--require", "teleport"]) == 2
     assert "unknown capability" in capsys.readouterr().err
     assert cli.main([*base, "--max-age-s", "-1"]) == 2
+    assert cli.main(["capabilities", "--manifest", str(tmp_path / "absent.json")]) == 2
