@@ -179,3 +179,27 @@ def test_verdicts_come_from_what_the_device_does(tmp_path: Path) -> None:
     assert levels["reset_full"] is Level.FAILED
     assert levels["reset_ccu"] is Level.PROVEN
     assert levels["kv_no_partial_update"] is Level.UNKNOWN
+
+
+def test_the_executor_runs_two_in_flight_on_what_the_runner_wrote(driver: str,
+                                                                 tmp_path: Path) -> None:
+    """The parallel-mode runner's own file is what the executor reads: before it, a
+    config asking for two runs one; after it, two, on the same kind of device."""
+    from calfsm.drivers.calrt import CalrtDriver
+    from calfsm.executor import DeviceExecutor, ExecutorConfig
+
+    tiny = builtin_manifest("tiny")
+
+    def executor() -> DeviceExecutor:
+        dev = SimDriver(tiny) if driver == "sim" else CalrtDriver.virtual(
+            manifest_or_calbin=tiny)
+        return DeviceExecutor(dev, tiny, ExecutorConfig(
+            threaded=False, max_inflight=2, evidence_dir=str(tmp_path)))
+
+    with executor() as ex:
+        assert ex.health().max_inflight == 1 and "no evidence" in ex.health().notes[0]
+    rc, ev, _ = run("parallel_mode", tmp_path, driver)
+    assert rc == 0 and ev.verdicts["parallel_two_in_flight"].holds
+    with executor() as ex:
+        h = ex.health()
+        assert h.max_inflight == 2 and h.notes == (), h
