@@ -63,8 +63,6 @@ EXIT_OK = 0
 EXIT_INCOMPLETE = 1
 EXIT_USAGE = 2
 
-#: ``--latency`` parameters: name -> unit in seconds
-_LATENCY_UNITS = {"decode_ms": 1e-3, "prefill_token_us": 1e-6, "transfer_share": 1.0}
 _DEFAULT_LATENCY = "virtual"
 
 
@@ -79,28 +77,10 @@ def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
         raise InvalidArgument(f"--latency {spec}: must be 'virtual' or 'real', optionally "
                               "followed by :decode_ms=N,prefill_token_us=N,transfer_share=S",
                               stage="runner")
-    base = LatencyModel.virtual_default()
-    values = {"decode_ms": base.decode_s * 1e3,
-              "prefill_token_us": base.prefill_per_token_s * 1e6, "transfer_share": 0.0}
-    for part in filter(None, args.split(",")):
-        key, _, text = (s.strip() for s in part.partition("="))
-        if key not in _LATENCY_UNITS:
-            raise InvalidArgument(f"--latency: unknown parameter {key!r} (have "
-                                  f"{', '.join(_LATENCY_UNITS)})", stage="runner")
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0 or (key == "transfer_share" and value >= 1):
-            raise InvalidArgument(f"--latency: {key} must be a finite number >= 0"
-                                  f"{' and < 1' if key == 'transfer_share' else ''}, got "
-                                  f"{text!r}", stage="runner")
-        values[key] = value
-    model = LatencyModel.fixed(decode_s=values["decode_ms"] * 1e-3,
-                               prefill_per_token_s=values["prefill_token_us"] * 1e-6,
-                               h2d_s_per_byte=base.h2d_s_per_byte,
-                               d2h_s_per_byte=base.d2h_s_per_byte,
-                               transfer_share=values["transfer_share"])
+    try:
+        model = LatencyModel.virtual_default().with_params(args, stage="runner")
+    except InvalidArgument as e:
+        raise InvalidArgument(f"--latency: {e.message}", stage="runner") from None
     return kind == "real", model
 
 
