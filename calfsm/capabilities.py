@@ -22,7 +22,8 @@ on one device and runtime version, a :class:`Capability` with a :class:`Level`:
 - ``UNKNOWN``: neither.
 
 Evidence from another device or runtime version, for another calbin, or older than a
-maximum age is *stale*: it proves nothing here, and the reason says so. Features that
+maximum age is *stale*: it proves nothing here, and the reason says so; nor does evidence
+of a runner that could not make every observation (``complete`` false). Features that
 depend on a capability (two in flight) are enabled only when it is ``PROVEN``; the
 executor and ``calfsm capabilities`` read the same files through this module.
 """
@@ -355,6 +356,11 @@ class EvidenceStore:
                 stale = stale or f"stale: {path.name} ({format_age(age)}) {why}"
                 continue
             where = f"{path.name}, {format_age(age)}"
+            if verdict.holds and not ev.complete:
+                # a runner that could not make every observation proves nothing
+                stale = stale or (f"incomplete: {path.name} ({format_age(age)}) could not "
+                                  "make every observation")
+                continue
             if verdict.holds:
                 return Capability(info.name, Level.PROVEN,
                                   f"proven by {where}: {verdict.reason}", path, age, ev)

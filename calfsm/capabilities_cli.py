@@ -38,6 +38,11 @@ EXIT_USAGE = 2
 #: the capabilities calfsm gates a feature on today (two in flight)
 DEFAULT_REQUIRED = ("parallel_two_in_flight",)
 
+_DESCRIPTION = """\
+Print each vendor question (spec section 14), how much is known about it on this device
+(proven, failed, claimed by the driver, unknown), the evidence file behind it and its
+age. The runners of examples/vendor/ write the evidence."""
+
 _EPILOG = """\
 exit status:
   0  every required capability is proven on this device
@@ -48,7 +53,7 @@ exit status:
 
 def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> argparse.ArgumentParser:
     p = sub.add_parser("capabilities", help="what the vendor runners' evidence proves",
-                       description=__doc__.split("\n\n")[0], epilog=_EPILOG,
+                       description=_DESCRIPTION, epilog=_EPILOG,
                        formatter_class=formatter)
     p.add_argument("--evidence-dir", default=None, metavar="DIR",
                    help=f"the runners' evidence files (default: ${ENV_DIR}, else ./evidence)")
@@ -115,6 +120,9 @@ def main(args: argparse.Namespace) -> int:
         device, version, declared = _identity(args)
     except CalfsmError as e:
         print(f"calfsm: error: {e.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"calfsm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     store = EvidenceStore(args.evidence_dir or None)
     if store.directory is None:

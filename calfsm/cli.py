@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import math
 import random
 import sys
 import threading
@@ -72,8 +71,6 @@ exit status:
 """
 
 #: ``--latency real:`` parameters: name -> (default, unit in seconds)
-_LATENCY_PARAMS = {"decode_ms": (10.0, 1e-3), "prefill_token_us": (50.0, 1e-6),
-                   "transfer_share": (0.0, 1.0)}
 #: the workload's paths: a stream per prompt, or the hand-written loop of jobs
 PATHS = ("streams", "jobs")
 #: options that take a count of at least one
@@ -115,23 +112,8 @@ def _latency(spec: str) -> LatencyModel | None:
     if kind != "real":
         raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N,"
                               "transfer_share=F]'", stage="cli")
-    seconds = {k: default * unit for k, (default, unit) in _LATENCY_PARAMS.items()}
-    for part in filter(None, args.split(",")):
-        key, _, text = (s.strip() for s in part.partition("="))
-        if key not in _LATENCY_PARAMS:
-            raise InvalidArgument(f"unknown parameter {key!r} (have "
-                                  f"{', '.join(_LATENCY_PARAMS)})", stage="cli")
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"{key} must be a finite number >= 0, got {text!r}",
-                                  stage="cli")
-        seconds[key] = value * _LATENCY_PARAMS[key][1]
-    return LatencyModel.fixed(decode_s=seconds["decode_ms"],
-                              prefill_per_token_s=seconds["prefill_token_us"],
-                              transfer_share=seconds["transfer_share"])
+    return LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=50e-6).with_params(
+        args, stage="cli")
 
 
 def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,

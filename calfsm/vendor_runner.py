@@ -26,8 +26,9 @@ and writes what it saw. Each is a short script over this module:
   are), 1 when some could not be (the evidence says which and stays incomplete), 2 on
   bad usage.
 
-Nothing here sleeps to order events: on a virtual clock time moves only through
-``wait``; in real time the runner waits on the device with bounded timeouts.
+Nothing sleeps to order events: on a virtual clock time moves only through ``wait``
+and :meth:`Bench.settle` (which lets the finish time of a job go by, to see whether it
+writes anything late); in real time every wait on the device is bounded.
 """
 
 from __future__ import annotations
@@ -54,64 +55,33 @@ from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalfsmError, InvalidArgument, code_name
 from calfsm.manifest import Manifest, TaskKind, builtin_manifest, builtin_manifest_names
 
-__all__ = ["EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE", "Bench", "Chain", "RunContext",
-           "Slot", "golden", "open_driver", "parse_latency", "run_runner", "runner_parser",
-           "write_evidence"]
+__all__ = ["EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE", "Bench", "Chain", "Outcome",
+           "RunContext", "Slot", "golden", "open_driver", "parse_latency", "run_runner",
+           "runner_parser", "write_evidence"]
 
 EXIT_OK = 0
 EXIT_INCOMPLETE = 1
 EXIT_USAGE = 2
 
-#: ``--latency`` parameters: name -> unit in seconds
-_LATENCY_UNITS = {"decode_ms": 1e-3, "prefill_token_us": 1e-6, "transfer_share": 1.0}
 _DEFAULT_LATENCY = "virtual"
 
 
-def parse_latency(spec: str) -> tuple[bool, LatencyModel, float]:
+def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
     """``virtual|real[:decode_ms=N,prefill_token_us=N,transfer_share=S]`` -> (real time?,
-    the latency model, the transfer share). The base is the simulated device's plausible
-    figures (16 GB/s DMA, 0.2 ms per prefill token, 10 ms per decode); the transfer share
-    (in [0, 1)) is applied by :func:`open_driver`, which knows the calbin."""
+    the latency model). The base is the simulated device's plausible figures (16 GB/s
+    DMA, 0.2 ms per prefill token, 10 ms per decode); ``transfer_share`` (in [0, 1))
+    re-divides each job's time so that this share of it is transfers, half H2D and half
+    D2H, its total unchanged (:class:`~calfsm.drivers.sim.LatencyModel`)."""
     kind, _, args = spec.partition(":")
     if kind not in ("virtual", "real"):
         raise InvalidArgument(f"--latency {spec}: must be 'virtual' or 'real', optionally "
                               "followed by :decode_ms=N,prefill_token_us=N,transfer_share=S",
                               stage="runner")
-    base = LatencyModel.virtual_default()
-    values = {"decode_ms": base.decode_s * 1e3,
-              "prefill_token_us": base.prefill_per_token_s * 1e6, "transfer_share": 0.0}
-    for part in filter(None, args.split(",")):
-        key, _, text = (s.strip() for s in part.partition("="))
-        if key not in _LATENCY_UNITS:
-            raise InvalidArgument(f"--latency: unknown parameter {key!r} (have "
-                                  f"{', '.join(_LATENCY_UNITS)})", stage="runner")
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0 or (key == "transfer_share" and value >= 1):
-            raise InvalidArgument(f"--latency: {key} must be a finite number >= 0"
-                                  f"{' and < 1' if key == 'transfer_share' else ''}, got "
-                                  f"{text!r}", stage="runner")
-        values[key] = value
-    decode_s = values["decode_ms"] * 1e-3
-    model = LatencyModel.fixed(decode_s=decode_s,
-                               prefill_per_token_s=values["prefill_token_us"] * 1e-6,
-                               h2d_s_per_byte=base.h2d_s_per_byte,
-                               d2h_s_per_byte=base.d2h_s_per_byte)
-    return kind == "real", model, values["transfer_share"]
-
-
-def _with_transfer_share(model: LatencyModel, share: float, manifest: Manifest
-                         ) -> LatencyModel:
-    """``model`` with per-byte DMA rates that make transfers ``share`` of a decode job
-    of ``manifest`` (half H2D, half D2H), its compute unchanged."""
-    decode = next(s for s in manifest.submodels if s.kind is TaskKind.DECODE)
-    h2d_bytes = decode.token_or_embed.byte_size + decode.position.byte_size
-    total = model.decode_s / (1.0 - share)
-    half = total * share / 2
-    return attrs.evolve(model, h2d_s_per_byte=half / h2d_bytes,
-                        d2h_s_per_byte=half / decode.logits.byte_size)
+    try:
+        model = LatencyModel.virtual_default().with_params(args, stage="runner")
+    except InvalidArgument as e:
+        raise InvalidArgument(f"--latency: {e.message}", stage="runner") from None
+    return kind == "real", model
 
 
 def _manifest(spec: str) -> Manifest:
@@ -153,9 +123,7 @@ def runner_parser(name: str, description: str) -> argparse.ArgumentParser:
 def open_driver(name: str, manifest: Manifest, latency: str, seed: int) -> Driver:
     """The driver registered as ``name`` for ``manifest``: on a virtual clock unless the
     latency spec says ``real`` (or the driver drives a real device)."""
-    real, model, share = parse_latency(latency)
-    if share:
-        model = _with_transfer_share(model, share, manifest)
+    real, model = parse_latency(latency)
     cls: Any = driver_class(name)
     kw: dict[str, Any] = {"manifest_or_calbin": manifest, "seed": seed, "latency": model}
     if real:
@@ -485,9 +453,12 @@ def write_evidence(out: Path, stem: str, evidence: Evidence, summary: Sequence[s
 
 def run_runner(name: str, description: str, observe: Callable[[RunContext], Outcome],
                argv: Sequence[str] | None = None,
-               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None) -> int:
+               add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, *,
+               driver: Driver | None = None) -> int:
     """A runner's ``main``: options, driver, ``observe``, evidence. Returns the exit
-    status (see the module docstring)."""
+    status (see the module docstring). ``driver``: ask this driver (unconfigured; it is
+    closed at the end) instead of building one from ``--driver`` and ``--latency`` —
+    for a device that needs options the command line does not have."""
     parser = runner_parser(name, description)
     if add_arguments is not None:
         add_arguments(parser)
@@ -499,7 +470,10 @@ def run_runner(name: str, description: str, observe: Callable[[RunContext], Outc
         if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
             raise InvalidArgument("--timeout-s must be a finite number > 0", stage="runner")
         manifest = _manifest(args.manifest)
-        driver = open_driver(args.driver, manifest, args.latency, args.seed)
+        if driver is None:
+            driver = open_driver(args.driver, manifest, args.latency, args.seed)
+        else:
+            args.driver, args.latency = str(driver.name), "the given driver's own"
     except CalfsmError as e:
         print(f"{name}: error: {e.message}", file=sys.stderr)
         return EXIT_USAGE

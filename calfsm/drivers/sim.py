@@ -116,6 +116,13 @@ def _share(_inst: Any, attr: attrs.Attribute, value: float) -> None:
                               f"{value!r}", stage="driver")
 
 
+#: the command lines' latency parameters: name -> (LatencyModel field, its unit in
+#: seconds, or 1 for a share)
+LATENCY_PARAMS = {"decode_ms": ("decode_s", 1e-3),
+                  "prefill_token_us": ("prefill_per_token_s", 1e-6),
+                  "transfer_share": ("transfer_share", 1.0)}
+
+
 @attrs.frozen
 class LatencyModel:
     """How long a job's stages take on the simulated device.
@@ -158,6 +165,29 @@ class LatencyModel:
         job of which 1.5 ms H2D, 7 ms compute, 1.5 ms D2H."""
         return cls(h2d_s_per_byte, prefill_per_token_s, decode_s, d2h_s_per_byte, jitter,
                    transfer_share)
+
+    def with_params(self, text: str, *, stage: str = "latency") -> LatencyModel:
+        """This model with ``decode_ms=N,prefill_token_us=N,transfer_share=S`` (any of
+        them, comma-separated) applied: the one parser of the command lines' latency
+        option. A bad name or value is an InvalidArgument naming it."""
+        changes: dict[str, float] = {}
+        for part in filter(None, text.split(",")):
+            key, _, value_text = (s.strip() for s in part.partition("="))
+            if key not in LATENCY_PARAMS:
+                raise InvalidArgument(f"unknown parameter {key!r} (have "
+                                      f"{', '.join(LATENCY_PARAMS)})", stage=stage)
+            field, unit = LATENCY_PARAMS[key]
+            try:
+                value = float(value_text)
+            except ValueError:
+                value = math.nan
+            share = key == "transfer_share"
+            if not math.isfinite(value) or value < 0 or (share and value >= 1):
+                raise InvalidArgument(f"{key} must be a finite number >= 0"
+                                      f"{' and < 1' if share else ''}, got {value_text!r}",
+                                      stage=stage)
+            changes[field] = value * unit
+        return attrs.evolve(self, **changes)
 
     def stages(self, decode: bool, n_tokens: int, h2d_bytes: int, d2h_bytes: int,
                factor: float = 1.0) -> tuple[float, float, float]:

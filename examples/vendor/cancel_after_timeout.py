@@ -22,6 +22,7 @@ import sys
 from typing import Any
 
 from calfsm.capabilities import Verdict
+from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, OutputStatus, ResetKind
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
@@ -129,7 +130,9 @@ def _effect(t: dict[str, Any]) -> str:
     if t["cancel_code"] != "SUCCESS":
         return f"{t['candidate']} returned {t['cancel_code']} (A then ended {t['a_ended']})"
     parts = [f"A {'aborted, no DMA after' if t['stopped_a'] else 'ended ' + t['a_ended']}"]
-    if t["b_ended"] is not None:
+    if t["b_ended"] is None:
+        parts.append("no job on another engine to spare")
+    else:
         parts.append("B on the other engine finished" if t["spared_b"]
                      else f"B on the other engine ended {t['b_ended']}")
     parts.append("configuration kept" if t["configuration_kept"] else "configuration dropped")
@@ -163,8 +166,9 @@ def observe(ctx: RunContext) -> Outcome:
     return Outcome(obs, verdicts, summary, complete=complete)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments)
+def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
+    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments,
+                      driver=driver)
 
 
 if __name__ == "__main__":

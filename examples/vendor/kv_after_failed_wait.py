@@ -23,6 +23,7 @@ import sys
 from typing import Any
 
 from calfsm.capabilities import Verdict
+from calfsm.drivers import Driver
 from calfsm.drivers.base import ResetKind
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
@@ -122,12 +123,15 @@ def observe(ctx: RunContext) -> Outcome:
     verdict = Verdict(holds, ("all or nothing in every scenario" if holds
                               else "the KV was partly written or the prompt's KV damaged")
                       + " — " + "; ".join(lines))
-    return Outcome(obs, {"kv_no_partial_update": verdict} if done else {},
+    # a partial update seen in any scenario is an answer; "never partial" needs them all
+    decided = len(done) == len(runs) or (done and not holds)
+    return Outcome(obs, {"kv_no_partial_update": verdict} if decided else {},
                    [f"- {x}" for x in lines], complete=len(done) == len(runs))
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments)
+def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
+    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments,
+                      driver=driver)
 
 
 if __name__ == "__main__":

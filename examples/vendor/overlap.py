@@ -27,6 +27,7 @@ import sys
 from typing import Any
 
 from calfsm.capabilities import Verdict
+from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, JobTag, OutputStatus
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
@@ -203,7 +204,7 @@ def png_chart(path: Any, jobs: Jobs, phases: list[dict[str, Any]] | None, t0: fl
     ax.set_title(title, fontsize=9)
     handles = [matplotlib.patches.Patch(color=c, label=k) for k, c in colors.items()
                if phases or k in ("serial", "paired")]
-    ax.legend(handles=handles, loc="upper right", fontsize=7)
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
@@ -265,8 +266,9 @@ def observe(ctx: RunContext) -> Outcome:
     return Outcome(obs, {"pingpong_overlap": Verdict(holds, seen)}, summary)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments)
+def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
+    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments,
+                      driver=driver)
 
 
 if __name__ == "__main__":

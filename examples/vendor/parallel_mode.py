@@ -25,6 +25,7 @@ import time
 from typing import Any
 
 from calfsm.capabilities import Verdict
+from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, OutputStatus
 from calfsm.errors import CalrtCode, code_name
 from calfsm.manifest import TaskKind
@@ -245,7 +246,7 @@ def decide(obs: dict[str, Any], engines: int) -> dict[str, Verdict]:
                               f"{t['max_concurrent_submitted']} submitted at once")
     else:
         safe = Verdict(True, f"{t['threads']} threads x {t['steps']} decodes, up to "
-                             f"{t['max_concurrent_submitted']} submitted at once, every "
+                             f"{t['max_concurrent_submitted']} jobs in progress at once, every "
                              f"output its own sequence's, {t['poller']['calls']} concurrent "
                              "status/KV polls")
     dr = obs["drain"]
@@ -305,8 +306,9 @@ def observe(ctx: RunContext) -> Outcome:
     return Outcome(obs, verdicts, summary)
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments)
+def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
+    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments,
+                      driver=driver)
 
 
 if __name__ == "__main__":

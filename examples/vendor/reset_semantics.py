@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from calfsm.capabilities import Verdict
+from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, OutputStatus, ResetKind
 from calfsm.errors import CalrtCode, code_name
 from calfsm.manifest import TaskKind
@@ -143,8 +144,8 @@ def observe(ctx: RunContext) -> Outcome:
                    complete=all("error" not in o for o in runs))
 
 
-def main(argv: list[str] | None = None) -> int:
-    return run_runner(NAME, __doc__.splitlines()[0], observe, argv)
+def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
+    return run_runner(NAME, __doc__.splitlines()[0], observe, argv, driver=driver)
 
 
 if __name__ == "__main__":
