@@ -74,11 +74,13 @@ def _pids(path: Path) -> list[int]:
 
 
 def _alive(pid: int) -> bool:
+    """The process runs (an exited one its parent has not reaped yet, a zombie, has
+    ended: Ray's raylet reaps its workers when it gets to it)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
         return False
-    return True
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 @pytest.fixture(scope="module")
