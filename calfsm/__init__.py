@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
+from calfsm.dump import DumpConfig
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -40,6 +41,7 @@ from calfsm.manifest import (
     TensorContract,
     builtin_manifest,
 )
+from calfsm.observe import JobEnded, Observer
 from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
 from calfsm.sampling import SamplingParams
@@ -59,6 +61,7 @@ __all__ = [
     "DType",
     "DeadlineExceeded",
     "DeviceExecutor",
+    "DumpConfig",
     "ErrorCategory",
     "ExecutorBroken",
     "ExecutorClosed",
@@ -75,12 +78,14 @@ __all__ = [
     "InferenceResult",
     "Internal",
     "InvalidArgument",
+    "JobEnded",
     "JobHandle",
     "JobTimings",
     "LeaseError",
     "Manifest",
     "ManifestError",
     "ModelGeneration",
+    "Observer",
     "RecoveryPolicy",
     "Request",
     "ResourceExhausted",

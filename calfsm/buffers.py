@@ -541,12 +541,13 @@ class BufferPool:
         if engines is None:
             raise Unsupported(f"pool of generation {self.generation} has no "
                               f"{kind.value} slots", stage="lease", generation=self.generation)
-        if engine is EngineSlot.AUTO:
+        if engine is EngineSlot.AUTO:     # the engine with the most free slots (ping/pong
+            best = None                   # stays even); ties go to the first
             for e in engines:
                 q = self._free[(kind, e)]
-                if q:
-                    return q.popleft()
-            return None
+                if q and (best is None or len(q) > len(best)):
+                    best = q
+            return best.popleft() if best is not None else None
         q = self._free.get((kind, engine))
         if q is None:
             raise Unsupported(f"pool of generation {self.generation} has no {kind.value} "

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import logging
-import math
 import random
 import sys
 import threading
@@ -35,7 +34,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import attrs
 import numpy as np
 
-from calfsm import soak
+from calfsm import capabilities_cli, soak
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.errors import CalfsmError, InvalidArgument, Unavailable
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -49,6 +48,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
 )
 from calfsm.sampling import SamplingParams
+from calfsm.serve import cli as serve_cli
 
 if TYPE_CHECKING:
     from calfsm.drivers.faults import FaultPlan
@@ -71,7 +71,6 @@ exit status:
 """
 
 #: ``--latency real:`` parameters: name -> (default, unit in seconds)
-_LATENCY_PARAMS = {"decode_ms": (10.0, 1e-3), "prefill_token_us": (50.0, 1e-6)}
 #: the workload's paths: a stream per prompt, or the hand-written loop of jobs
 PATHS = ("streams", "jobs")
 #: options that take a count of at least one
@@ -104,30 +103,17 @@ def _faults(spec: str, seed: int, sequences: int) -> FaultPlan:
 
 def _latency(spec: str) -> LatencyModel | None:
     """``virtual`` (None: the driver's own clock), ``real`` or
-    ``real:decode_ms=10,prefill_token_us=50`` (a fixed model on the wall clock)."""
+    ``real:decode_ms=10,prefill_token_us=50,transfer_share=0.3`` (a fixed model on the
+    wall clock)."""
     from calfsm.drivers.sim import LatencyModel
     if spec == "virtual":
         return None
     kind, _, args = spec.partition(":")
     if kind != "real":
-        raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N]'",
-                              stage="cli")
-    seconds = {k: default * unit for k, (default, unit) in _LATENCY_PARAMS.items()}
-    for part in filter(None, args.split(",")):
-        key, _, text = (s.strip() for s in part.partition("="))
-        if key not in _LATENCY_PARAMS:
-            raise InvalidArgument(f"unknown parameter {key!r} (have "
-                                  f"{', '.join(_LATENCY_PARAMS)})", stage="cli")
-        try:
-            value = float(text)
-        except ValueError:
-            value = math.nan
-        if not math.isfinite(value) or value < 0:
-            raise InvalidArgument(f"{key} must be a finite number >= 0, got {text!r}",
-                                  stage="cli")
-        seconds[key] = value * _LATENCY_PARAMS[key][1]
-    return LatencyModel.fixed(decode_s=seconds["decode_ms"],
-                              prefill_per_token_s=seconds["prefill_token_us"])
+        raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N,"
+                              "transfer_share=F]'", stage="cli")
+    return LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=50e-6).with_params(
+        args, stage="cli")
 
 
 def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,
@@ -393,11 +379,13 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--seed", type=int, default=0, metavar="N",
                      help="seeds the prompts, the swarm fault plan and the driver")
     run.add_argument("--latency", default="virtual",
-                     metavar="virtual|real[:decode_ms=N,prefill_token_us=N]",
+                     metavar="virtual|real[:decode_ms=N,prefill_token_us=N,"
+                             "transfer_share=F]",
                      help="virtual: the driver's own clock (the sim's is virtual and "
                           "never sleeps); real: a fixed latency on the wall clock, each "
                           "value a finite number >= 0 (decode_ms=10, "
-                          "prefill_token_us=50 unless given)")
+                          "prefill_token_us=50 unless given; transfer_share, below 1, "
+                          "is the part of each job spent in H2D/D2H, 0 unless given)")
     run.add_argument("--path", default="streams", choices=PATHS,
                      help="streams: each prompt a generation stream on a sequence of its "
                           "own (open_sequence + generate: the library samples and enqueues "
@@ -430,6 +418,8 @@ def _parser() -> argparse.ArgumentParser:
                           "its prompt and tokens and goes on (without it the prompt fails, "
                           "as on the jobs path)")
     run.add_argument("--quiet", action="store_true", help="no progress bar")
+    capabilities_cli.add_parser(sub, _HelpFormatter)
+    serve_cli.add_parser(sub, formatter_class=_HelpFormatter)
     soak.add_parser(sub, _HelpFormatter)
     return parser
 
@@ -473,11 +463,16 @@ def _error(message: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``calfsm run [options]``; returns the exit status (``--help``: 0)."""
+    """``calfsm run [options]`` (or ``calfsm capabilities``); returns the exit status
+    (``--help``: 0)."""
     try:
         args = _parser().parse_args(argv)
     except SystemExit as e:              # --help, or argparse's own usage error
         return e.code if isinstance(e.code, int) else EXIT_USAGE
+    if args.command == "capabilities":
+        return capabilities_cli.main(args)
+    if args.command == "serve":
+        return serve_cli.run(args)
     logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
     if args.command == "soak":
         return soak.main(args)

@@ -10,6 +10,7 @@ from typing import Any
 
 import attrs
 
+from calfsm.dump import DumpConfig
 from calfsm.errors import InvalidArgument
 from calfsm.recovery import RecoveryPolicy
 
@@ -25,6 +26,12 @@ def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
 def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgument(f"ExecutorConfig.{attr.name} must be an integer >= 1, got "
+                              f"{value!r}", stage="config")
+
+
+def _dump_config(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, DumpConfig):
+        raise InvalidArgument(f"ExecutorConfig.dump must be a DumpConfig or None, got "
                               f"{value!r}", stage="config")
 
 
@@ -49,6 +56,11 @@ class ExecutorConfig:
         default=None, validator=attrs.validators.optional(_at_least_one))
     #: sequence ids open_sequence() hands out: 0 .. max_sequences-1
     max_sequences: int = attrs.field(default=256, validator=_at_least_one)
+    #: where the vendor runners' evidence files are (None: ``$CALFSM_EVIDENCE_DIR``);
+    #: ``max_inflight=2`` runs two only when they prove it (calfsm/inflight.py)
+    evidence_dir: str | None = None
+    #: the dump sink (spec S12): off (None) unless a DumpConfig names its directory
+    dump: DumpConfig | None = attrs.field(default=None, validator=_dump_config)
 
 
 @attrs.frozen

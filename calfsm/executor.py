@@ -25,13 +25,16 @@ from collections.abc import Callable
 from typing import Any
 
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
-from calfsm.drivers.base import Calbin, Driver, EngineSlot
+from calfsm.drivers.base import Calbin, Driver
+from calfsm.dump import DumpSink
 from calfsm.epoch import WARMUP_SEQ, Epoch
 from calfsm.errors import CalfsmError, Cancelled, Unavailable
+from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
 from calfsm.manifest import Manifest
+from calfsm.observe import Observers, rejection_reason
 from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
 from calfsm.recovery import FaultPolicy
 from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
@@ -41,10 +44,6 @@ from calfsm.streams import Sequence, SequenceAllocator, Stream
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
 
 log = logging.getLogger("calfsm.executor")
-
-#: in-flight jobs calfsm runs until two-in-flight (ping/pong) is proven on a device
-SUPPORTED_INFLIGHT = 1
-
 
 class DeviceExecutor:
     """Runs inference jobs on one device through a driver. Use as a context manager.
@@ -61,18 +60,17 @@ class DeviceExecutor:
         self.driver = driver
         self.config = cfg = config or ExecutorConfig()
         self.clock = driver.clock
-        self._notes: tuple[str, ...] = ()
-        if cfg.max_inflight > SUPPORTED_INFLIGHT:
-            note = (f"max_inflight={cfg.max_inflight} requested, running "
-                    f"{SUPPORTED_INFLIGHT}: two in flight (ping/pong) needs evidence that "
-                    "this device overlaps jobs safely, which calfsm does not have yet")
-            self._notes = (note,)
-            log.warning("%s", note, extra={"stage": "config"})
-        engines = (EngineSlot.AUTO,)
+        plan = plan_inflight(cfg.max_inflight, driver, evidence_dir=cfg.evidence_dir)
+        self._notes: tuple[str, ...] = (plan.note,) if plan.note else ()
+        if plan.note:
+            log.warning("%s", plan.note, extra={"stage": "config"})
+        if plan.proof:
+            log.info("two in flight on Ping/Pong: %s", plan.proof, extra={"stage": "config"})
+        engines = plan.engines
         self._life = life = Lifecycle(self.clock)
         self.faults = FaultPolicy(cfg.recovery)
         self._pipeline = Pipeline(
-            driver, life, self.faults, max_inflight=SUPPORTED_INFLIGHT, engines=engines,
+            driver, life, self.faults, max_inflight=plan.max_inflight, engines=engines,
             timeouts=PipelineTimeouts(
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
                 execution_s=cfg.execution_timeout_s,
@@ -82,13 +80,17 @@ class DeviceExecutor:
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
             execution_timeout_s=cfg.execution_timeout_s,
-            build=epoch_builder(driver, max_inflight=SUPPORTED_INFLIGHT,
+            build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
                                 token_budget=cfg.token_budget, engines=engines,
                                 clock=self.clock))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
+        #: the dump sink when ``config.dump`` enables it (spec S12), else None
+        self.dump_sink = DumpSink(cfg.dump) if cfg.dump is not None else None
+        if self.dump_sink is not None:
+            self.add_observer(self.dump_sink)
         self._control.start(manifest, calbin or Calbin.from_manifest(manifest))
         self._runtime.start()
 
@@ -105,7 +107,7 @@ class DeviceExecutor:
         outcome; only a closed, broken or non-Ready executor (and a request that is not a
         :class:`Request`) raise here directly.
         """
-        job = self._pipeline.accept(request, self._pipeline.cancel)
+        job = self._accept(request)
         handle = job.handle         # the job drops it when it ends, maybe in start()
         self._pipeline.start(job, wait=self.config.threaded)
         return handle
@@ -114,10 +116,22 @@ class DeviceExecutor:
         """Like :meth:`enqueue`, but never blocks: a job that must wait for KV or a
         buffer is parked (holding no thread) and admitted in FIFO order when capacity
         comes free, bounded by its admission deadline."""
-        job = self._pipeline.accept(request, self._pipeline.cancel)
+        job = self._accept(request)
         handle = job.handle
         self._pipeline.start(job, wait=False)
         return handle
+
+    def _accept(self, request: Request) -> JobContext:
+        try:
+            return self._pipeline.accept(request, self._pipeline.cancel)
+        except CalfsmError as e:
+            self._rejected(e)
+            raise
+
+    def _rejected(self, err: CalfsmError, *, opening: bool = False) -> None:
+        reason = rejection_reason(err, opening=opening)
+        if reason is not None:
+            self._pipeline.observers.request_rejected(err, reason)
 
     async def submit(self, request: Request) -> InferenceResult:
         """Run one job from asyncio without blocking the event loop. Cancelling the
@@ -133,8 +147,12 @@ class DeviceExecutor:
     def open_sequence(self) -> Sequence:
         """A sequence id of this executor's allocator, as a :class:`Sequence` (a sync and
         an async context manager that releases the KV on exit)."""
-        self._life.gate()
-        seq_id = self._sequences.take()
+        try:
+            self._life.gate()
+            seq_id = self._sequences.take()
+        except CalfsmError as e:
+            self._rejected(e, opening=True)
+            raise
         try:
             epoch = self.epoch
             if epoch is not None and epoch.kv.sequence_state(seq_id) is SeqState.UNKNOWN:
@@ -273,6 +291,21 @@ class DeviceExecutor:
         await self.aclose()
 
     # ---- observation ---------------------------------------------------------------
+    def add_observer(self, observer: Any) -> None:
+        """Tell ``observer`` (a :class:`calfsm.observe.Observer`) of every job's and
+        stream's end, and of requests refused at once; see :mod:`calfsm.observe`.
+        :class:`calfsm.metrics.ExecutorMetrics` is one."""
+        self._pipeline.observers.add(observer)
+
+    def remove_observer(self, observer: Any) -> bool:
+        """Stop telling ``observer``; False if it was not observing."""
+        return self._pipeline.observers.remove(observer)
+
+    @property
+    def observers(self) -> Observers:
+        """The observers of this executor (the streams report through it too)."""
+        return self._pipeline.observers
+
     @property
     def epoch(self) -> Epoch | None:
         """The current generation's model handles, KV coordinator and buffer pool."""

@@ -35,7 +35,11 @@ log = logging.getLogger("calfsm.job")
 
 @attrs.define(slots=True)
 class JobTimings:
-    """Where one job's time went (spec ``JobTimings``). Clock seconds; durations in ms."""
+    """Where one job's time went (spec ``JobTimings``). Clock seconds; durations in ms.
+
+    ``released``: a step prepared ahead (a stream's next decode, staged while the one
+    before ran) is accepted when it is staged, but asks for KV only when its token is
+    known, at ``released`` (0.0 for a job that was not staged)."""
 
     accepted: float = 0.0
     admitted: float = 0.0
@@ -46,6 +50,7 @@ class JobTimings:
     device_wait_ms: float = 0.0
     d2h_ms: float = 0.0
     postprocess_ms: float = 0.0
+    released: float = 0.0
 
     @property
     def total_ms(self) -> float:

@@ -48,6 +48,8 @@ sequence id: the job overwrites positions from ``past_len`` on). ``old_len`` is 
 commit trims the device allocation to ``target_len`` if it was longer (``kv_release``),
 and a rollback keeps ``prev_len`` (the job never ran, nothing was overwritten), so in
 the normal case (``past_len`` == committed) rollback releases to ``old_len``.
+:meth:`KvCoordinator.truncate_sequence` drops a sequence's tail at once instead
+(``kv_release`` to the kept length), so its capacity comes back before the next job.
 
 Capacity invariant (checked by the stateful tests): for every sequence that is not
 Unknown, the device allocation is ``max(committed, target of its open reservation)``;
@@ -528,6 +530,48 @@ class KvCoordinator:
             self._wake_head_locked()  # the device may have room now
         if code != 0:
             raise from_calrt(code, "kv_reset", **ctx)
+
+    def truncate_sequence(self, seq_id: int, keep_len: int) -> None:
+        """Drop a sequence's positions from ``keep_len`` on: ``kv_release(seq,
+        keep_len)``, committed length ``keep_len`` (llama.cpp's ``seq_rm`` of a tail; the
+        next job goes on at ``keep_len``). At or past the committed length nothing
+        changes; 0 is :meth:`reset_sequence`. Refused (FailedPrecondition) while a
+        reservation is open, and for an Unknown sequence (what it holds is not known:
+        reset it). A failed release raises the classified error and leaves the sequence
+        Unknown."""
+        if isinstance(keep_len, bool) or not isinstance(keep_len, int) or keep_len < 0:
+            raise InvalidArgument(f"keep_len must be an integer >= 0, got {keep_len!r}",
+                                  stage="kv_truncate", seq_id=seq_id,
+                                  generation=self.generation)
+        if keep_len == 0:
+            self.reset_sequence(seq_id)
+            return
+        ctx = {"seq_id": seq_id, "generation": self.generation, "stage": "kv_truncate"}
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                return
+            if seq.open is not None or seq.busy:
+                raise FailedPrecondition(f"sequence {seq_id} has an open KV reservation",
+                                         **ctx)
+            if seq.state is SeqState.UNKNOWN:
+                raise FailedPrecondition(f"KV of sequence {seq_id} is Unknown ({seq.reason})"
+                                         "; reset the sequence instead", **ctx)
+            if keep_len >= seq.committed:
+                return
+            seq.busy = True
+        code = self._release(seq_id, keep_len)
+        with self._lock:
+            seq.busy = False
+            if code == 0:
+                seq.committed = keep_len
+                seq.alloc = min(seq.alloc, keep_len)
+            else:
+                self._to_unknown_locked(seq, f"kv_release on truncate returned {code}")
+            self._version += 1
+            self._wake_head_locked()  # the device may have room now
+        if code != 0:
+            raise from_calrt(code, "kv_truncate", seq_id=seq_id, generation=self.generation)
 
     def _release(self, seq_id: int, keep_len: int) -> int:
         """``kv_release`` unless fenced: after a reset the device's KV belongs to the new

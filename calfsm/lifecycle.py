@@ -452,6 +452,7 @@ class DeviceLifecycle:
                 epoch.kv.mark_lost(*lost)
             life.install(epoch)
             self._step("configured")
+            self._enable_parallel()
             if self._warmup:
                 warm_up(self.driver, epoch, self._execution_timeout_s)
         except CalfsmError as e:
@@ -462,6 +463,14 @@ class DeviceLifecycle:
             life.warmed(manifest, calbin)
         self.faults.reset()
         return None
+
+    def _enable_parallel(self) -> None:
+        """Two in flight (ping/pong) needs the device's parallel mode, which a reset may
+        turn off: switch it on for every generation before its warm-up, so the golden
+        runs the way traffic will (spec 6.4). A device that refuses did not come up."""
+        if self.pipeline.max_inflight > 1:
+            check(self.driver.enable_parallel_mode(True), "enable_parallel_mode",
+                  generation=self.life.generation)
 
     def _step(self, trigger: str) -> None:
         """Advance the lifecycle on a procedure, unless shutdown began: then stop quietly

@@ -65,6 +65,7 @@ from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.lifecycle import Lifecycle
 from calfsm.machines.job import JOB_MACHINE, JobState
 from calfsm.machines.lifecycle import LifecycleState
+from calfsm.observe import JobEnded, Observers
 from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.request import check_request
 from calfsm.staging import check_output, read_output
@@ -102,6 +103,9 @@ class Hooks:
 
     def after_device_freed(self) -> None:
         """Called by the step that freed the device, outside every lock."""
+
+    def after_work_queued(self) -> None:
+        """Called by the step that queued a job, outside every lock."""
 
     def changed(self) -> None:
         """Queues or in-flight accounting changed (drains and recovery wait for this).
@@ -142,6 +146,7 @@ class Pipeline:
         self._apply = apply             # the lifecycle carries out a policy decision
         self._drain = drain             # ... and starts a drain for a suspect device
         self.hooks = Hooks()
+        self.observers = Observers()    # told of every job's end (metrics, dump sink)
         self._lock = threading.Lock()
         self._device_lock = threading.Lock()      # a submit vs a reset of the device
         self._submit_q: deque[JobContext] = deque()
@@ -151,6 +156,9 @@ class Pipeline:
         self._staged: list[JobContext] = []         # streams' next steps, prepared ahead
         self._on_device: list[JobContext] = []      # submitted, wait not returned
         self._inflight = 0
+        #: ping/pong: the job each fixed engine runs now (one per engine, spec 6.4);
+        #: empty with one in flight on the AUTO engine
+        self._engine_busy: dict[EngineSlot, JobContext] = {}
         self._waiting = 0                           # accepted, not submitted nor ended
         self._job_s = 0.0                           # moving average of a job's device time
         self._broken: str | None = None
@@ -431,11 +439,10 @@ class Pipeline:
         return True
 
     def _engine_for(self, job: JobContext) -> EngineSlot:
-        """The engine a job's buffers come from: the request's own choice, else the one
-        engine in use (ping/pong alternates by job id)."""
-        if job.engine is not EngineSlot.AUTO:
-            return job.engine
-        return self.engines[job.job_id % len(self.engines)]
+        """The engine a job's buffers come from: the request's own choice, else AUTO (the
+        pool lends from the engine with the most free slots, so ping/pong stays even;
+        the submitter runs one job per engine at a time, see :meth:`claim`)."""
+        return job.engine
 
     def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
         life = self.life
@@ -459,12 +466,14 @@ class Pipeline:
         job.timings.queued = now
         job.queue_deadline = min(job.deadline, now + self.t.queue_s)
         with self._lock:
-            if not (job.cancel_requested or self.life.closing):
+            queued = not (job.cancel_requested or self.life.closing)
+            if queued:
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
                 self.hooks.work_queued()
-                return
-        raise Cancelled("cancelled before submit", **_ctx(job, stage))
+        if not queued:
+            raise Cancelled("cancelled before submit", **_ctx(job, stage))
+        self.hooks.after_work_queued()
 
     def admit_parked(self) -> bool:
         """Try to admit the head parked job (FIFO). True if it moved (or failed)."""
@@ -507,7 +516,7 @@ class Pipeline:
                 or self._parked:
             return None
         try:
-            lease = epoch.pool.acquire(request.kind, self.engines[0])
+            lease = epoch.pool.acquire(request.kind, request.engine)
         except (ResourceExhausted, Unavailable):
             return None
         try:
@@ -540,6 +549,7 @@ class Pipeline:
                 return False
             self._staged.remove(job)
         job.request = request
+        job.timings.released = self.clock.now()
         try:
             job.lease.write_inputs(request.tokens, request.positions)
             if self.life.state != _READY or job.epoch is not self.life.epoch:
@@ -624,9 +634,23 @@ class Pipeline:
 
     # ---- submit --------------------------------------------------------------------
     def submittable(self) -> bool:
-        """A job is queued, an in-flight slot is free and the device takes work."""
+        """A job is queued whose engine is free, an in-flight slot is free and the device
+        takes work."""
         return bool(self._submit_q) and self._inflight < self.max_inflight \
-            and self.life.state == _READY
+            and self.life.state == _READY and self._next_claim() is not None
+
+    def _next_claim(self) -> int | None:
+        """Index of the first queued job whose engine runs nothing now (ping/pong: one
+        job per fixed engine), or None. Jobs of one sequence never wait side by side, so
+        taking a later job first reorders only independent sequences."""
+        busy = self._engine_busy
+        if not busy:
+            return 0 if self._submit_q else None
+        for i, job in enumerate(list(self._submit_q)):   # a copy: callers may not lock
+            lease = job.lease
+            if lease is None or lease.slot.engine not in busy:
+                return i
+        return None
 
     def submittable_now(self) -> bool:
         """Submittable, and no error back-off in force."""
@@ -657,9 +681,19 @@ class Pipeline:
             self._heartbeat["submitter"] = self.clock.now()
             if not self.submittable_now():
                 return None
-            job = self._submit_q.popleft()
+            i = self._next_claim()
+            if i is None:
+                return None
+            if i == 0:
+                job = self._submit_q.popleft()
+            else:
+                job = self._submit_q[i]
+                del self._submit_q[i]
             self._inflight += 1
             job.holds_inflight = True
+            engine = job.lease.slot.engine if job.lease is not None else EngineSlot.AUTO
+            if engine is not EngineSlot.AUTO:
+                self._engine_busy[engine] = job
             return job
 
     def submit_wait_s(self) -> float | None:
@@ -769,6 +803,9 @@ class Pipeline:
             if job.holds_inflight:
                 job.holds_inflight = False
                 self._inflight -= 1
+                for engine, holder in list(self._engine_busy.items()):
+                    if holder is job:
+                        del self._engine_busy[engine]
                 self.hooks.device_freed(not self.life.closing and self.submittable_now())
                 if self._submit_q or self.life.closing:
                     self.hooks.work_queued()
@@ -864,14 +901,18 @@ class Pipeline:
         self._leave_waiting(job)
         if JOB_MACHINE.fire(job, "succeed"):
             self.count("succeeded")
-            job.handle._resolve(InferenceResult(
-                job.job_id, job.seq_id, job.generation, job.kind, job.token_count, logits,
-                job.timings), None)
+            result = InferenceResult(job.job_id, job.seq_id, job.generation, job.kind,
+                                     job.token_count, logits, job.timings)
+            if self.observers.jobs:
+                self._observe(job, "succeeded", result, None)
+            job.handle._resolve(result, None)
         else:                                       # cancelled after submit (FI12)
             _fire(job, "fail")
             err = Cancelled("cancelled after submit; the job ran, its result was dropped",
                             **_ctx(job, "complete"))
             self._count_outcome("cancelled", err)
+            if self.observers.jobs:
+                self._observe(job, "cancelled", None, err)
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.hooks.job_parked()         # a slot and KV came free: admission may go on
@@ -889,9 +930,12 @@ class Pipeline:
     def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
         Unknown (the device ran), the slot is quarantined, the fault policy decides."""
+        # the raw output, for observers (a dump sink): the slot is quarantined below, so
+        # its host arrays stay as the device left them
+        output = job.lease.slot.logits_bf16 if self.observers.jobs else None
         self._withhold(job, str(err))
         _fire(job, "quarantine")
-        self._finish(job, err, "quarantined")
+        self._finish(job, err, "quarantined", output=output)
         self._apply(self.faults.decide(err, self.clock.now()))
 
     def _execution_timeout(self, job: JobContext) -> None:
@@ -964,7 +1008,8 @@ class Pipeline:
             job.epoch.pool.quarantine(job.lease, reason)
             job.lease = None
 
-    def _finish(self, job: JobContext, err: CalfsmError, outcome: str) -> None:
+    def _finish(self, job: JobContext, err: CalfsmError, outcome: str, *,
+                output: Any = None) -> None:
         err.with_context(**_ctx(job, None))
         job.timings.completed = self.clock.now()
         self._leave_waiting(job)
@@ -972,7 +1017,17 @@ class Pipeline:
         if not isinstance(err, Cancelled):
             log.warning("job failed: %s", err.message, extra=err.context())
         if not job.ended:
+            if self.observers.jobs:
+                self._observe(job, outcome, None, err, output)
             job.handle._resolve(None, err)
+
+    def _observe(self, job: JobContext, outcome: str, result: InferenceResult | None,
+                 err: CalfsmError | None, output: Any = None) -> None:
+        """Tell the observers a job ended, before its handle resolves (holding no lock):
+        a caller that has the outcome finds it counted."""
+        self.observers.job_ended(JobEnded(
+            job.job_id, job.seq_id, job.generation, job.kind, outcome, job.timings,
+            job.request, result, err, output))
 
     def _count_outcome(self, outcome: str, err: CalfsmError) -> None:
         cat = err.category.value

@@ -150,6 +150,13 @@ class ThreadRuntime(_Runtime):
 
     # ---- hooks (called by the pipeline) --------------------------------------------
     def work_queued(self) -> None:
+        # a stream's next step, queued by the completion thread while the device idles:
+        # let the submitter call infer before this thread goes on (delivering the token,
+        # returning the lease), as when it frees the device with a job queued
+        if not self._yield and threading.current_thread() is self._completion_thread \
+                and self.pipeline.inflight < self.pipeline.max_inflight:
+            self._submitted_bell.wait(0)      # only a submit after this ring counts
+            self._yield = True
         self._submit_bell.ring()
 
     def job_submitted(self) -> None:
@@ -167,6 +174,8 @@ class ThreadRuntime(_Runtime):
         if self._yield:
             self._yield = False
             self._submitted_bell.wait(_YIELD_TO_SUBMITTER_S)
+
+    after_work_queued = after_device_freed
 
     def changed(self) -> None:
         with self._cond:

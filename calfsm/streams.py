@@ -403,15 +403,23 @@ class Stream:
         self._start = sequence.position
         self._replay_check: int | None = None
         self._listening = False
-        self._submit(Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                     target=self._row(), deadline_s=self._left()))
+        self._ending = False            # _finish has begun: nothing more is recorded
+        first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
+                                target=self._row(), deadline_s=self._left())
+        ex.observers.stream_started(self)
+        self._submit(first)
+
+    @property
+    def started(self) -> float:
+        """When the stream was created (the driver's clock); ``ttft_s`` counts from here."""
+        return self._t0
 
     # ---- consumer side -------------------------------------------------------------
     def cancel(self) -> bool:
         """Stop generating: nothing more is delivered; a step on the device runs to its
         end. False if the stream had already finished."""
         with self._lock:
-            if self._result is not None:
+            if self._ending:
                 return False
             self._cancelled = True
             handle = self._handle
@@ -521,7 +529,7 @@ class Stream:
         """Prepare the decode that will carry the in-flight step's token (its token is a
         placeholder until that step completes)."""
         with self._lock:
-            if self._result is not None or self._cancelled or self._staged is not None:
+            if self._ending or self._cancelled or self._staged is not None:
                 return
             pos = self._next_pos
             inflight = self._handle
@@ -534,7 +542,7 @@ class Stream:
         if staged is None:
             return
         with self._lock:
-            keep = self._result is None and not self._cancelled and self._next_pos == pos \
+            keep = not self._ending and not self._cancelled and self._next_pos == pos \
                 and self._staged is None and not self._taken(pos)
             if keep:
                 self._staged, self._staged_pos = staged, pos
@@ -623,7 +631,7 @@ class Stream:
         the stream came first: then nothing is delivered."""
         now = self._clock.now()
         with self._lock:
-            if self._cancelled or self._result is not None:
+            if self._cancelled or self._ending:
                 return False
             self._tokens.append(token)
             self._times.append(now)
@@ -707,6 +715,7 @@ class Stream:
         history = list(self.prompt) + self._tokens[:-1]
         self._replay_check = self._tokens[-1] if self._tokens else None
         self._resumes += 1
+        seq.executor.observers.stream_resumed(self)
         log.warning("stream on sequence %s resumes after a reset: replaying %s tokens",
                     seq.seq_id, len(history), extra={"seq_id": seq.seq_id,
                                                      "stage": "resume"})
@@ -716,14 +725,20 @@ class Stream:
     # ---- ending --------------------------------------------------------------------
     def _finish(self, reason: FinishReason, error: CalfsmError | None = None) -> None:
         with self._lock:
-            if self._result is not None:
+            if self._ending:
                 return
+            self._ending = True
             times = self._times
             ttft = times[0] - self._t0 if times else None
             itl = tuple(b - a for a, b in itertools.pairwise(times))
-            self._result = GenerationResult(
+            result = GenerationResult(
                 tuple(self._tokens), reason, Usage(len(self.prompt), len(self._tokens)),
                 ttft, itl, error, self._resumes)
+        # observers first (holding no lock), so a consumer that has the result finds
+        # the stream counted
+        self.sequence.executor.observers.stream_ended(self, result)
+        with self._lock:
+            self._result = result
             self._wake_locked()
         with self._lock:
             staged, self._staged = self._staged, None

@@ -318,14 +318,14 @@ int32_t calrt_kv_release(calrt_device_t dev, int64_t seq_id, uint64_t keep_len);
 
 /* ---- device control ------------------------------------------------------------------ */
 
-/* CalRT: VirtualDevice::ResetCCU — pending jobs end DONE_ABORTED; configuration and KV
+/* Every reset kind turns parallel mode off (the host enables it again).
+ * CalRT: VirtualDevice::ResetCCU — pending jobs end DONE_ABORTED; configuration and KV
  * stay. */
 int32_t calrt_reset_ccu(calrt_device_t dev);
 /* CalRT: VirtualDevice::ResetConfiguration — as ResetCCU, and the configuration is
  * dropped: models and buffers become stale (INVALID_STATE). KV stays. */
 int32_t calrt_reset_configuration(calrt_device_t dev);
-/* CalRT: VirtualDevice::Reset — as ResetConfiguration, and all KV is cleared; parallel
- * mode off. */
+/* CalRT: VirtualDevice::Reset — as ResetConfiguration, and all KV is cleared. */
 int32_t calrt_reset(calrt_device_t dev);
 
 /* CalRT: VirtualDevice::EnableParallelMode(on). No capability: UNSUPPORTED; a job
@@ -354,6 +354,32 @@ int32_t calrt_emu_advance_to(calrt_device_t dev, int64_t t_ns);
 int32_t calrt_emu_set_latency(calrt_device_t dev, double h2d_s_per_byte,
                               double prefill_s_per_token, double decode_s_per_step,
                               double d2h_s_per_byte, double jitter, uint32_t seed);
+
+/* Transfer share in [0, 1) (default 0; else INVALID_VALUE): of a job's time as the
+ * latency model gives it (H2D + compute + D2H), this fraction is spent in transfers, half
+ * H2D and half D2H, the rest in compute (calfsm LatencyModel.transfer_share). */
+int32_t calrt_emu_set_transfer_share(calrt_device_t dev, double share);
+
+/* Phase timeline (docs/driver-protocol.md, Timeline): the device keeps the last `jobs`
+ * jobs that ended (executed or aborted; default 256, 0 keeps none, at most 2^20, else
+ * INVALID_VALUE), each with the planned start and end of its H2D, compute and D2H in
+ * device-time ns (NEVER = INT64_MAX for a compute that never ends) and when it ended (its
+ * finish, or the reset or close that aborted it). Setting it clears what was kept. */
+typedef struct {
+    uint64_t job;                 /* the device's job number, 1, 2, ... */
+    int32_t engine;               /* CALRT_ENGINE_PING / PONG (serial mode: PING) */
+    int32_t status;               /* CALRT_STATUS_* it ended with */
+    int32_t has_tag;
+    calrt_job_tag_t tag;
+    int64_t phase_ns[6];          /* H2D start, end; compute start, end; D2H start, end */
+    int64_t ended_ns;
+} calrt_emu_job_record_t;
+int32_t calrt_emu_set_timeline(calrt_device_t dev, uint32_t jobs);
+/* The records kept, oldest first, then one per job still pending (status PENDING, its
+ * planned phases, ended_ns NEVER) in submission order: the last `cap` of those into out[],
+ * *n = how many were written. Jobs whose finish time has come are executed first. */
+int32_t calrt_emu_timeline(calrt_device_t dev, calrt_emu_job_record_t *out, uint32_t cap,
+                           uint32_t *n);
 
 /* KV capacity in token positions (default 1 << 20); below what is allocated:
  * INVALID_VALUE. */

@@ -39,6 +39,8 @@
 #define MAX_BUFS (1u << IDX_BITS)
 #define MAX_RULES 1024
 #define NEVER INT64_MAX
+#define DMA_BOOKINGS 16
+#define DEFAULT_TIMELINE_JOBS 256
 
 /* ---- handles ---------------------------------------------------------------------- */
 
@@ -97,6 +99,7 @@ typedef struct job {
     int has_tag;
     calrt_job_tag_t tag;
     int64_t finish_ns;    /* NEVER when hung */
+    int64_t phase_ns[6];  /* planned start, end of H2D, compute, D2H (timeline) */
     int effect;           /* CALRT_EMU_EFFECT_* or -1 */
     int64_t n_bytes, index;
     int ghost;            /* survived a reset (STALE): out of the queue, writes no KV */
@@ -138,9 +141,15 @@ typedef struct device {
 
     int clock_mode;
     int64_t vnow;             /* VIRTUAL device time, ns */
-    int64_t h2d_free, comp_free, d2h_free;
+    int64_t comp_free, d2h_free;  /* compute unit free; the last finish (serial: device) */
+    int64_t dma[DMA_BOOKINGS][2]; /* parallel: the DMA channel's bookings, sorted by start */
+    uint32_t n_dma;
     double h2d_per_byte, prefill_per_token, decode_per_step, d2h_per_byte, jitter;
+    double transfer_share;
     uint32_t seed;
+
+    calrt_emu_job_record_t *timeline;  /* ring of the last ended jobs (NULL: none yet) */
+    uint32_t tl_cap, tl_len, tl_head;  /* capacity, records held, next slot */
 
     uint64_t kv_capacity, kv_used;
     kv_seq *seqs;
@@ -466,7 +475,33 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
     return CALRT_STATUS_DONE_OK;
 }
 
+/* Append an ended job to the timeline ring (allocated on first use). */
+static void timeline_add(device *d, const job *j, int32_t status, int64_t ended) {
+    if (!d->tl_cap) return;
+    if (!d->timeline) {
+        d->timeline = calloc(d->tl_cap, sizeof *d->timeline);
+        if (!d->timeline) return;  /* out of memory: the timeline is best effort */
+    }
+    calrt_emu_job_record_t *r = &d->timeline[d->tl_head];
+    memset(r, 0, sizeof *r);
+    r->job = j->id;
+    r->engine = j->engine;
+    r->status = status;
+    r->has_tag = j->has_tag;
+    r->tag = j->tag;
+    memcpy(r->phase_ns, j->phase_ns, sizeof r->phase_ns);
+    r->ended_ns = ended;
+    d->tl_head = (d->tl_head + 1) % d->tl_cap;
+    if (d->tl_len < d->tl_cap) d->tl_len++;
+}
+
 static void finish_job(device *d, job *j, int32_t status, uint64_t nbytes) {
+    int64_t ended = j->finish_ns;
+    if (status == CALRT_STATUS_DONE_ABORTED) {
+        int64_t now = dev_now(d);
+        if (now < ended) ended = now;
+    }
+    timeline_add(d, j, status, ended);
     job_unlink(d, j);
     emu_buf *out = j->out;
     if (out->job == j) {
@@ -567,7 +602,8 @@ static void abort_pending(device *d, int closing) {
         j = next;
     }
     int64_t now = dev_now(d);
-    d->h2d_free = d->comp_free = d->d2h_free = now;
+    d->comp_free = d->d2h_free = now;
+    d->n_dma = 0;
     pthread_cond_broadcast(&d->done_cv);
     pthread_cond_signal(&d->work_cv);
 }
@@ -641,6 +677,7 @@ static void device_free(device *d) {
     cfg_unref(d->cfg);
     kv_clear(d);
     free(d->rules);
+    free(d->timeline);
     pthread_mutex_destroy(&d->mu);
     pthread_cond_destroy(&d->work_cv);
     pthread_cond_destroy(&d->done_cv);
@@ -665,7 +702,8 @@ int32_t calrt_device_open(const char *options, calrt_device_t *out) {
     d->caps.engine_slots = 2;
     d->kv_capacity = 1u << 20;
     d->clock_mode = CALRT_EMU_CLOCK_REAL;
-    d->h2d_free = d->comp_free = d->d2h_free = mono_ns();
+    d->comp_free = d->d2h_free = mono_ns();
+    d->tl_cap = DEFAULT_TIMELINE_JOBS;
     d->refs = 1;  /* the table's */
     pthread_mutex_lock(&g_lock);
     int idx = -1;
@@ -1062,35 +1100,84 @@ int32_t calrt_set_kv_seq(calrt_device_t h, calrt_buf_t inp, int64_t seq_id) {
 
 /* ---- execution ------------------------------------------------------------------------ */
 
+/* Book `len` ns of the DMA channel in its first free gap at or after `earliest`; returns
+ * the start (SimDriver._book_dma). Bookings that ended by `now` are dropped first. */
+static int64_t book_dma(device *d, int64_t now, int64_t earliest, int64_t len) {
+    uint32_t n = 0;
+    for (uint32_t i = 0; i < d->n_dma; i++) {
+        if (d->dma[i][1] > now) {
+            d->dma[n][0] = d->dma[i][0];
+            d->dma[n][1] = d->dma[i][1];
+            n++;
+        }
+    }
+    int64_t t = earliest;
+    for (uint32_t i = 0; i < n; i++) {   /* sorted by start, never overlapping */
+        if (d->dma[i][1] <= t) continue;
+        if (d->dma[i][0] >= sat_add(t, len)) break;
+        t = d->dma[i][1];
+    }
+    if (n == DMA_BOOKINGS) {   /* cannot happen with two jobs in flight; stay correct */
+        for (uint32_t i = 0; i < n; i++) t = max64(t, d->dma[i][1]);
+        n = 0;
+    }
+    uint32_t at = n;
+    while (at > 0 && d->dma[at - 1][0] > t) {
+        d->dma[at][0] = d->dma[at - 1][0];
+        d->dma[at][1] = d->dma[at - 1][1];
+        at--;
+    }
+    d->dma[at][0] = t;
+    d->dma[at][1] = sat_add(t, len);
+    d->n_dma = n + 1;
+    return t;
+}
+
 /* Finish time of a job submitted now, booking DMA and compute (SimDriver._schedule). */
-static int64_t schedule(device *d, emu_buf *bi, emu_model *m, uint64_t ordinal, int hang) {
+static int64_t schedule(device *d, job *j, emu_buf *bi, emu_model *m, int hang) {
     int64_t now = dev_now(d);
     uint64_t in_bytes = 0;
     for (uint32_t t = 0; t < m->n_inputs; t++) in_bytes += active_bytes(bi, t, &m->tensors[t]);
     uint64_t n_tokens = active_bytes(bi, 0, &m->tensors[0]) / 4;
     double factor = 1.0;
     if (d->jitter != 0.0) {
-        uint32_t u = ref_fmix32(d->seed ^ (uint32_t)(ordinal * 0x9E3779B1u));
+        uint32_t u = ref_fmix32(d->seed ^ (uint32_t)(j->id * 0x9E3779B1u));
         factor = 1.0 + d->jitter * (2.0 * (double)u / 4294967296.0 - 1.0);
     }
     double comp_s = m->kind == CALRT_KIND_DECODE ? d->decode_per_step
                                                  : d->prefill_per_token * (double)n_tokens;
-    int64_t h2d = secs_to_ns((double)in_bytes * d->h2d_per_byte * factor);
-    int64_t comp = secs_to_ns(comp_s * factor);
-    int64_t d2h = secs_to_ns((double)m->tensors[m->n_inputs].byte_size * d->d2h_per_byte *
-                             factor);
-    if (hang) comp = NEVER;
-    if (d->parallel) {
-        int64_t h2d_end = sat_add(max64(now, d->h2d_free), h2d);
-        d->h2d_free = h2d_end;
-        int64_t comp_end = sat_add(max64(h2d_end, d->comp_free), comp);
-        d->comp_free = comp_end;
-        int64_t fin = sat_add(max64(comp_end, d->d2h_free), d2h);
-        d->d2h_free = fin;
-        return fin;
+    double h2d_s = (double)in_bytes * d->h2d_per_byte * factor;
+    comp_s *= factor;
+    double d2h_s = (double)m->tensors[m->n_inputs].byte_size * d->d2h_per_byte * factor;
+    if (d->transfer_share != 0.0) {  /* LatencyModel.transfer_share: same total, re-divided */
+        double total = h2d_s + comp_s + d2h_s;
+        h2d_s = d2h_s = total * d->transfer_share / 2;
+        comp_s = total * (1.0 - d->transfer_share);
     }
-    int64_t fin = sat_add(sat_add(sat_add(max64(now, d->d2h_free), h2d), comp), d2h);
-    d->h2d_free = d->comp_free = d->d2h_free = fin;
+    int64_t h2d = secs_to_ns(h2d_s);
+    int64_t comp = secs_to_ns(comp_s);
+    int64_t d2h = secs_to_ns(d2h_s);
+    if (hang) comp = NEVER;
+    int64_t h2d_start, comp_start, comp_end, d2h_start, fin;
+    if (d->parallel) {
+        /* one DMA channel for H2D and D2H, one compute unit, each taken in turn */
+        h2d_start = book_dma(d, now, now, h2d);
+        comp_start = max64(sat_add(h2d_start, h2d), d->comp_free);
+        comp_end = sat_add(comp_start, comp);
+        d->comp_free = comp_end;
+        d2h_start = book_dma(d, now, comp_end, d2h);
+        fin = sat_add(d2h_start, d2h);
+        d->d2h_free = max64(d->d2h_free, fin);
+    } else {
+        h2d_start = max64(now, d->d2h_free);
+        comp_start = sat_add(h2d_start, h2d);
+        comp_end = sat_add(comp_start, comp);
+        d2h_start = comp_end;
+        fin = sat_add(d2h_start, d2h);
+        d->comp_free = d->d2h_free = fin;
+    }
+    int64_t ph[6] = {h2d_start, sat_add(h2d_start, h2d), comp_start, comp_end, d2h_start, fin};
+    memcpy(j->phase_ns, ph, sizeof ph);
     return fin;
 }
 
@@ -1150,7 +1237,7 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
     j->effect = r ? r->effect : -1;
     j->n_bytes = r ? r->n_bytes : -1;
     j->index = r ? r->index : 0;
-    j->finish_ns = schedule(d, bi, m, j->id, j->effect == CALRT_EMU_EFFECT_HANG);
+    j->finish_ns = schedule(d, j, bi, m, j->effect == CALRT_EMU_EFFECT_HANG);
     if (d->q_tail) d->q_tail->next = j;
     else d->q_head = j;
     d->q_tail = j;
@@ -1340,16 +1427,14 @@ static int32_t do_reset(calrt_device_t h, uint32_t kind) {
     int32_t rc = code_fault(d, CALRT_EMU_POINT_RESET, &NO_CTX);
     if (rc) RETURN(rc);
     abort_pending(d, 0);
+    d->parallel = 0;  /* every reset kind: the host enables parallel mode again */
     if (kind != CALRT_RESET_CCU) {
         /* models and buffers go stale: handles stay in the table (status stays readable,
          * everything else is INVALID_STATE) until released */
         cfg_unref(d->cfg);
         d->cfg = NULL;
     }
-    if (kind == CALRT_RESET_FULL) {
-        kv_clear(d);
-        d->parallel = 0;
-    }
+    if (kind == CALRT_RESET_FULL) kv_clear(d);
     RETURN(CALRT_SUCCESS);
 }
 
@@ -1380,7 +1465,8 @@ int32_t calrt_emu_set_clock(calrt_device_t h, int32_t mode) {
     if (mode != d->clock_mode) {
         d->clock_mode = mode;
         d->vnow = 0;
-        d->h2d_free = d->comp_free = d->d2h_free = dev_now(d);
+        d->comp_free = d->d2h_free = dev_now(d);
+        d->n_dma = 0;
     }
     pthread_cond_signal(&d->work_cv);
     RETURN(CALRT_SUCCESS);
@@ -1420,6 +1506,54 @@ int32_t calrt_emu_set_latency(calrt_device_t h, double h2d, double prefill, doub
     d->prefill_per_token = prefill;
     d->decode_per_step = decode;
     d->d2h_per_byte = d2h;
+    RETURN(CALRT_SUCCESS);
+}
+
+int32_t calrt_emu_set_transfer_share(calrt_device_t h, double share) {
+    ENTER(h);
+    if (!(share >= 0) || !(share < 1)) RETURN(CALRT_INVALID_VALUE);
+    d->transfer_share = share;
+    RETURN(CALRT_SUCCESS);
+}
+
+int32_t calrt_emu_set_timeline(calrt_device_t h, uint32_t jobs) {
+    ENTER(h);
+    if (jobs > (1u << 20)) RETURN(CALRT_INVALID_VALUE);
+    free(d->timeline);
+    d->timeline = NULL;
+    d->tl_cap = jobs;
+    d->tl_len = d->tl_head = 0;
+    RETURN(CALRT_SUCCESS);
+}
+
+static void pending_record(const job *j, calrt_emu_job_record_t *r) {
+    memset(r, 0, sizeof *r);
+    r->job = j->id;
+    r->engine = j->engine;
+    r->status = CALRT_STATUS_PENDING;
+    r->has_tag = j->has_tag;
+    r->tag = j->tag;
+    memcpy(r->phase_ns, j->phase_ns, sizeof r->phase_ns);
+    r->ended_ns = NEVER;
+}
+
+int32_t calrt_emu_timeline(calrt_device_t h, calrt_emu_job_record_t *out, uint32_t cap,
+                           uint32_t *n) {
+    if (!n || (cap && !out)) return CALRT_INVALID_VALUE;
+    ENTER(h);
+    drain_due(d);
+    uint64_t pending = 0;
+    for (job *j = d->q_head; j; j = j->next) pending++;
+    uint64_t total = d->tl_len + pending;
+    uint64_t skip = total > cap ? total - cap : 0;   /* the oldest go first */
+    uint32_t first = d->tl_cap ? (d->tl_head + d->tl_cap - d->tl_len) % d->tl_cap : 0;
+    uint32_t w = 0;
+    for (uint64_t i = skip; i < d->tl_len; i++)
+        out[w++] = d->timeline[(first + i) % d->tl_cap];
+    uint64_t k = d->tl_len;
+    for (job *j = d->q_head; j; j = j->next, k++)
+        if (k >= skip) pending_record(j, &out[w++]);
+    *n = w;
     RETURN(CALRT_SUCCESS);
 }
 

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
+from calfsm.capabilities import Evidence, Verdict, device_identity
 from calfsm.clock import RealClock
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.inflight import REQUIRED_CAPABILITY
 from calfsm.machines.job import JobState
 from calfsm.manifest import builtin_manifest
 from calfsm.scheduler import StepScheduler
@@ -62,7 +66,9 @@ class GatedDriver:
 def make_sim(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
              **kw: Any) -> SimDriver:
     """Step mode: the virtual clock (time moves only when driven). Threaded mode: real
-    time with zero device latency, so deadlines pass while a test holds the device."""
+    time with zero device latency, so deadlines pass while a test holds the device. The
+    whole trace is kept (tests read it through :func:`calls`)."""
+    kw.setdefault("trace", True)
     if mode == "threaded":
         kw.setdefault("clock", RealClock())
         kw.setdefault("latency", LatencyModel.zero())
@@ -174,3 +180,24 @@ def drive(ex: DeviceExecutor, predicate: Any, *, seed: int = 0,
         assert eventually(predicate, timeout), f"not reached within {timeout} s"
     else:
         StepScheduler(ex, seed).run_until(predicate)
+
+
+def write_evidence(directory: Path, driver: Any, *, holds: bool = True,
+                   runtime_version: str | None = None, name: str = "parallel.json") -> Path:
+    """An evidence file for ``driver`` as the parallel-mode runner writes it, saying
+    two in flight holds (or not); tests/test_runners.py has the runner write the file
+    the executor reads."""
+    ev = Evidence("parallel_mode", device_identity(driver),
+                  runtime_version or driver.version(), "0" * 64, time.time(),
+                  {"max_in_flight": 2},
+                  {REQUIRED_CAPABILITY: Verdict(holds, "observed" if holds else "refused")})
+    path = Path(directory) / name
+    path.write_text(ev.to_json(), "utf-8")
+    return path
+
+
+def two_in_flight(directory: Path, driver: Any) -> dict[str, Any]:
+    """ExecutorConfig keywords for two in flight on ``driver``, its evidence written to
+    ``directory``."""
+    write_evidence(directory, driver)
+    return {"max_inflight": 2, "evidence_dir": str(directory)}

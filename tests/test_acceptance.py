@@ -36,7 +36,7 @@ from calfsm.job import InferenceResult, JobHandle, Request
 from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.scheduler import StepScheduler
 from tests import refmodel_pure as pure
-from tests.executor_helpers import MODES, TINY, calls, make_executor
+from tests.executor_helpers import MODES, TINY, calls, make_executor, make_sim, two_in_flight
 
 N_TOKENS = 16
 QWEN = builtin_manifest("qwen3-b1")
@@ -82,13 +82,17 @@ def _generate_threaded(ex: DeviceExecutor, seq: int, prompt: list[int], n: int) 
 
 
 @pytest.mark.timeout(120)
-def test_golden_100_prompts_threaded_from_four_callers(golden_direct):
+@pytest.mark.parametrize("inflight", [1, 2])
+def test_golden_100_prompts_threaded_from_four_callers(golden_direct, inflight, tmp_path):
     prompts = golden_prompts()
     got: dict[int, list[int]] = {}
     errors: list[BaseException] = []
     callers = 4
+    drv = make_sim("threaded")
+    config = two_in_flight(tmp_path, drv) if inflight == 2 else {}
 
-    with make_executor("threaded") as ex:
+    with make_executor("threaded", driver=drv, **config) as ex:
+        assert ex.health().max_inflight == inflight
         def caller(k: int) -> None:
             try:
                 for i in range(k, len(prompts), callers):
@@ -142,15 +146,22 @@ def _generate_step(ex: DeviceExecutor, sched: StepScheduler, prompts: list[list[
     return out
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_golden_20_prompts_step_mode_seeded_interleavings(golden_direct, seed):
+@pytest.mark.parametrize("seed,inflight", [(0, 1), (1, 1), (2, 2)])
+def test_golden_20_prompts_step_mode_seeded_interleavings(golden_direct, seed, inflight,
+                                                          tmp_path):
     prompts = golden_prompts()[:20]             # the edge lengths 1..4096 and ten more
-    with make_executor("step") as ex:
+    drv = make_sim("step")
+    config = two_in_flight(tmp_path, drv) if inflight == 2 else {}
+    with make_executor("step", driver=drv, **config) as ex:
+        assert ex.health().max_inflight == inflight
         sched = StepScheduler(ex, seed=seed)
         got = _generate_step(ex, sched, prompts, N_TOKENS, lanes=3)
         for i in range(len(prompts)):
             assert got[i] == golden_direct[i], f"prompt {i} (len {len(prompts[i])})"
-        assert {"admit", "submit", "complete"} <= set(sched.log)
+        # one in flight: 2 slots for 3 lanes, so jobs park for admission; two in flight
+        # has a slot per lane on each engine
+        assert {"submit", "complete"} | ({"admit"} if inflight == 1 else set()) \
+            <= set(sched.log)
         _assert_clean(ex)
 
 

@@ -560,7 +560,7 @@ def test_acquire_wait_on_a_virtual_clock_nobody_advances_is_bounded():
 def sim_pool(**kw):
     from calfsm.drivers.sim import SimDriver
 
-    driver = SimDriver(TINY, **kw)
+    driver = SimDriver(TINY, trace=True, **kw)     # trace_calls reads the whole trace
     assert driver.configure(driver.calbin) == 0
     models = {}
     for kind in (TaskKind.PREFILL_IDS, TaskKind.DECODE):

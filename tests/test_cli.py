@@ -86,6 +86,16 @@ def test_latency_values_must_be_finite_and_not_negative(capsys, spec):
     assert_usage_error(rc, out, err, f"--latency {spec}: ", "must be a finite number >= 0")
 
 
+def test_latency_transfer_share_reaches_the_device_and_stays_below_one(capsys):
+    from calfsm.cli import build_driver
+    from calfsm.manifest import builtin_manifest
+    with build_driver("sim", builtin_manifest("tiny"), faults=None, seed=0,
+                      latency="real:decode_ms=5,transfer_share=0.3") as d:
+        assert d.latency.transfer_share == 0.3 and not d.clock.virtual
+    rc, out, err = run(capsys, *SMALL, "--latency", "real:transfer_share=1")
+    assert_usage_error(rc, out, err, "--latency real:transfer_share=1: ", "transfer_share")
+
+
 @pytest.mark.parametrize("driver", ["sim", "calrt"])
 def test_a_fault_code_beyond_int32_is_refused_at_load(capsys, tmp_path, driver):
     """The cffi driver cannot carry a code above 2**31-1 (it raised OverflowError):

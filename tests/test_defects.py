@@ -162,8 +162,8 @@ def test_defect_max_inflight_2_runs_one_and_says_why(mode, caplog):
         assert st.recoveries == 0 and ex.generation == 1   # no fault, no recovery
         health = ex.health()
         assert health.ready and health.max_inflight == 1
-        assert any("max_inflight=2" in n and "ping/pong" in n for n in health.notes), \
-            health.notes
+        assert any("max_inflight=2" in n and "parallel_two_in_flight" in n
+                   and "claimed" in n for n in health.notes), health.notes
         ex.health()
     said = [r for r in caplog.records if "max_inflight=2" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING, said

@@ -61,9 +61,9 @@ CI = bool(os.environ.get("CI"))
 
 POINT_OF_CALL = {call: p.name for p in FAULT_POINTS for call in p.calls}
 FAIL_EFFECT = {p.name: p.fail_effect for p in FAULT_POINTS}
-#: fault points no executor path calls: the executor never enables parallel mode while
-#: it runs one job in flight (``SUPPORTED_INFLIGHT``). The coverage test fails as soon
-#: as a path calls one of them, so it must then be failed here like every other point.
+#: fault points no path of these scenarios calls: the executor enables parallel mode
+#: only with two in flight, whose failures tests/test_pingpong.py covers. The coverage
+#: test fails as soon as a path calls one of them, so it must then be failed here too.
 NOT_CALLED_BY_EXECUTOR = frozenset({"enable_parallel_mode"})
 EXECUTOR_POINTS = [p.name for p in FAULT_POINTS if p.name not in NOT_CALLED_BY_EXECUTOR]
 

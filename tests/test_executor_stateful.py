@@ -6,6 +6,7 @@ forced recoveries, interleaved by a seeded step scheduler, and checks after ever
   result only for a job that succeeded (no logits for a failed or cancelled job);
 - the KV books balance: reserved = committed + rolled back + unknown + still open;
 - leases balance: the pool's leased count equals the jobs of that generation holding one;
+- with two in flight (drawn, on evidence), at most one job per engine (Ping, Pong);
 - every lifecycle transition taken is a declared one;
 - a completion of an older generation changes nothing of the current one (FI14);
 - after shutdown no lease is out and no executor thread is alive.
@@ -13,6 +14,7 @@ forced recoveries, interleaved by a seeded step scheduler, and checks after ever
 
 from __future__ import annotations
 
+import tempfile
 import threading
 
 from hypothesis import HealthCheck, settings
@@ -34,9 +36,12 @@ from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.lifecycle import LIFECYCLE_MACHINE
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
-from tests.executor_helpers import TINY, make_sim
+from tests.executor_helpers import TINY, make_sim, two_in_flight
 
 SEQS = 3
+#: evidence that two in flight holds on the simulated device, for the examples that
+#: draw max_inflight=2 (the same file for every example)
+EVIDENCE = tempfile.TemporaryDirectory(prefix="calfsm-evidence-")
 DECLARED = {(src, t["dest"], t["trigger"])
             for t in LIFECYCLE_MACHINE.declaration
             for src in (t["source"] if isinstance(t["source"], list) else [t["source"]])}
@@ -45,21 +50,25 @@ DECLARED = {(src, t["dest"], t["trigger"])
 class ExecutorMachine(RuleBasedStateMachine):
     jobs = Bundle("jobs")
 
-    @initialize(fault_seed=st.integers(0, 10_000), sched_seed=st.integers(0, 10_000))
-    def start(self, fault_seed: int, sched_seed: int) -> None:
+    @initialize(fault_seed=st.integers(0, 10_000), sched_seed=st.integers(0, 10_000),
+                inflight=st.sampled_from([1, 2]))
+    def start(self, fault_seed: int, sched_seed: int, inflight: int) -> None:
         plan = FaultPlan.swarm(fault_seed, rate=0.15).targeting(range(SEQS), fault_seed)
         self.driver = make_sim("step", faults=plan)
         policy = RecoveryPolicy(grace_period_s=0.05, zombie_wait_s=0.05, error_budget=2)
+        two = two_in_flight(EVIDENCE.name, self.driver) if inflight == 2 else {}
         try:
             self.ex = DeviceExecutor(self.driver, TINY, ExecutorConfig(
                 threaded=False, execution_timeout_s=0.5, admission_timeout_s=0.3,
-                queue_timeout_s=0.3, recovery=policy))
+                queue_timeout_s=0.3, recovery=policy, **two))
         except CalfsmError as e:
             # a plan that breaks the warm-up ends start-up with a classified error
             assert e.stage is not None
             self.ex = None
             return
         self.sched = StepScheduler(self.ex, seed=sched_seed)
+        self.max_inflight = self.ex.health().max_inflight
+        assert self.max_inflight == inflight
         self.handles = []
         self.transitions: list[tuple[str, str, str]] = []
         self.ex_life = self.ex.lifecycle.record
@@ -135,6 +144,14 @@ class ExecutorMachine(RuleBasedStateMachine):
         return h
 
     @precondition(_live)
+    @rule(n=st.integers(1, 8), token=st.integers(0, 1023))
+    def burst(self, n: int, token: int) -> None:
+        """A job on every sequence at once: the queue holds several, so two in flight
+        has a second job to put on the other engine."""
+        for seq in range(SEQS):
+            self.enqueue(seq, n, True, (token + seq) % 1024)
+
+    @precondition(_live)
     @rule(handle=jobs)
     def cancel(self, handle) -> None:
         if handle is not None:
@@ -146,6 +163,7 @@ class ExecutorMachine(RuleBasedStateMachine):
         for _ in range(n):
             if self.sched.step() is None:
                 break
+            self.one_job_per_engine()       # after every step, not only every rule
 
     @precondition(_live)
     @rule(seq=st.integers(0, SEQS - 1))
@@ -190,6 +208,15 @@ class ExecutorMachine(RuleBasedStateMachine):
         stats = epoch.pool.stats()
         assert stats.leased == holding, (stats, holding)
         assert stats.free + stats.leased + stats.quarantined == stats.total
+
+    @invariant()
+    def one_job_per_engine(self) -> None:
+        if not self._live():
+            return
+        current = [j for j in self.ex.on_device() if j.epoch is self.ex.epoch]
+        assert len(current) <= self.max_inflight, current
+        engines = [j.lease.slot.engine for j in current if j.lease is not None]
+        assert len(engines) == len(set(engines)), f"two jobs on one engine: {current}"
 
     @invariant()
     def lifecycle_transitions_are_declared(self) -> None:

@@ -46,6 +46,7 @@ FAR = 1e12  # a deadline that never passes (virtual clocks start at 0)
 
 def sim(**kw) -> SimDriver:
     kw.setdefault("kv_capacity", 1 << 20)
+    kw.setdefault("trace", True)        # kv_calls reads the whole trace
     return SimDriver(TINY, **kw)
 
 

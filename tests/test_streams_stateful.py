@@ -3,7 +3,8 @@ simulated device with a random (swarm) fault plan; its rules open sequences, sta
 streams (greedy, seeded and user sampling, stop tokens, max tokens, deadlines, resume on
 and off, on an opened sequence or one-shot), cancel them (``cancel()``, or cancelling the
 asyncio task consuming them), run seeded scheduler steps, force recoveries, reset and
-close sequences, and close the executor. Every stream is read as it produces, by an
+close sequences, and close the executor; the executor runs one job in flight or two on
+Ping/Pong (drawn, on evidence). Every stream is read as it produces, by an
 ``async for`` task on the test's own event loop, pumped after each scheduler step.
 
 Checked after every scheduler step:
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import tempfile
 import threading
 from typing import Any
 
@@ -66,9 +68,12 @@ from calfsm.recovery import RecoveryPolicy
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream
-from tests.executor_helpers import TINY, make_executor, make_sim
+from tests.executor_helpers import TINY, make_executor, make_sim, two_in_flight
 
 SEQS = 3                                   #: the executor's max_sequences
+#: evidence that two in flight holds on the simulated device, for the examples that
+#: draw max_inflight=2
+EVIDENCE = tempfile.TemporaryDirectory(prefix="calfsm-evidence-")
 VOCAB = TINY.submodel(TaskKind.DECODE).vocab
 MAX_SEQ = TINY.submodel(TaskKind.DECODE).max_seq
 SAMPLING = ("greedy", "seeded", "top_k", "top_p", "user_argmax", "user_raises",
@@ -171,10 +176,11 @@ class StreamRecord:
 class StreamMachine(RuleBasedStateMachine):
 
     @initialize(fault_seed=st.integers(0, 10_000), sched_seed=st.integers(0, 10_000),
-                rate=st.sampled_from([0.02, 0.05, 0.15]))
-    def start(self, fault_seed: int, sched_seed: int, rate: float) -> None:
+                rate=st.sampled_from([0.02, 0.05, 0.15]), inflight=st.sampled_from([1, 2]))
+    def start(self, fault_seed: int, sched_seed: int, rate: float, inflight: int) -> None:
         plan = FaultPlan.swarm(fault_seed, rate=rate).targeting(range(SEQS), fault_seed)
         self.driver = make_sim("step", faults=plan)
+        two = two_in_flight(EVIDENCE.name, self.driver) if inflight == 2 else {}
         self.loop = asyncio.new_event_loop()
         self.records: list[StreamRecord] = []
         self.seqs: list[Sequence] = []
@@ -186,7 +192,7 @@ class StreamMachine(RuleBasedStateMachine):
         try:
             self.ex = DeviceExecutor(self.driver, TINY, ExecutorConfig(
                 threaded=False, execution_timeout_s=0.5, admission_timeout_s=0.3,
-                queue_timeout_s=0.3, recovery=policy, max_sequences=SEQS))
+                queue_timeout_s=0.3, recovery=policy, max_sequences=SEQS, **two))
         except CalfsmError as e:
             # a plan that breaks the warm-up ends start-up with a classified error
             assert e.stage is not None

@@ -16,7 +16,11 @@ the job completes. The caller must keep the array alive, unmoved and unresized u
 
 A driver declares its :class:`Capabilities`; callers ask, never assume (a driver without
 ``ResetKind.FULL`` cannot recover a wedged device in-process; one without
-``fixed_engine_slots`` cannot run ping/pong).
+``fixed_engine_slots`` cannot run ping/pong). Parallel mode is off after every reset; a
+host that runs ping/pong enables it again (``docs/driver-protocol.md``, Parallel mode).
+
+Optional beyond :class:`Driver`: ``timeline()``, the per-job phase spans of a device that
+models them (:class:`calfsm.drivers.timeline.PhaseTimeline`); a real device has none.
 
 Call-by-call correspondence with CalRT 0.7.6:
 

@@ -34,6 +34,12 @@ the GIL). With a :class:`~calfsm.clock.VirtualClock` the emulator follows that c
 device time moves only through ``wait`` (and whoever advances the clock), exactly like
 :class:`~calfsm.drivers.sim.SimDriver` — the jobs still execute on the device thread.
 
+Phases: the emulator models one DMA channel and one compute unit like SimDriver (the
+``transfer_share`` of a :class:`~calfsm.drivers.sim.LatencyModel` is pushed down with
+the rest of it) and keeps a ring of the last ``timeline_jobs`` ended jobs, which
+:meth:`CalrtDriver.timeline` reads; on a vendor library the timeline is None. The trace
+(of C calls) is off by default, ``trace=True`` keeps every call, ``trace=N`` the last N.
+
 Faults: a :class:`~calfsm.drivers.faults.FaultPlan` is pushed down as rules
 (``calrt_emu_add_rule``); the emulator applies them with the plan's counting rules at the
 points where SimDriver does.
@@ -48,6 +54,7 @@ import os
 import re
 import threading
 import weakref
+from collections import deque
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -72,7 +79,15 @@ from calfsm.drivers.base import (
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan
-from calfsm.errors import CalrtCode, Incompatible, InvalidArgument, code_name, from_calrt
+from calfsm.drivers.timeline import DEFAULT_TIMELINE_JOBS, JobRing, PhaseSpan, spans_of_job
+from calfsm.errors import (
+    CalfsmError,
+    CalrtCode,
+    Incompatible,
+    InvalidArgument,
+    code_name,
+    from_calrt,
+)
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
 
 __all__ = ["ABI_VERSION", "CalrtDriver", "cdef_from_header", "load_library"]
@@ -92,6 +107,8 @@ _DTYPE_MISMATCH = int(CalrtCode.DTYPE_MISMATCH)
 _OUT_OF_RANGE = int(CalrtCode.OUT_OF_RANGE)
 
 _I64_MAX = 2**63 - 1
+#: timeline records of pending jobs read beyond the ring (two in flight, and ghosts)
+_MAX_PENDING = 64
 _I64_MIN = -(2**63)
 _U64_MAX = 2**64 - 1
 #: a name no model, tensor or CSR can have (longer than CALRT_NAME_MAX)
@@ -120,6 +137,7 @@ EMULATOR = (
     "calrt_emu_set_clock", "calrt_emu_now", "calrt_emu_advance", "calrt_emu_advance_to",
     "calrt_emu_set_latency", "calrt_emu_set_kv_capacity", "calrt_emu_set_capabilities",
     "calrt_emu_add_rule", "calrt_emu_clear_rules", "calrt_emu_stats",
+    "calrt_emu_set_transfer_share", "calrt_emu_set_timeline", "calrt_emu_timeline",
 )
 
 
@@ -362,7 +380,8 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                  library: str | os.PathLike | None = None, faults: FaultPlan | None = None,
                  latency: Any = None, kv_capacity: int = 1 << 20, seed: int = 0,
                  clock: Clock | None = None, capabilities: Capabilities | None = None,
-                 trace: bool = False, options: str = "") -> None:
+                 trace: bool | int = False, options: str = "",
+                 timeline_jobs: int = DEFAULT_TIMELINE_JOBS) -> None:
         if isinstance(manifest_or_calbin, Manifest):
             manifest_or_calbin = Calbin.from_manifest(manifest_or_calbin)
         if manifest_or_calbin is not None and not isinstance(manifest_or_calbin, Calbin):
@@ -383,7 +402,11 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
         self._lib, self.library_path, self._emulator = load_library(library)
         self._ffi = _get_ffi()
         self._lock = threading.RLock()
-        self._trace: list[tuple] | None = [] if trace else None
+        self._trace = _trace_store(trace)
+        JobRing(timeline_jobs)          # the same argument check as SimDriver's
+        self._timeline_jobs = int(timeline_jobs)
+        #: the timeline read at close, so it stays readable afterwards
+        self._final_timeline: list[PhaseSpan] | None = None
         self._closed = False
         self._epoch = 0
         self._configured = False
@@ -402,6 +425,7 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                     f"functions, needed for {'a fault plan' if self.faults else 'a virtual clock'}",
                     stage="driver")
             latency = capabilities = None
+            self._timeline_jobs = 0
         out = self._ffi.new("calrt_device_t *")
         _must_succeed(self._lib.calrt_device_open(options.encode(), out), "calrt_device_open")
         self._dev = _Device(self._lib, int(out[0]))
@@ -443,6 +467,11 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                 h, float(latency.h2d_s_per_byte), float(latency.prefill_per_token_s),
                 float(latency.decode_s), float(latency.d2h_s_per_byte), jitter,
                 self.seed & 0xFFFFFFFF), "calrt_emu_set_latency", latency)
+            share = float(getattr(latency, "transfer_share", 0.0) or 0.0)
+            _must_succeed(lib.calrt_emu_set_transfer_share(h, share),
+                          "calrt_emu_set_transfer_share", share)
+        _must_succeed(lib.calrt_emu_set_timeline(h, self._timeline_jobs),
+                      "calrt_emu_set_timeline", self._timeline_jobs)
         _must_succeed(lib.calrt_emu_set_kv_capacity(h, min(self._kv_capacity, _U64_MAX)),
               "calrt_emu_set_kv_capacity")
         if capabilities is not None:
@@ -789,6 +818,33 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                     self._dev.parked.clear()
             return int(n[0])
 
+    def timeline(self) -> list[PhaseSpan] | None:
+        """The H2D, compute and D2H spans of the last ``timeline_jobs`` jobs that ended,
+        oldest first, then of the jobs still pending (:mod:`calfsm.drivers.timeline`);
+        None on a vendor library, whose device cannot report its phases."""
+        with self._lock:
+            if not self._emulator:
+                return None
+            if self._closed:
+                return list(self._final_timeline or ())
+            return [s for rec in self._timeline_records() for s in spans_of_job(*rec)]
+
+    def _timeline_records(self) -> list[tuple]:
+        """The emulator's records as :func:`spans_of_job` arguments."""
+        if not self._timeline_jobs:
+            return []
+        cap = self._timeline_jobs + _MAX_PENDING
+        recs = self._ffi.new("calrt_emu_job_record_t[]", cap)
+        n = self._ffi.new("uint32_t *")
+        _must_succeed(self._c("calrt_emu_timeline", recs, cap, n), "calrt_emu_timeline")
+        out = []
+        for r in recs[0:n[0]]:
+            t = [_s(x) for x in r.phase_ns]
+            tag = JobTag(r.tag.job_id, r.tag.seq_id, r.tag.generation) if r.has_tag else None
+            out.append((int(r.job), int(r.engine), tag, OutputStatus(r.status),
+                        ((t[0], t[1]), (t[2], t[3]), (t[4], t[5])), _s(r.ended_ns)))
+        return out
+
     # ---- KV manager -------------------------------------------------------------------
     def kv_can_allocate(self, n: int) -> bool:
         with self._lock:
@@ -851,15 +907,41 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                     out.status = OutputStatus(st[0])
                 if out.status is OutputStatus.PENDING:
                     out.status = OutputStatus.DONE_ABORTED
+            try:        # what ends at close stays readable; never a reason not to close
+                records = self._timeline_records() if self._emulator else []
+            except CalfsmError:
+                records = []
             self._closed = True
             if self._trace is not None:
                 self._trace.append((self.clock.now(), "calrt_device_close", (), 0))
             self._finalizer()   # closes the device: aborts jobs, joins its thread
+            # what the close aborted ends now, as the device's own records would say
+            now = self.clock.now()
+            self._final_timeline = [
+                s for job, eng, tag, st, phases, ended in records
+                for s in spans_of_job(job, eng, tag, OutputStatus.DONE_ABORTED
+                                      if st is OutputStatus.PENDING else st, phases,
+                                      min(ended, now))]
 
     def __repr__(self) -> str:
         state = "closed" if self._closed else (
             "configured" if self._configured else "unconfigured")
         return f"<CalrtDriver {state} library={self.library_path!r}>"
+
+
+def _trace_store(trace: bool | int) -> list[tuple] | deque[tuple] | None:
+    """None (off), a list (``trace=True``: every call) or a ring of the last ``trace``."""
+    if isinstance(trace, bool) or trace is None:
+        return [] if trace else None
+    if not isinstance(trace, int) or trace < 0:
+        raise InvalidArgument(f"trace must be a bool or a number of records >= 0, got "
+                              f"{trace!r}", stage="driver")
+    return deque(maxlen=trace) if trace else None
+
+
+def _s(ns: int) -> float:
+    """Device nanoseconds as clock seconds (NEVER = INT64_MAX: never)."""
+    return math.inf if ns >= _I64_MAX else ns / 1e9
 
 
 def _ns(t: float) -> int:

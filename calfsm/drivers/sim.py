@@ -29,11 +29,20 @@ on every turn; ``wake_lead_s=0`` restores a plain sleep.
 honest call would have succeeded; job effects are attached at submit and act at
 execution (or at a reset, for ``stale``).
 
-*Trace.* Every call and every injected effect is recorded as one JSON line: virtual time
-in integer nanoseconds, the call, an argument summary (model names, buffer labels such as
-``in1``/``out1`` numbered in creation order, values) and the result. No ids, addresses or
-wall-clock time, so a seed and a plan replay to the same trace byte for byte. Records are
-kept as tuples and formatted only when :meth:`SimDriver.trace_lines` is called.
+*Phases.* A job's H2D and D2H use the device's one DMA channel, its compute the one
+compute unit; in parallel mode a job's transfers take the first free gap of the channel,
+so they run while the other engine's job computes (``docs/driver-protocol.md``, Timing).
+The planned phases are fixed at submit; a ring of the last ``timeline_jobs`` jobs that
+ended feeds :meth:`SimDriver.timeline` (:mod:`calfsm.drivers.timeline`).
+
+*Trace.* Off by default (a serving process would keep ~3 KB per job): ``trace=True``
+records every call and every injected effect, ``trace=N`` only the last ``N`` records,
+and a ``trace_path`` alone means everything, written at ``close``. A record is one JSON
+line: virtual time in integer nanoseconds, the call, an argument summary (model names,
+buffer labels such as ``in1``/``out1`` numbered in creation order, values) and the
+result. No ids, addresses or wall-clock time, so a seed and a plan replay to the same
+trace byte for byte. Records are kept as tuples and formatted only when
+:meth:`SimDriver.trace_lines` is called.
 
 Thread safety: one lock guards all state; the executor's submitter (``infer``) and
 completion thread (``wait``) may call concurrently.
@@ -46,6 +55,7 @@ import json
 import math
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
@@ -70,6 +80,7 @@ from calfsm.drivers.base import (
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.drivers.timeline import DEFAULT_TIMELINE_JOBS, JobRing, PhaseSpan, spans_of_job
 from calfsm.errors import CalrtCode, InvalidArgument
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind
 
@@ -99,6 +110,19 @@ DEFAULT_CAPABILITIES = Capabilities(resets=frozenset(ResetKind), parallel_mode=T
                                     fixed_engine_slots=True, engine_slots=2)
 
 
+def _share(_inst: Any, attr: attrs.Attribute, value: float) -> None:
+    if not (isinstance(value, int | float) and 0.0 <= value < 1.0):
+        raise InvalidArgument(f"LatencyModel.{attr.name} must be a number in [0, 1), got "
+                              f"{value!r}", stage="driver")
+
+
+#: the command lines' latency parameters: name -> (LatencyModel field, its unit in
+#: seconds, or 1 for a share)
+LATENCY_PARAMS = {"decode_ms": ("decode_s", 1e-3),
+                  "prefill_token_us": ("prefill_per_token_s", 1e-6),
+                  "transfer_share": ("transfer_share", 1.0)}
+
+
 @attrs.frozen
 class LatencyModel:
     """How long a job's stages take on the simulated device.
@@ -107,6 +131,12 @@ class LatencyModel:
     step (decode), D2H moves the whole output tensor (bytes). ``jitter`` (a fraction, 0
     by default) scales each job's stages by a factor in ``[1 - jitter, 1 + jitter]``
     derived from the driver seed and the job's ordinal (``fmix32``, no global RNG).
+
+    ``transfer_share`` (0 by default: transfers cost their bytes) re-divides a job's time
+    among its phases without changing it: of the total the three stages above give,
+    ``transfer_share`` goes to the transfers (half H2D, half D2H) and the rest to compute.
+    One job alone takes as long as before; two in flight on Ping and Pong can hide one's
+    transfers behind the other's compute (``docs/driver-protocol.md``, Timing).
     """
 
     h2d_s_per_byte: float = 0.0
@@ -114,6 +144,7 @@ class LatencyModel:
     decode_s: float = 0.0
     d2h_s_per_byte: float = 0.0
     jitter: float = 0.0
+    transfer_share: float = attrs.field(default=0.0, validator=_share)
 
     @classmethod
     def virtual_default(cls) -> LatencyModel:
@@ -129,16 +160,48 @@ class LatencyModel:
     @classmethod
     def fixed(cls, decode_s: float = 0.010, prefill_per_token_s: float = 0.0,
               h2d_s_per_byte: float = 0.0, d2h_s_per_byte: float = 0.0,
-              jitter: float = 0.0) -> LatencyModel:
-        """E.g. ``LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=1e-4)``."""
-        return cls(h2d_s_per_byte, prefill_per_token_s, decode_s, d2h_s_per_byte, jitter)
+              jitter: float = 0.0, transfer_share: float = 0.0) -> LatencyModel:
+        """E.g. ``LatencyModel.fixed(decode_s=0.010, transfer_share=0.3)``: a 10 ms decode
+        job of which 1.5 ms H2D, 7 ms compute, 1.5 ms D2H."""
+        return cls(h2d_s_per_byte, prefill_per_token_s, decode_s, d2h_s_per_byte, jitter,
+                   transfer_share)
+
+    def with_params(self, text: str, *, stage: str = "latency") -> LatencyModel:
+        """This model with ``decode_ms=N,prefill_token_us=N,transfer_share=S`` (any of
+        them, comma-separated) applied: the one parser of the command lines' latency
+        option. A bad name or value is an InvalidArgument naming it."""
+        changes: dict[str, float] = {}
+        for part in filter(None, text.split(",")):
+            key, _, value_text = (s.strip() for s in part.partition("="))
+            if key not in LATENCY_PARAMS:
+                raise InvalidArgument(f"unknown parameter {key!r} (have "
+                                      f"{', '.join(LATENCY_PARAMS)})", stage=stage)
+            field, unit = LATENCY_PARAMS[key]
+            try:
+                value = float(value_text)
+            except ValueError:
+                value = math.nan
+            share = key == "transfer_share"
+            if not math.isfinite(value) or value < 0 or (share and value >= 1):
+                raise InvalidArgument(f"{key} must be a finite number >= 0"
+                                      f"{' and < 1' if share else ''}, got {value_text!r}",
+                                      stage=stage)
+            changes[field] = value * unit
+        return attrs.evolve(self, **changes)
 
     def stages(self, decode: bool, n_tokens: int, h2d_bytes: int, d2h_bytes: int,
                factor: float = 1.0) -> tuple[float, float, float]:
         """Seconds of (H2D, compute, D2H) of one job."""
         compute = self.decode_s if decode else self.prefill_per_token_s * n_tokens
-        return (h2d_bytes * self.h2d_s_per_byte * factor, compute * factor,
-                d2h_bytes * self.d2h_s_per_byte * factor)
+        h2d = h2d_bytes * self.h2d_s_per_byte * factor
+        comp = compute * factor
+        d2h = d2h_bytes * self.d2h_s_per_byte * factor
+        share = self.transfer_share
+        if share:
+            total = h2d + comp + d2h
+            h2d = d2h = total * share / 2
+            comp = total * (1.0 - share)
+        return h2d, comp, d2h
 
 
 # ---------------------------------------------------------------------------------------
@@ -217,8 +280,8 @@ class _Buf:
 
 
 class _Job:
-    __slots__ = ("effect", "engine", "finish", "ghost", "inp", "model", "ordinal", "out", "rule",
-                 "seq", "tag")
+    __slots__ = ("effect", "engine", "finish", "ghost", "inp", "model", "ordinal", "out",
+                 "phases", "rule", "seq", "tag")
 
     def __init__(self, ordinal: int, model: _Model, inp: _Buf, out: _Buf,
                  tag: JobTag | None, engine: int, seq: int) -> None:
@@ -233,6 +296,8 @@ class _Job:
         self.rule: FaultRule | None = None
         self.finish = 0.0
         self.ghost = False
+        #: planned (start, end) of H2D, compute, D2H on the device clock
+        self.phases: tuple[tuple[float, float], ...] = ()
 
 
 # ---------------------------------------------------------------------------------------
@@ -267,8 +332,9 @@ class SimDriver(ClosesOnExit, HandleChecks):
                  faults: FaultPlan | None = None, clock: Clock | None = None,
                  latency: LatencyModel | None = None, kv_capacity: int = 1 << 20,
                  capabilities: Capabilities = DEFAULT_CAPABILITIES,
-                 trace: bool = True, trace_path: str | Path | None = None,
-                 wake_lead_s: float = 0.0005) -> None:
+                 trace: bool | int = False, trace_path: str | Path | None = None,
+                 wake_lead_s: float = 0.0005,
+                 timeline_jobs: int = DEFAULT_TIMELINE_JOBS) -> None:
         if isinstance(manifest_or_calbin, Manifest):
             manifest_or_calbin = Calbin.from_manifest(manifest_or_calbin)
         if manifest_or_calbin is not None and not isinstance(manifest_or_calbin, Calbin):
@@ -304,7 +370,10 @@ class SimDriver(ClosesOnExit, HandleChecks):
         self._parallel = False
         self._queue: list[_Job] = []
         self._ghosts: list[_Job] = []
-        self._h2d_free = self._comp_free = self._d2h_free = 0.0
+        #: serial: when the device is free; parallel: the compute unit's and the last
+        #: finish; the DMA channel's bookings (start, end), sorted
+        self._comp_free = self._d2h_free = 0.0
+        self._dma: list[tuple[float, float]] = []
         self._jobs = 0
         self._bufs = 0
         self._kv: dict[int, np.ndarray] = {}
@@ -313,7 +382,8 @@ class SimDriver(ClosesOnExit, HandleChecks):
         self._rules = self.faults.by_point()
         self._matches = [0] * len(self.faults.rules)
         self._fired = [0] * len(self.faults.rules)
-        self._trace: list[tuple] | None = [] if trace or trace_path else None
+        self._trace = _trace_store(trace, trace_path is not None)
+        self._timeline = JobRing(timeline_jobs)
         self._trace_path = Path(trace_path) if trace_path is not None else None
         self._t0 = 0.0 if self._virtual else self.clock.now()
         if self._trace is not None:
@@ -670,17 +740,41 @@ class SimDriver(ClosesOnExit, HandleChecks):
         if job.effect == "hang":
             comp = math.inf
         if self._parallel:
-            h2d_end = max(now, self._h2d_free) + h2d
-            self._h2d_free = h2d_end
-            comp_end = max(h2d_end, self._comp_free) + comp
+            # one DMA channel (H2D and D2H) and one compute unit, each taken in turn: this
+            # job's transfers use the channel while the other engine's job computes
+            h2d_start = self._book_dma(now, h2d)
+            comp_start = max(h2d_start + h2d, self._comp_free)
+            comp_end = comp_start + comp
             self._comp_free = comp_end
-            finish = max(comp_end, self._d2h_free) + d2h
-            self._d2h_free = finish
+            d2h_start = self._book_dma(comp_end, d2h)
+            finish = d2h_start + d2h
+            self._d2h_free = max(self._d2h_free, finish)
         else:
-            start = max(now, self._d2h_free)
-            finish = start + h2d + comp + d2h
-            self._h2d_free = self._comp_free = self._d2h_free = finish
+            h2d_start = max(now, self._d2h_free)
+            comp_start = h2d_start + h2d
+            comp_end = comp_start + comp
+            d2h_start = comp_end
+            finish = d2h_start + d2h
+            self._comp_free = self._d2h_free = finish
         job.finish = finish
+        job.phases = ((h2d_start, h2d_start + h2d), (comp_start, comp_end), (d2h_start, finish))
+
+    def _book_dma(self, earliest: float, length: float) -> float:
+        """Book ``length`` seconds of the DMA channel in its first free gap at or after
+        ``earliest``; returns the start. Bookings that ended by now are dropped."""
+        now = self.clock.now()
+        booked = [b for b in self._dma if b[1] > now]
+        t = earliest
+        for start, end in booked:          # sorted by start, never overlapping
+            if end <= t:
+                continue
+            if start >= t + length:
+                break
+            t = end
+        booked.append((t, t + length))
+        booked.sort()
+        self._dma = booked
+        return t
 
     def _pump(self) -> None:
         """Execute every job (queued or stale) whose finish time has come, in order."""
@@ -709,6 +803,10 @@ class SimDriver(ClosesOnExit, HandleChecks):
             out.out_bytes = nbytes
         if inp.job is job:
             inp.job = None
+        if self._timeline.enabled:
+            ended = job.finish if status is not OutputStatus.DONE_ABORTED \
+                else min(job.finish, self.clock.now())
+            self._timeline.add(job.ordinal, job.engine, job.tag, status, job.phases, ended)
         if self._trace is not None:
             self._rec("exec", (("job", job.ordinal), ("out", out.label),
                                ("status", status.name), ("bytes", nbytes)), int(status))
@@ -949,6 +1047,7 @@ class SimDriver(ClosesOnExit, HandleChecks):
         if rc:
             return rc
         self._abort_pending(keep_stale=True)
+        self._parallel = False      # every reset kind: the host enables it again
         if kind in (ResetKind.CONFIGURATION, ResetKind.FULL):
             self._epoch += 1
             self._configured = None
@@ -958,7 +1057,6 @@ class SimDriver(ClosesOnExit, HandleChecks):
             self._kv.clear()
             self._kv_alloc.clear()
             self._kv_used = 0
-            self._parallel = False
         return _OK
 
     def _abort_pending(self, keep_stale: bool) -> None:
@@ -974,7 +1072,8 @@ class SimDriver(ClosesOnExit, HandleChecks):
             for job in ghosts:
                 self._finish(job, OutputStatus.DONE_ABORTED, 0)
         now = self.clock.now()
-        self._h2d_free = self._comp_free = self._d2h_free = now
+        self._comp_free = self._d2h_free = now
+        self._dma = []
         self._cond.notify_all()
 
     @_traced("enable_parallel_mode", lambda enabled: (("on", bool(enabled)),))
@@ -995,6 +1094,20 @@ class SimDriver(ClosesOnExit, HandleChecks):
     @property
     def parallel_mode(self) -> bool:
         return self._parallel
+
+    def timeline(self) -> list[PhaseSpan]:
+        """The H2D, compute and D2H spans of the last ``timeline_jobs`` jobs that ended
+        (executed or aborted), oldest first, then the planned spans of the jobs still
+        pending (status PENDING) in submission order (:mod:`calfsm.drivers.timeline`)."""
+        with self._lock:
+            if not self._closed:
+                self._pump()
+            spans = self._timeline.spans()
+            if self._timeline.enabled:
+                for job in sorted((*self._queue, *self._ghosts), key=lambda j: j.ordinal):
+                    spans.extend(spans_of_job(job.ordinal, job.engine, job.tag,
+                                              OutputStatus.PENDING, job.phases, math.inf))
+            return spans
 
     def close(self) -> None:
         with self._lock:
@@ -1038,6 +1151,19 @@ def _calbin_usable(calbin: Calbin) -> bool:
                 return False
     return True
 
+
+
+def _trace_store(trace: bool | int, to_file: bool) -> list[tuple] | deque[tuple] | None:
+    """Where trace records go: None (off), a list (everything) or a ring of the last
+    ``trace`` records. A ``trace_path`` without a ring asks for everything."""
+    if isinstance(trace, bool) or trace is None:
+        return [] if trace or to_file else None
+    if not isinstance(trace, int) or trace < 0:
+        raise InvalidArgument(f"trace must be a bool or a number of records >= 0, got "
+                              f"{trace!r}", stage="driver")
+    if trace == 0:
+        return [] if to_file else None
+    return deque(maxlen=trace)
 
 
 def _calbin_label(calbin: Any) -> str:

@@ -118,6 +118,17 @@ static void *poller_main(void *arg) {
             CHECK(calrt_pending_jobs(dev, &pending) == 0 && pending <= 2, "pending %u",
                   pending);
         }
+        /* the phase timeline, read while jobs end: ordered, one DMA channel, one unit */
+        static calrt_emu_job_record_t recs[64];
+        uint32_t n = 0;
+        CHECK(calrt_emu_timeline(dev, recs, 64, &n) == 0 && n <= 64, "timeline %u", n);
+        for (uint32_t k = 0; k < n; k++) {
+            const int64_t *p = recs[k].phase_ns;
+            CHECK(p[0] <= p[1] && p[1] <= p[2] && p[2] <= p[3] && p[3] <= p[4] && p[4] <= p[5],
+                  "job %llu phases out of order", (unsigned long long)recs[k].job);
+            CHECK(k == 0 || recs[k].job > recs[k - 1].job || recs[k].status ==
+                  CALRT_STATUS_PENDING, "timeline order");
+        }
         sched_yield();
     }
     return NULL;
@@ -284,6 +295,7 @@ int main(void) {
     CHECK(calrt_abi_version() == CALRT_C_ABI_VERSION, "abi");
     CHECK(calrt_device_open(NULL, &dev) == 0, "open");
     CHECK(calrt_emu_set_latency(dev, 0, 0, 20e-6, 0, 0.5, 7) == 0, "latency");
+    CHECK(calrt_emu_set_transfer_share(dev, 0.3) == 0, "transfer share");
     CHECK(calrt_configure(dev, CALBIN, strlen(CALBIN)) == 0, "configure");
     CHECK(calrt_model_lookup(dev, "s_decode", &decode_model) == 0, "lookup");
     CHECK(calrt_enable_parallel_mode(dev, 1) == 0, "parallel");

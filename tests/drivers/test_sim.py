@@ -7,6 +7,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from calfsm.clock import RealClock, VirtualClock
 from calfsm.drivers.base import Calbin, OutputStatus, ResetKind
@@ -39,7 +41,7 @@ def test_trace_replays_byte_for_byte(tmp_path) -> None:
 
 
 def test_trace_records_injected_effects() -> None:
-    d = SimDriver(faults=FaultPlan.of(FaultRule("infer", "code", code=17)))
+    d = SimDriver(faults=FaultPlan.of(FaultRule("infer", "code", code=17)), trace=True)
     d.configure(CB)
     dec = setup(d, CB, TaskKind.DECODE)
     prepare(d, dec, 0, [1], 0)
@@ -243,3 +245,115 @@ def test_reset_during_the_final_poll_ends_the_wait() -> None:
     assert not t.is_alive()
     assert result in ([0], [C.TIMEOUT])      # aborted by the reset, or timed out first
     assert d.status(dec.out) == OutputStatus.DONE_ABORTED
+
+
+# ---- trace and timeline bounds, the transfer share ----------------------------------
+
+def _jobs(d: SimDriver, n: int) -> None:
+    d.configure(CB)
+    dec = setup(d, CB, TaskKind.DECODE)
+    for pos in range(n):
+        assert run(d, dec, 0, [pos % 64], pos) == OutputStatus.DONE_OK
+
+
+def test_trace_is_off_by_default_and_a_ring_keeps_the_last_records() -> None:
+    off = SimDriver()
+    _jobs(off, 5)
+    assert off.trace_lines() == []
+    full, ring = SimDriver(trace=True), SimDriver(trace=7)
+    _jobs(full, 20)
+    _jobs(ring, 20)
+    lines = full.trace_lines()
+    assert len(lines) > 100 and json.loads(lines[0])["call"] == "open"
+    assert ring.trace_lines() == lines[-7:]           # the same records, the last seven
+    with pytest.raises(InvalidArgument, match="trace"):
+        SimDriver(trace=-1)
+
+
+def test_trace_path_without_a_ring_writes_everything(tmp_path) -> None:
+    d = SimDriver(trace_path=tmp_path / "t.jsonl")
+    _jobs(d, 3)
+    d.close()
+    lines = (tmp_path / "t.jsonl").read_text().splitlines()
+    assert json.loads(lines[0])["call"] == "open" and json.loads(lines[-1])["call"] == "close"
+
+
+def test_timeline_keeps_the_last_jobs_only() -> None:
+    d = SimDriver(timeline_jobs=3, latency=LatencyModel.fixed(decode_s=0.01))
+    _jobs(d, 10)
+    spans = d.timeline()
+    assert sorted({s.job for s in spans}) == [8, 9, 10] and len(spans) == 9
+    none = SimDriver(timeline_jobs=0)
+    _jobs(none, 3)
+    assert none.timeline() == []
+    with pytest.raises(InvalidArgument, match="timeline"):
+        SimDriver(timeline_jobs=-1)
+
+
+@pytest.mark.parametrize("share", [-0.1, 1.0, 2, float("nan"), "0.3"])
+def test_transfer_share_out_of_range_is_refused(share) -> None:
+    with pytest.raises(InvalidArgument, match="transfer_share"):
+        LatencyModel.fixed(transfer_share=share)
+
+
+def test_transfer_share_redivides_a_job_without_changing_it() -> None:
+    plain = LatencyModel.fixed(decode_s=0.01, h2d_s_per_byte=1e-6, d2h_s_per_byte=1e-6)
+    shared = LatencyModel.fixed(decode_s=0.01, h2d_s_per_byte=1e-6, d2h_s_per_byte=1e-6,
+                                transfer_share=0.4)
+    a = plain.stages(True, 1, 8, 128)
+    b = shared.stages(True, 1, 8, 128)
+    assert sum(b) == pytest.approx(sum(a))
+    assert b[0] == b[2] == pytest.approx(0.2 * sum(a)) and b[1] == pytest.approx(0.6 * sum(a))
+
+
+@given(st.lists(st.tuples(st.sampled_from(["ping", "pong", "wait_ping", "wait_pong"]),
+                          st.integers(1, 40), st.floats(0, 0.02)), min_size=1, max_size=30),
+       st.floats(0, 0.9), st.floats(0, 0.5), st.floats(1e-6, 1e-4))
+@settings(max_examples=60)
+def test_phased_schedule_keeps_one_dma_channel_one_compute_unit_and_the_order(
+        ops, share, jitter, per_byte) -> None:
+    """Whatever the mix of prefill lengths, waits and idle gaps on Ping and Pong: no two
+    transfers share the DMA channel, no two computes the compute unit, jobs finish in
+    submission order, and every output is the reference model's."""
+    from calfsm.drivers.base import EngineSlot, JobTag
+    from calfsm.drivers.timeline import Phase, busy_s
+    from calfsm.testing import refmodel_pure as pure
+    from calfsm.testing.conformance.util import last_row
+
+    lat = LatencyModel(h2d_s_per_byte=per_byte, prefill_per_token_s=2e-3, decode_s=0.01,
+                       d2h_s_per_byte=per_byte / 4, jitter=jitter, transfer_share=share)
+    d = SimDriver(latency=lat, seed=5)
+    d.configure(CB)
+    assert d.enable_parallel_mode(True) == 0
+    bufs = {e: setup(d, CB, TaskKind.PREFILL_IDS, engine=e)
+            for e in (EngineSlot.PING, EngineSlot.PONG)}
+    pending: dict[EngineSlot, list[int]] = {}
+
+    def finish(engine: EngineSlot) -> None:
+        b, toks = bufs[engine], pending.pop(engine)
+        assert d.wait(b.out, 1e6) == 0 and d.status(b.out) is OutputStatus.DONE_OK
+        assert last_row(b, len(toks)).tolist() == pure.logits_bf16(pure.hashes(toks)[-1], 64)
+
+    for n, (op, length, idle) in enumerate(ops):
+        engine = EngineSlot.PING if op.endswith("ping") else EngineSlot.PONG
+        if engine in pending:
+            finish(engine)
+        if op.startswith("wait"):
+            continue
+        d.clock.advance(idle)
+        toks = [(n * 7 + i) % 64 for i in range(length)]
+        b = bufs[engine]
+        prepare(d, b, n, toks, 0)
+        assert d.infer_fixed(b.model, b.inp, b.out, engine, tag=JobTag(n, n)) == 0
+        pending[engine] = toks
+    for engine in list(pending):
+        finish(engine)
+    spans = d.timeline()
+    dma = [s for s in spans if s.phase.on_dma]
+    comp = [s for s in spans if s.phase is Phase.COMPUTE]
+    assert busy_s(dma) == pytest.approx(sum(s.duration for s in dma), abs=1e-9)
+    assert busy_s(comp) == pytest.approx(sum(s.duration for s in comp), abs=1e-9)
+    finishes = [s.end for s in spans if s.phase is Phase.D2H]
+    assert finishes == sorted(finishes)
+    assert [s.job for s in spans if s.phase is Phase.D2H] == sorted(
+        s.job for s in spans if s.phase is Phase.D2H)

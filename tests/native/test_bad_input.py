@@ -88,6 +88,8 @@ def test_vendor_library_without_emulator_controls(tmp_path: Path) -> None:
         d.configure(CB)
         dec = setup(d, CB, TaskKind.DECODE)
         assert run(d, dec, 0, [1], 0) == OutputStatus.DONE_OK
+        from calfsm.drivers.timeline import phase_timeline
+        assert d.timeline() is None and phase_timeline(d) is None   # host-side timing only
 
 
 def test_unbuilt_bundled_library_says_how_to_build(tmp_path: Path, monkeypatch) -> None:

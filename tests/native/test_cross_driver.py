@@ -9,6 +9,7 @@ on both drivers.
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from calfsm import refmodel
 from calfsm.direct import DirectRunner, golden_prompts
@@ -56,3 +57,50 @@ def test_generate_same_tokens_virtual_time() -> None:
         assert len(lengths) > 3
         for seq, prompt in enumerate(prompts):
             assert a.generate(seq, prompt, 16) == b.generate(seq, prompt, 16)
+
+
+def test_same_phase_timeline_on_both_drivers() -> None:
+    """A mixed ping/pong and serial workload with a transfer share and jitter, a CCU reset
+    in the middle: both devices plan every phase alike (to the emulator's nanosecond)."""
+    from calfsm.drivers.base import EngineSlot, JobTag, ResetKind
+    from calfsm.drivers.sim import LatencyModel
+    from calfsm.manifest import TaskKind
+    from calfsm.testing.conformance.util import prepare, setup, small_calbin
+
+    cb = small_calbin(vocab=64, max_seq=64)
+    lat = LatencyModel.fixed(decode_s=0.01, prefill_per_token_s=1e-3, h2d_s_per_byte=1e-6,
+                             d2h_s_per_byte=1e-7, jitter=0.3, transfer_share=0.3)
+
+    def workload(d) -> list[tuple]:
+        d.configure(cb)
+        pre = setup(d, cb, TaskKind.PREFILL_IDS, engine=EngineSlot.PING)
+        dec = setup(d, cb, TaskKind.DECODE, engine=EngineSlot.PONG)
+        job = 0
+        for parallel in (True, False, True):
+            assert d.enable_parallel_mode(parallel) == 0
+            for step in range(4):
+                seq = 2 * job
+                prepare(d, pre, seq, list(range(1, 6 + step)), 0)
+                prepare(d, dec, seq + 1, [step + 1], 0)
+                for b in (pre, dec):
+                    job += 1
+                    assert d.infer(b.model, b.inp, b.out, tag=JobTag(job, seq)) == 0
+                    if not parallel:
+                        assert d.wait(b.out, 10.0) == 0
+                for b in (pre, dec):
+                    assert d.wait(b.out, 10.0) == 0
+            prepare(d, dec, 99, [1], 0)
+            assert d.infer(dec.model, dec.inp, dec.out) == 0
+            assert d.reset(ResetKind.CCU) == 0      # aborted at once: no phase ran
+        return d.timeline()
+
+    with SimDriver(latency=lat) as sim, CalrtDriver.virtual(latency=lat) as emu:
+        a, b = workload(sim), workload(emu)
+    assert len(a) == 3 * 24
+    key = [(s.job, s.engine, s.phase, s.status, s.tag) for s in a]
+    assert key == [(s.job, s.engine, s.phase, s.status, s.tag) for s in b]
+    # the emulator rounds each phase to a nanosecond, the simulated device does not
+    times = [t for s in a for t in (s.start, s.end)]
+    assert [t for s in b for t in (s.start, s.end)] == pytest.approx(times, abs=1e-6)
+    assert sum(s.start < t.end and t.start < s.end and s.job != t.job and s.engine != t.engine
+               for s in a for t in a) > 0          # Ping and Pong did overlap

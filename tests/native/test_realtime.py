@@ -150,3 +150,41 @@ def test_stale_job_keeps_its_host_arrays_alive_after_the_handles_died(make) -> N
     assert d.pending_jobs() == 0
     gc.collect()
     assert logits() is None                # released once the device is done with it
+
+
+@pytest.mark.parametrize("which", ["sim", "calrt"])
+def test_ping_pong_overlap_in_real_time(which) -> None:
+    """On the wall clock too, the second job's H2D runs during the first one's compute,
+    and a wait returns no sooner than the timeline says its job finished."""
+    from calfsm.clock import RealClock
+    from calfsm.drivers.base import EngineSlot, JobTag
+    from calfsm.drivers.sim import SimDriver
+    from calfsm.drivers.timeline import Phase, overlap_s
+
+    lat = LatencyModel.fixed(decode_s=0.04, transfer_share=0.5)   # 10 + 20 + 10 ms
+    d = SimDriver(clock=RealClock(), latency=lat) if which == "sim" else \
+        CalrtDriver(latency=lat)
+    try:
+        d.configure(CB)
+        assert d.enable_parallel_mode(True) == 0
+        bufs = [setup(d, CB, TaskKind.DECODE, engine=e) for e in (EngineSlot.PING,
+                                                                  EngineSlot.PONG)]
+        for i, b in enumerate(bufs):
+            prepare(d, b, i, [i + 1], 0)
+        t0 = d.clock.now()
+        for i, b in enumerate(bufs):
+            assert d.infer_fixed(b.model, b.inp, b.out, EngineSlot(i), tag=JobTag(i, i)) == 0
+        for b in bufs:
+            assert d.wait(b.out, 5.0) == 0 and d.status(b.out) == OutputStatus.DONE_OK
+        done = d.clock.now()
+        spans = {(s.tag.job_id, s.phase): s for s in d.timeline()}
+        a_comp, b_h2d = spans[0, Phase.COMPUTE], spans[1, Phase.H2D]
+        assert a_comp.start >= t0 and spans[1, Phase.D2H].end <= done
+        assert overlap_s([b_h2d], [a_comp]) > 0.005        # 10 ms unless B came late
+        # the compute unit passes from A straight to B: B's transfer was hidden
+        assert spans[1, Phase.COMPUTE].start == pytest.approx(a_comp.end, abs=1e-6)
+        for i, b in enumerate(bufs):
+            assert b.logits.reshape(-1).tolist() == pure.logits_bf16(
+                pure.step(pure.H_INIT, i + 1, 0), 64)
+    finally:
+        d.close()

@@ -1,0 +1,203 @@
+"""Observers: how metrics, a dump sink or an embedder's own code hear what the executor
+does, without the executor knowing any of them.
+
+Theory of operation
+-------------------
+An observer is any object with some of the methods of :class:`Observer` (subclass it and
+override what you need). ``executor.add_observer(obs)`` registers it in the executor's
+:class:`Observers`; from then on each event calls the observers that implement it:
+
+``job_ended(JobEnded)``            every accepted job, exactly once, just *before* its
+                                   handle resolves (a caller that has the result sees it
+                                   counted); with its timings, request, result or error
+``stream_started(stream)``         a generation stream was created
+``stream_resumed(stream)``         a stream replays its history after a reset lost its KV
+``stream_ended(stream, result)``   a stream finished (once), with its GenerationResult
+``request_rejected(error, reason)`` a request refused at once, before any job existed:
+                                   ``reason`` is one of :data:`REJECTION_REASONS`
+
+Observers are called on the executor's threads (the completion side, the admission side,
+a caller's thread) holding none of the executor's locks, like a handle's done-callbacks.
+They must be quick and must not block: the per-token path waits for them. An exception
+in an observer is logged and swallowed; it never changes a job's outcome.
+
+The registry is copy-on-write: each event name keeps a tuple of the bound methods that
+override :class:`Observer`'s no-op, rebuilt on add and remove, so an event nobody
+listens to costs one attribute load and a truth test (:attr:`Observers.jobs` is that
+test for the per-job path).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from calfsm.errors import (
+    CalfsmError,
+    ExecutorBroken,
+    ExecutorClosed,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from calfsm.job import InferenceResult, JobTimings
+    from calfsm.manifest import TaskKind
+    from calfsm.request import Request
+    from calfsm.streams import GenerationResult, Stream
+
+__all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "JobEnded", "Observer",
+           "Observers", "rejection_reason"]
+
+log = logging.getLogger("calfsm.observe")
+
+#: the outcomes a job ends in (the executor's counters of the same names)
+JOB_OUTCOMES = ("succeeded", "failed", "cancelled", "quarantined", "discarded")
+
+#: why a request was refused before it became a job
+REJECTION_REASONS = (
+    "max_waiting",      # ExecutorConfig.max_waiting jobs already wait (429)
+    "sequences",        # every sequence id is open (429)
+    "not_ready",        # the lifecycle is not Ready: draining, recovering, failed (503)
+    "closed",           # the executor is closing or closed
+    "broken",           # a worker thread died
+)
+
+
+
+def rejection_reason(err: CalfsmError, *, opening: bool = False) -> str | None:
+    """The :data:`REJECTION_REASONS` entry of an error that refused a request at once
+    (``opening``: raised by ``open_sequence``); None for a misuse such as a bad argument,
+    which is not a rejection."""
+    if isinstance(err, ExecutorClosed):
+        return "closed"
+    if isinstance(err, ExecutorBroken):
+        return "broken"
+    if isinstance(err, ResourceExhausted):
+        return "sequences" if opening else "max_waiting"
+    if isinstance(err, Unavailable):
+        return "not_ready"
+    return None
+
+
+#: the observer methods the executor calls
+EVENTS = ("job_ended", "stream_started", "stream_resumed", "stream_ended",
+          "request_rejected")
+
+
+@attrs.frozen(slots=True)
+class JobEnded:
+    """One job's end, as observers see it. ``timings`` are clock seconds (durations in
+    ms); ``output`` is the raw BF16 output tensor of a job whose completion was judged bad
+    (status, size or values; the slot is quarantined, so the array stays as the device
+    left it), else None."""
+
+    job_id: int
+    seq_id: int
+    generation: int
+    kind: TaskKind
+    outcome: str                          # one of JOB_OUTCOMES
+    timings: JobTimings
+    request: Request
+    result: InferenceResult | None = None
+    error: CalfsmError | None = None
+    output: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
+
+
+class Observer:
+    """The observer protocol, as no-op methods: override the events you want."""
+
+    def job_ended(self, event: JobEnded) -> None:
+        """A job ended (every accepted job, once, before its handle resolves)."""
+
+    def stream_started(self, stream: Stream) -> None:
+        """A generation stream was created (its prefill is on its way)."""
+
+    def stream_resumed(self, stream: Stream) -> None:
+        """A stream replays its prompt and tokens after a reset lost its KV."""
+
+    def stream_ended(self, stream: Stream, result: GenerationResult) -> None:
+        """A stream finished; ``result`` is what ``stream.result()`` returns."""
+
+    def request_rejected(self, error: CalfsmError, reason: str) -> None:
+        """A request was refused at once (``error`` is what the caller got)."""
+
+
+class Observers:
+    """The observers of one executor; every event is a method that calls them all."""
+
+    __slots__ = ("_all", "_fns", "_lock", "jobs")
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._all: tuple[Any, ...] = ()
+        self._fns: dict[str, tuple[Any, ...]] = dict.fromkeys(EVENTS, ())
+        #: someone listens to job_ended (the pipeline builds a JobEnded only then)
+        self.jobs = False
+
+    def add(self, observer: Any) -> None:
+        """Register ``observer`` (an :class:`Observer`, or any object with some of its
+        methods). Adding the same object twice is a misuse (InvalidArgument)."""
+        if not any(callable(getattr(observer, name, None)) for name in EVENTS):
+            raise InvalidArgument(f"{observer!r} has none of the observer methods "
+                                  f"{EVENTS}", stage="observe")
+        with self._lock:
+            if any(o is observer for o in self._all):
+                raise InvalidArgument(f"{observer!r} is already observing this executor",
+                                      stage="observe")
+            self._bind((*self._all, observer))
+
+    def remove(self, observer: Any) -> bool:
+        """Stop calling ``observer``; False if it was not registered."""
+        with self._lock:
+            kept = tuple(o for o in self._all if o is not observer)
+            if len(kept) == len(self._all):
+                return False
+            self._bind(kept)
+            return True
+
+    def __len__(self) -> int:
+        return len(self._all)
+
+    def _bind(self, observers: tuple[Any, ...]) -> None:
+        fns = {}
+        for name in EVENTS:
+            base = getattr(Observer, name)
+            fns[name] = tuple(getattr(o, name) for o in observers
+                              if callable(getattr(o, name, None))
+                              and getattr(type(o), name, None) is not base)
+        self._all, self._fns = observers, fns
+        self.jobs = bool(fns["job_ended"])
+
+    def _call(self, name: str, *args: Any) -> None:
+        for fn in self._fns[name]:
+            try:
+                fn(*args)
+            except Exception:
+                log.exception("observer %r raised in %s", fn, name)
+
+    # ---- the events ----------------------------------------------------------------
+    def job_ended(self, event: JobEnded) -> None:
+        self._call("job_ended", event)
+
+    def stream_started(self, stream: Stream) -> None:
+        if self._fns["stream_started"]:
+            self._call("stream_started", stream)
+
+    def stream_resumed(self, stream: Stream) -> None:
+        if self._fns["stream_resumed"]:
+            self._call("stream_resumed", stream)
+
+    def stream_ended(self, stream: Stream, result: GenerationResult) -> None:
+        if self._fns["stream_ended"]:
+            self._call("stream_ended", stream, result)
+
+    def request_rejected(self, error: CalfsmError, reason: str) -> None:
+        if self._fns["request_rejected"]:
+            self._call("request_rejected", error, reason)

@@ -1,0 +1,32 @@
+"""Serving calfsm: an OpenAI-compatible reference server, its probes, and replicas.
+
+``pip install -e ".[server]"`` for the app (Starlette, uvicorn, prometheus-client);
+``".[ray]"`` for the Ray Serve deployment. Names are imported on first use, so
+``calfsm.serve.realtime`` and ``calfsm serve --help`` work without the extras:
+
+- :func:`create_app`, :class:`ServerConfig` (:mod:`calfsm.serve.app`): the ASGI app;
+- :class:`ByteTokenizer` (:mod:`calfsm.serve.tokenizer`): text <-> token ids;
+- :class:`LivenessMonitor` (:mod:`calfsm.serve.probes`): progress in wall time;
+- :func:`realtime_sim` (:mod:`calfsm.serve.realtime`): the simulated device in real time;
+- :func:`ray_deployment` (:mod:`calfsm.serve.ray_serve`): one replica per NPU.
+
+See ``docs/serving.md``.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__all__ = ["ByteTokenizer", "LivenessMonitor", "ServerConfig", "create_app",
+           "ray_deployment", "realtime_sim"]
+
+_WHERE = {"create_app": "app", "ServerConfig": "app", "ByteTokenizer": "tokenizer",
+          "LivenessMonitor": "probes", "realtime_sim": "realtime",
+          "ray_deployment": "ray_serve"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module 'calfsm.serve' has no attribute {name!r}")
+    return getattr(importlib.import_module(f"calfsm.serve.{_WHERE[name]}"), name)

@@ -1,0 +1,160 @@
+"""``calfsm serve``: the reference server under uvicorn, on the real-time simulated device.
+
+``calfsm.cli`` adds this subcommand with :func:`add_parser` and runs it with :func:`run`;
+nothing here imports the server's dependencies until it runs, so ``calfsm --help`` works
+without the ``server`` extra. The executor is built inside the app's lifespan: the port
+answers at once, ``/health`` and ``/ready`` say 503 while the device warms up (what a
+startup probe waits for), and a start-up that fails stops the server with exit status 3.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from calfsm.drivers import driver_names, load_driver
+from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.manifest import Manifest, builtin_manifest, builtin_manifest_names
+
+__all__ = ["add_parser", "run"]
+
+EXIT_OK, EXIT_USAGE, EXIT_DEVICE_FAILED = 0, 2, 3
+
+_DESCRIPTION = """\
+Serve the OpenAI-compatible API (completions, chat, SSE streaming), /health, /ready and
+/metrics over one executor, by default on the simulated device in real time. Needs the
+server extra: pip install -e ".[server]". See docs/serving.md."""
+
+
+def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
+    """Add ``serve`` to ``calfsm``'s subcommands."""
+    p = sub.add_parser("serve", help="run the OpenAI-compatible reference server",
+                       description=_DESCRIPTION, **kw)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind")
+    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.add_argument("--driver", default="sim", choices=driver_names(),
+                   help="sim: the simulated device in real time (--decode-ms, "
+                        "--prefill-token-us); calrt: the C ABI through cffi")
+    p.add_argument("--manifest", default="qwen3-b1", metavar="NAME|PATH",
+                   help=f"a built-in name ({', '.join(builtin_manifest_names())}) or a "
+                        "manifest file")
+    p.add_argument("--model-name", default=None,
+                   help="the name clients send as 'model' (default: the manifest's name)")
+    p.add_argument("--decode-ms", type=float, default=10.0,
+                   help="sim: wall milliseconds per decode step")
+    p.add_argument("--prefill-token-us", type=float, default=50.0,
+                   help="sim: wall microseconds per prefilled token")
+    p.add_argument("--faults", default="none", metavar="none|swarm|PLAN.json",
+                   help="sim: a fault plan (swarm: a random one drawn from --seed)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the driver and swarm plan")
+    p.add_argument("--max-sequences", type=int, default=64,
+                   help="choices (streams) at once; a request past them is answered 429")
+    p.add_argument("--max-waiting", type=int, default=None,
+                   help="jobs that may wait for the device, else 429 (default: twice "
+                        "--max-sequences: a stream has at most one step queued and one "
+                        "prepared ahead, so a running stream's next step is never refused)")
+    p.add_argument("--request-timeout", type=float, default=60.0,
+                   help="seconds a choice may take, then 504")
+    p.add_argument("--hang-after", type=float, default=5.0,
+                   help="liveness: seconds a job may stay on the device before /health "
+                        "answers 503 (longer than the longest prefill)")
+    p.add_argument("--default-max-tokens", type=int, default=16,
+                   help="tokens per choice when a request gives no max_tokens")
+    p.add_argument("--log-level", default="warning",
+                   choices=("critical", "error", "warning", "info", "debug"))
+    return p
+
+
+def _manifest(spec: str) -> Manifest:
+    if spec in builtin_manifest_names():
+        return builtin_manifest(spec)
+    if not Path(spec).is_file():
+        raise InvalidArgument(f"--manifest {spec}: not a built-in manifest and not a file",
+                              stage="cli")
+    return Manifest.load(spec)
+
+
+def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
+    from calfsm.drivers.faults import FaultPlan
+    from calfsm.serve.realtime import realtime_sim
+    if args.faults == "none":
+        faults = FaultPlan.none()
+    elif args.faults == "swarm":
+        faults = FaultPlan.swarm(args.seed)
+    else:
+        faults = FaultPlan.load(args.faults)
+    if args.driver == "sim":
+        return realtime_sim(manifest, decode_ms=args.decode_ms,
+                            prefill_token_us=args.prefill_token_us, seed=args.seed,
+                            faults=faults)
+    return load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
+                       faults=faults)
+
+
+@contextlib.contextmanager
+def _stop_signals_handled() -> Iterator[None]:
+    """uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
+    handler that was there before: make that one a no-op, so a clean stop exits 0."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGINT,
+                                                                  signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Serve until interrupted; the exit status."""
+    try:
+        import uvicorn
+
+        from calfsm.serve.app import ServerConfig, create_app
+    except ImportError as e:
+        print(f"calfsm: error: calfsm serve needs the server extra "
+              f"(pip install -e \".[server]\"): {e}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=args.log_level.upper(),
+                        format="%(levelname)s %(name)s: %(message)s")
+    try:
+        manifest = _manifest(args.manifest)
+        driver = _driver(args, manifest)
+        exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
+                                  max_sequences=args.max_sequences)
+        config = ServerConfig(model_name=args.model_name,
+                              request_timeout_s=args.request_timeout,
+                              hang_after_s=args.hang_after,
+                              default_max_tokens=args.default_max_tokens)
+    except (CalfsmError, OSError) as e:
+        print(f"calfsm: error: {getattr(e, 'message', e)}", file=sys.stderr)
+        return EXIT_USAGE
+    failed: list[str] = []
+
+    async def start() -> DeviceExecutor:
+        try:
+            return await DeviceExecutor.create(driver, manifest, exconfig)
+        except CalfsmError as e:
+            failed.append(str(e))
+            server.should_exit = True
+            raise
+
+    server = uvicorn.Server(uvicorn.Config(
+        create_app(start, config), host=args.host, port=args.port,
+        log_level=args.log_level, timeout_graceful_shutdown=10))
+    with _stop_signals_handled():
+        server.run()
+    if failed:
+        print(f"calfsm: start-up failed: {failed[0]}", file=sys.stderr)
+        return EXIT_DEVICE_FAILED
+    return EXIT_OK

@@ -1,0 +1,77 @@
+"""calfsm errors as HTTP answers with an OpenAI-format body.
+
+The status is the error class's own (``CalfsmError.http_status``, from the one table in
+:mod:`calfsm.errors`), with two corrections a server needs:
+
+- :class:`~calfsm.errors.Cancelled` (499) reaches a client only when the client did not
+  cancel: a shutdown cancelled its job. That is 503, retryable;
+- a status outside the table's statuses (none today) is 500.
+
+The body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends it:
+``type`` by status (``invalid_request_error`` for every 4xx a client must fix), ``code``
+the gRPC name of the error in lower case (``resource_exhausted``, ``unavailable`` ...).
+A retry-after hint becomes ``Retry-After`` (whole seconds, rounded up, at least 1) and
+``retry-after-ms`` (which the official OpenAI client prefers). Only 429 and 503 carry it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any
+
+from calfsm.errors import CalfsmError, Cancelled
+
+__all__ = ["ERROR_TYPES", "ApiError", "error_body", "from_calfsm"]
+
+#: status -> OpenAI error type
+ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
+               405: "invalid_request_error", 413: "invalid_request_error",
+               429: "rate_limit_error", 500: "server_error", 501: "server_error",
+               503: "service_unavailable_error", 504: "timeout_error"}
+_RETRY_STATUSES = (429, 503)
+
+
+class ApiError(Exception):
+    """An HTTP error answer: status, message, OpenAI ``code`` and ``param``, and a
+    retry-after hint in seconds (None: no ``Retry-After``)."""
+
+    def __init__(self, status: int, message: str, *, code: str | None = None,
+                 param: str | None = None, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.code = code
+        self.param = param
+        self.retry_after_s = retry_after_s if status in _RETRY_STATUSES else None
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.status, self.message, code=self.code, param=self.param)
+
+    def json(self) -> bytes:
+        return json.dumps(self.body()).encode()
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        s = max(0.0, self.retry_after_s)
+        return {"retry-after": str(max(1, math.ceil(s))),
+                "retry-after-ms": str(max(1, math.ceil(s * 1e3)))}
+
+
+def error_body(status: int, message: str, *, code: str | None = None,
+               param: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "server_error"),
+                      "param": param, "code": code}}
+
+
+def from_calfsm(err: CalfsmError, *, param: str | None = None) -> ApiError:
+    """The answer for ``err`` (see the module docstring)."""
+    status = err.http_status
+    retry = err.retry_after_s
+    if isinstance(err, Cancelled):      # the client did not cancel: shutdown did
+        status, retry = 503, 1.0 if retry is None else retry
+    if status not in ERROR_TYPES:
+        status = 500
+    return ApiError(status, err.message, code=err.grpc_code.lower(), param=param,
+                    retry_after_s=retry)

@@ -1,0 +1,259 @@
+"""OpenAI request bodies in, checked :class:`GenerationPlan` records out.
+
+One function per endpoint (:func:`parse_completion`, :func:`parse_chat`) reads the JSON
+body and returns what to run: the prompts as token ids (text through the byte-level
+tokenizer, or ids as given), the :class:`~calfsm.sampling.SamplingParams` of each choice,
+the stop sequences as token ids, and the streaming options. Every bad value is an
+:class:`~calfsm.serve.httperrors.ApiError` 400 naming the field (``param``), never a 5xx.
+
+What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a string, a
+list of strings, a list of token ids or a list of such lists) or ``messages`` (roles
+``system``, ``developer``, ``user``, ``assistant``; content a string or a list of
+``{"type": "text", "text": ...}`` parts), ``max_tokens`` (chat: also
+``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
+(0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``, ``stream``,
+``stream_options.include_usage``, and ``user``. Choice ``i`` of a request (prompt-major,
+then ``n``) draws from ``seed + i``. Features the simulated model cannot give
+(``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, tools) are
+refused unless they carry their default; unknown fields are refused too, so a typo is
+never silently ignored.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from calfsm.errors import CalfsmError
+from calfsm.sampling import SamplingParams
+from calfsm.serve.httperrors import ApiError
+from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
+
+__all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+_MAX_STOPS = 4
+#: fields that may be sent only with the value OpenAI defaults them to
+_DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
+    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
+    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "parallel_tool_calls": (None, False, True)}
+_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                     "stop_token_ids", "n", "stream", "stream_options", "user",
+                     *_DEFAULTS_ONLY})
+_COMPLETION_FIELDS = _COMMON | {"prompt"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+
+
+@attrs.frozen
+class Limits:
+    """What the server allows: the model's name and vocabulary, tokens per choice by
+    default and at most, and choices per request."""
+
+    model: str
+    vocab: int
+    max_seq: int
+    default_max_tokens: int = 16
+    max_choices: int = 16
+
+
+@attrs.frozen
+class GenerationPlan:
+    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``)."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    params: tuple[SamplingParams, ...]
+    stops: tuple[tuple[int, ...], ...]       # stop sequences of two or more tokens
+    stream: bool
+    include_usage: bool
+    n: int = 1                               # choices per prompt
+
+
+def _bad(message: str, param: str | None) -> ApiError:
+    return ApiError(400, message, code="invalid_argument", param=param)
+
+
+def _int(body: Mapping[str, Any], key: str, low: int, default: int | None) -> int | None:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(f"{key} must be an integer, got {type(value).__name__}", key)
+    if value < low:
+        raise _bad(f"{key} must be >= {low}, got {value}", key)
+    return value
+
+
+def _float(body: Mapping[str, Any], key: str, default: float) -> float:
+    value = body.get(key)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not math.isfinite(value):
+        raise _bad(f"{key} must be a finite number, got {value!r}", key)
+    return float(value)
+
+
+def _bool(body: Mapping[str, Any], key: str) -> bool:
+    value = body.get(key, False)
+    if value is None:
+        return False
+    if not isinstance(value, bool):
+        raise _bad(f"{key} must be a boolean, got {type(value).__name__}", key)
+    return value
+
+
+def _check_fields(body: Any, allowed: frozenset[str], limits: Limits) -> None:
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None)
+    unknown = sorted(set(body) - allowed)
+    if unknown:
+        raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+    for key, defaults in _DEFAULTS_ONLY.items():
+        if key in body and not any(body[key] == d and type(body[key]) is type(d)
+                                   for d in defaults):
+            raise _bad(f"{key} is not supported by this server", key)
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise _bad("model must be given, as a string", "model")
+    if model != limits.model:
+        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+                            f"{limits.model!r}", code="model_not_found", param="model")
+
+
+def _ids(value: list[Any], param: str, vocab: int) -> tuple[int, ...]:
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+            raise _bad(f"{param}[{i}] must be a token id in [0, {vocab}), got {t!r}", param)
+    return tuple(value)
+
+
+def _prompts(value: Any, tok: ByteTokenizer) -> list[tuple[int, ...]]:
+    """``prompt``: a string, token ids, or a list of either."""
+    if isinstance(value, str):
+        return [tuple(tok.encode(value))]
+    if not isinstance(value, list) or not value:
+        raise _bad("prompt must be a string, a list of token ids, or a non-empty list of "
+                   "those", "prompt")
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        return [_ids(value, "prompt", tok.vocab)]
+    out = []
+    for v in value:
+        if isinstance(v, str):
+            out.append(tuple(tok.encode(v)))
+        elif isinstance(v, list):
+            out.append(_ids(v, "prompt", tok.vocab))
+        else:
+            raise _bad("prompt must be a string, a list of token ids, or a list of those",
+                       "prompt")
+    return out
+
+
+def _messages(value: Any) -> list[tuple[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise _bad("messages must be a non-empty list", "messages")
+    out = []
+    for i, m in enumerate(value):
+        if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
+            raise _bad(f"messages[{i}] must be an object with a role of "
+                       f"{', '.join(CHAT_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):
+            parts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" \
+                        or not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content: only text parts are supported",
+                               "messages")
+                parts.append(part["text"])
+            content = "".join(parts)
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string or a list of text parts",
+                       "messages")
+        out.append((m["role"], content))
+    return out
+
+
+def _stops(body: Mapping[str, Any], tok: ByteTokenizer) -> tuple[list[int], list[tuple]]:
+    """(single-token stops, longer stop sequences), all as token ids."""
+    stop = body.get("stop")
+    texts = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(texts, list) or len(texts) > _MAX_STOPS \
+            or not all(isinstance(s, str) and s for s in texts):
+        raise _bad(f"stop must be a non-empty string or a list of at most {_MAX_STOPS}",
+                   "stop")
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list):
+        raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+    single = list(_ids(ids, "stop_token_ids", tok.vocab))
+    longer = []
+    for s in texts:
+        seq = tok.encode(s, field="stop")
+        if len(seq) == 1:
+            single.append(seq[0])
+        else:
+            longer.append(tuple(seq))
+    return single, longer
+
+
+def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
+          limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
+    n = _int(body, "n", 1, 1)
+    assert n is not None
+    if len(prompts) * n > limits.max_choices:
+        raise _bad(f"{len(prompts) * n} choices asked for; at most {limits.max_choices} "
+                   "per request", "n")
+    for p in prompts:
+        if not p:
+            raise _bad("a prompt must hold at least one token", "prompt")
+        if len(p) >= limits.max_seq:
+            raise _bad(f"a prompt of {len(p)} tokens leaves no room to generate "
+                       f"(the model holds {limits.max_seq})", "prompt")
+    max_tokens = _int(body, max_key, 1, None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", 1, limits.default_max_tokens)
+    temperature = _float(body, "temperature", 1.0)
+    top_p = _float(body, "top_p", 1.0)
+    top_k = _int(body, "top_k", -1, 0)
+    seed = _int(body, "seed", 0, None)
+    single, longer = _stops(body, tok)
+    options = body.get("stream_options")
+    stream = _bool(body, "stream")
+    if options is not None and (not isinstance(options, dict)
+                                or set(options) - {"include_usage"}):
+        raise _bad("stream_options may hold include_usage only", "stream_options")
+    include_usage = _bool(options or {}, "include_usage")
+    if include_usage and not stream:
+        raise _bad("stream_options applies only when stream is true", "stream_options")
+    params = []
+    try:
+        for i in range(len(prompts) * n):
+            params.append(SamplingParams(
+                temperature=temperature, top_k=max(0, top_k or 0), top_p=top_p,
+                seed=None if seed is None or temperature == 0 else seed + i,
+                stop_token_ids=tuple(single), max_tokens=max_tokens))
+    except CalfsmError as e:            # SamplingParams names the field in its message
+        raise _bad(e.message, e.message.split(" ", 1)[0]) from None
+    return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
+                          tuple(longer), stream, include_usage, n)
+
+
+def parse_completion(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
+    """``POST /v1/completions``."""
+    _check_fields(body, _COMPLETION_FIELDS, limits)
+    if "prompt" not in body:
+        raise _bad("prompt must be given", "prompt")
+    return _plan(body, _prompts(body["prompt"], tok), "max_tokens", limits, tok)
+
+
+def parse_chat(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
+    """``POST /v1/chat/completions``: the messages through :func:`chat_prompt`."""
+    _check_fields(body, _CHAT_FIELDS, limits)
+    prompt = tuple(tok.encode(chat_prompt(_messages(body.get("messages"))),
+                              field="messages"))
+    return _plan(body, [prompt], "max_completion_tokens", limits, tok)

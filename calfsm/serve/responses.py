@@ -1,0 +1,123 @@
+"""OpenAI response bodies and stream chunks, for completions and for chat.
+
+:class:`Shape` knows one endpoint's object names and where its text goes (``text`` for
+completions, ``message``/``delta`` ``content`` for chat); the app hands it pieces and
+usage. :class:`EventStream` is the SSE response: it listens for the client's disconnect
+whatever ASGI version the server speaks, and closes the body iterator in every case, so a
+client that goes away cancels its own streams at once.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from calfsm.serve.generation import Piece
+
+__all__ = ["CHAT", "COMPLETION", "EventStream", "Shape", "sse"]
+
+
+def sse(data: dict[str, Any] | str) -> bytes:
+    """One server-sent event holding ``data`` (a dict as JSON)."""
+    text = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False,
+                                                         separators=(",", ":"))
+    return f"data: {text}\n\n".encode()
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+class Shape:
+    """The bodies of one endpoint (``chat`` or not)."""
+
+    def __init__(self, chat: bool) -> None:
+        self.chat = chat
+        self.object = "chat.completion" if chat else "text_completion"
+        self.chunk_object = "chat.completion.chunk" if chat else "text_completion"
+        self.prefix = "chatcmpl-" if chat else "cmpl-"
+
+    def new_id(self) -> str:
+        return self.prefix + uuid.uuid4().hex
+
+    def _head(self, rid: str, model: str, created: int, obj: str) -> dict[str, Any]:
+        return {"id": rid, "object": obj, "created": created, "model": model}
+
+    def body(self, rid: str, model: str, texts: list[str], reasons: list[str],
+             used: dict[str, int]) -> dict[str, Any]:
+        """The non-streaming answer: one choice per text."""
+        if self.chat:
+            choices = [{"index": i, "message": {"role": "assistant", "content": t},
+                        "logprobs": None, "finish_reason": r}
+                       for i, (t, r) in enumerate(zip(texts, reasons))]
+        else:
+            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
+                       for i, (t, r) in enumerate(zip(texts, reasons))]
+        return self._head(rid, model, int(time.time()), self.object) | {
+            "choices": choices, "usage": used}
+
+    def chunk(self, rid: str, model: str, created: int, piece: Piece, *,
+              include_usage: bool, role: bool = False) -> dict[str, Any]:
+        """A streaming chunk of ``piece`` (``role``: chat's first chunk of a choice)."""
+        if self.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if role \
+                else ({"content": piece.text} if piece.text or not piece.finish_reason
+                      else {})
+            choice: dict[str, Any] = {"index": piece.index, "delta": delta}
+        else:
+            choice = {"index": piece.index, "text": piece.text}
+        choice |= {"logprobs": None, "finish_reason": piece.finish_reason}
+        out = self._head(rid, model, created, self.chunk_object) | {"choices": [choice]}
+        if include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_chunk(self, rid: str, model: str, created: int,
+                    used: dict[str, int]) -> dict[str, Any]:
+        """``stream_options.include_usage``: the last chunk, no choices."""
+        return self._head(rid, model, created, self.chunk_object) | {
+            "choices": [], "usage": used}
+
+
+COMPLETION = Shape(chat=False)
+CHAT = Shape(chat=True)
+
+
+class EventStream(StreamingResponse):
+    """``text/event-stream`` from an async iterator of bytes; the iterator is cancelled
+    and closed when the client disconnects (and closed when it ends any other way)."""
+
+    def __init__(self, content: AsyncIterator[bytes], status_code: int = 200) -> None:
+        super().__init__(content, status_code=status_code, media_type="text/event-stream",
+                         headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
+        self._events = content
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+                async def listen() -> None:
+                    while (await receive())["type"] != "http.disconnect":
+                        pass
+                    tg.cancel_scope.cancel()
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:          # an ASGI 2.4 server: the client went away
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(listen)
+                tg.start_soon(stream)
+        finally:
+            aclose = getattr(self._events, "aclose", None)
+            if aclose is not None:
+                await aclose()

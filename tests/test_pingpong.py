@@ -1,0 +1,278 @@
+"""Two in flight on Ping/Pong (spec 6.4, issue 14): enabled only on evidence, one job per
+engine, no cross-talk, a fault on one engine fails only its own job, parallel mode back
+after every reset, and one in flight with the reason when the evidence is missing,
+stale or failing."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from calfsm.clock import RealClock
+from calfsm.direct import DirectRunner
+from calfsm.drivers.base import EngineSlot, ResetKind
+from calfsm.drivers.calrt import CalrtDriver
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.drivers.sim import DEFAULT_CAPABILITIES, LatencyModel, SimDriver
+from calfsm.errors import CalfsmError, CalrtCode, ErrorCategory
+from calfsm.job import Request
+from calfsm.sampling import SamplingParams
+from calfsm.scheduler import StepScheduler
+from tests.executor_helpers import (
+    TINY,
+    GatedDriver,
+    finish,
+    make_executor,
+    make_sim,
+    two_in_flight,
+    write_evidence,
+)
+
+N_TOKENS = 500      # two streams: 1000 tokens in all
+
+
+class InflightProbe:
+    """Proxy driver that records how many jobs are on the device at once, per engine."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = self.inner = inner
+        self._lock = threading.Lock()
+        self._on: dict[int, EngineSlot] = {}      # id(out buffer) -> engine
+        self.most = 0
+        self.most_per_engine = 0
+        self.engines: set[EngineSlot] = set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def infer_fixed(self, model: Any, inp: Any, out: Any, engine: EngineSlot,
+                    **kw: Any) -> int:
+        rc = self._inner.infer_fixed(model, inp, out, engine, **kw)
+        if rc == 0:
+            with self._lock:
+                self._on[id(out)] = engine
+                self.engines.add(engine)
+                self.most = max(self.most, len(self._on))
+                per = sum(1 for e in self._on.values() if e is engine)
+                self.most_per_engine = max(self.most_per_engine, per)
+        return rc
+
+    def wait(self, out: Any, timeout_s: float) -> int:
+        rc = self._inner.wait(out, timeout_s)
+        if rc != CalrtCode.TIMEOUT:
+            with self._lock:
+                self._on.pop(id(out), None)
+        return rc
+
+    def reset(self, kind: ResetKind) -> int:
+        with self._lock:
+            self._on.clear()
+        return self._inner.reset(kind)
+
+
+def _driver(mode: str, **kw: Any) -> SimDriver:
+    if mode == "threaded":          # 1 ms a decode: the second stream's step lands while
+        kw.setdefault("clock", RealClock())     # the first one's is on the device
+        kw.setdefault("latency", LatencyModel(decode_s=1e-3))
+    return make_sim(mode, **kw)
+
+
+def _emulator(mode: str) -> CalrtDriver:
+    if mode == "step":
+        return CalrtDriver.virtual(manifest_or_calbin=TINY)
+    return CalrtDriver(TINY, latency=LatencyModel(decode_s=1e-3))
+
+
+def _two(mode: str, tmp_path: Path, driver: Any = None, **config: Any) -> Any:
+    drv = driver or InflightProbe(_driver(mode))
+    write_evidence(tmp_path, drv)
+    return make_executor(mode, driver=drv, max_inflight=2, evidence_dir=str(tmp_path),
+                         **config)
+
+
+@pytest.fixture(scope="module")
+def runner() -> DirectRunner:
+    return DirectRunner(SimDriver(TINY, trace=False), TINY)
+
+
+def _streams(ex: Any, prompts: list[list[int]], n: int) -> list[Any]:
+    streams = [ex.generate(p, SamplingParams(max_tokens=n)) for p in prompts]
+    if not ex.config.threaded:
+        StepScheduler(ex, seed=3).run_until(lambda: all(s.done() for s in streams))
+    return [s.result(60) for s in streams]
+
+
+def test_two_streams_on_ping_pong_for_1000_tokens_show_no_cross_talk(mode, tmp_path, runner):
+    probe = InflightProbe(_driver(mode))
+    prompts = [[5, 9, 2], [7, 1, 3, 3]]
+    with _two(mode, tmp_path, probe) as ex:
+        assert ex.health().max_inflight == 2 and ex.health().notes == ()
+        results = _streams(ex, prompts, N_TOKENS)
+        for i, r in enumerate(results):
+            assert list(r.tokens) == runner.generate(i, prompts[i], N_TOKENS), f"stream {i}"
+        st = ex.stats()
+        assert st.succeeded == 2 * N_TOKENS and st.failed == 0 and st.leased == 0, st
+    assert probe.engines == {EngineSlot.PING, EngineSlot.PONG}
+    assert probe.most == 2, "the two streams never had a job on the device at once"
+    assert probe.most_per_engine == 1, "two jobs on one engine"
+
+
+def _both_on_device(ex: Any, gated: GatedDriver | None) -> None:
+    """Drive until the two queued jobs are on the device at once (threaded: the gate
+    holds the completion thread in ``wait``; step mode: admit and submit, no complete)."""
+    if gated is None:
+        steps = ex.steps
+        while steps.can_admit() or steps.can_submit():
+            if steps.can_admit():
+                steps.admit()
+            else:
+                steps.submit()
+    else:
+        deadline = time.monotonic() + 10
+        while len(ex.on_device()) < 2 and time.monotonic() < deadline:
+            gated.submitted.wait(0.01)
+    assert len(ex.on_device()) == 2, "both jobs must be on the device at once"
+
+
+def test_two_streams_on_the_native_emulators_ping_pong(mode, tmp_path, runner):
+    probe = InflightProbe(_emulator(mode))
+    prompts = [[1, 2, 3], [9]]
+    with _two(mode, tmp_path, probe) as ex:
+        assert ex.driver.name == "calrt" and ex.health().max_inflight == 2
+        results = _streams(ex, prompts, 60)
+        assert [list(r.tokens) for r in results] == [
+            runner.generate(i, p, 60) for i, p in enumerate(prompts)]
+        assert ex.stats().leased == 0
+    assert probe.most == 2 and probe.most_per_engine == 1
+
+
+def test_a_fault_on_ping_while_pong_is_in_flight_fails_only_its_job(mode, tmp_path,
+                                                                     runner):
+    faults = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=0, nth=2))
+    probe = InflightProbe(_driver(mode, faults=faults))
+    gated = GatedDriver(probe) if mode == "threaded" else None
+    with _two(mode, tmp_path, gated or probe) as ex:
+        warm = [ex.enqueue(Request.prefill(s, [1 + s])) for s in (0, 1)]
+        assert not any(isinstance(finish(ex, h), Exception) for h in warm)
+        if gated is not None:
+            gated.gate.clear()
+        bad = ex.enqueue(Request.decode(0, 4, 1, engine=EngineSlot.PING))
+        good = ex.enqueue(Request.decode(1, 6, 1, engine=EngineSlot.PONG))
+        _both_on_device(ex, gated)
+        if gated is not None:
+            gated.gate.set()
+        err = finish(ex, bad)
+        assert isinstance(err, Exception) and err.category is ErrorCategory.DEVICE, err
+        r = finish(ex, good)
+        assert not isinstance(r, Exception), r
+        ref = DirectRunner(SimDriver(TINY, trace=False), TINY)
+        ref.prefill(1, [2])
+        assert np.array_equal(np.asarray(r.logits).reshape(-1),
+                              np.asarray(ref.decode(1, 6, 1)).reshape(-1)), "cross-talk"
+        if ex.config.threaded:
+            ex.wait_lifecycle("Ready", timeout=10)
+        else:
+            StepScheduler(ex).run_until(lambda: ex.lifecycle_state == "Ready")
+        assert ex.generation == 2 and ex.stats().recoveries == 1
+        assert probe.inner.parallel_mode, "parallel mode lost after the reset"
+        again = _streams(ex, [[3, 4], [8]], 20)
+        assert [list(a.tokens) for a in again] == [runner.generate(i, p, 20) for i, p in
+                                                   enumerate([[3, 4], [8]])]
+        assert ex.stats().leased == 0
+
+
+@pytest.mark.parametrize("kind", list(ResetKind))
+def test_parallel_mode_is_back_after_each_reset_kind(tmp_path, kind, runner):
+    caps = DEFAULT_CAPABILITIES.__class__(
+        resets=frozenset({kind}), parallel_mode=True, fixed_engine_slots=True,
+        engine_slots=2)
+    probe = InflightProbe(make_sim("step", capabilities=caps))
+    with _two("step", tmp_path, probe) as ex:
+        assert ex.recover(f"test: {kind.value} reset")
+        StepScheduler(ex).run_until(lambda: ex.lifecycle_state == "Ready")
+        assert ex.generation == 2
+        assert probe.inner.parallel_mode, f"parallel mode off after a {kind.value} reset"
+        probe.most = 0
+        results = _streams(ex, [[2, 2], [4, 1]], 12)
+        assert [list(r.tokens) for r in results] == [
+            runner.generate(i, p, 12) for i, p in enumerate([[2, 2], [4, 1]])]
+        assert probe.most == 2
+
+
+def _one_with(tmp_path: Path, caplog: Any, **evidence: Any) -> tuple[Any, str]:
+    drv = make_sim("step")
+    if evidence.pop("write", True):
+        write_evidence(tmp_path, drv, **evidence)
+    with caplog.at_level("WARNING"):
+        ex = make_executor("step", driver=drv, max_inflight=2, evidence_dir=str(tmp_path))
+    with ex:
+        h = ex.health()
+        assert h.max_inflight == 1 and len(h.notes) == 1, h
+        finish(ex, ex.enqueue(Request.prefill(0, [1, 2])))
+        assert not drv.parallel_mode, "parallel mode switched on for one in flight"
+        said = [r for r in caplog.records if "max_inflight=2" in r.getMessage()]
+        assert len(said) == 1, said             # once in the log
+        return ex, h.notes[0]
+
+
+def test_without_evidence_two_asked_runs_one_and_says_why(tmp_path, caplog):
+    _, note = _one_with(tmp_path, caplog, write=False)
+    assert "running 1" in note and "claimed" in note and "no evidence" in note, note
+
+
+def test_stale_evidence_for_another_runtime_version_runs_one(tmp_path, caplog):
+    _, note = _one_with(tmp_path, caplog, runtime_version="0.7.5")
+    assert "running 1" in note and "0.7.5" in note, note
+
+
+def test_failing_evidence_runs_one(tmp_path, caplog):
+    _, note = _one_with(tmp_path, caplog, holds=False)
+    assert "running 1" in note and "failed" in note, note
+
+
+def test_a_driver_without_ping_pong_runs_one_even_with_evidence(tmp_path, caplog):
+    caps = DEFAULT_CAPABILITIES.__class__(resets=DEFAULT_CAPABILITIES.resets,
+                                          parallel_mode=False)
+    drv = make_sim("step", capabilities=caps)
+    write_evidence(tmp_path, drv)
+    with make_executor("step", driver=drv, max_inflight=2,
+                       evidence_dir=str(tmp_path)) as ex:
+        h = ex.health()
+        assert h.max_inflight == 1 and "declares no parallel mode" in h.notes[0], h
+
+
+def test_more_than_two_asked_runs_two_and_says_so(tmp_path):
+    drv = make_sim("step")
+    write_evidence(tmp_path, drv)
+    with make_executor("step", driver=drv, max_inflight=3,
+                       evidence_dir=str(tmp_path)) as ex:
+        h = ex.health()
+        assert h.max_inflight == 2 and "two engine slots" in h.notes[0], h
+
+
+def test_enable_parallel_mode_failing_at_start_up_fails_start_up_classified(tmp_path):
+    drv = make_sim("step", faults=FaultPlan.of(FaultRule.always(
+        "enable_parallel_mode", "code", code=int(CalrtCode.DEVICE_UNAVAILABLE))))
+    with pytest.raises(CalfsmError) as info:
+        make_executor("step", driver=drv, **two_in_flight(tmp_path, drv))
+    err = info.value        # retried through recovery, then given up: says where
+    assert err.category is ErrorCategory.DEVICE and err.stage == "startup", err
+    assert "DEVICE_UNAVAILABLE at enable_parallel_mode" in str(err), err
+
+
+def test_enable_parallel_mode_failing_once_in_a_recovery_is_retried(tmp_path, runner):
+    drv = make_sim("step", faults=FaultPlan.of(FaultRule(
+        "enable_parallel_mode", "code", nth=2, code=int(CalrtCode.DEVICE_BUSY))))
+    with make_executor("step", driver=drv, **two_in_flight(tmp_path, drv)) as ex:
+        assert ex.recover("test")
+        StepScheduler(ex).run_until(lambda: ex.lifecycle_state in ("Ready", "Failed"))
+        assert ex.lifecycle_state == "Ready" and drv.parallel_mode
+        assert sum(drv.faults_fired()) == 1
+        results = _streams(ex, [[6], [6, 6]], 8)
+        assert [list(r.tokens) for r in results] == [
+            runner.generate(i, p, 8) for i, p in enumerate([[6], [6, 6]])]
