@@ -529,6 +529,7 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     for c in clients:               # a stuck client may answer once close() ended its stream
         c.join(0.5)
     tally.open_at_end = soak.ledger.open_now()[0]
+    tally.open_jobs_at_end = ex.open_jobs
     if soak.crashes:
         tally.unexplained_count += soak.crashes
         tally.unexplained.append(f"{soak.crashes} soak client request(s) raised")

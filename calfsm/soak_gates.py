@@ -110,6 +110,7 @@ class Tally:
     jobs: int = 0                   # jobs enqueued
     jobs_answered: int = 0
     open_jobs: int = 0              # enqueued and unanswered when the workload drained
+    open_jobs_at_end: int = 0       # ... and still unanswered after close()
     device_errors: int = 0          # job errors of a DEVICE_CATEGORIES category
     unexplained: list[str] = attrs.Factory(list)       # the first few, one line each
     unexplained_count: int = 0
@@ -287,9 +288,9 @@ def _once_gate(tally: Tally) -> Gate:
     problems = []
     if answered + tally.open_at_end != issued:
         problems.append(f"{issued} issued, {answered} answered, {tally.open_at_end} open")
-    if tally.jobs_answered + tally.open_jobs != tally.jobs:
+    if tally.jobs_answered + tally.open_jobs_at_end != tally.jobs:
         problems.append(f"{tally.jobs} jobs, {tally.jobs_answered} answered, "
-                        f"{tally.open_jobs} open")
+                        f"{tally.open_jobs_at_end} open")
     for what, n in (("second answers", tally.double_answers),
                     ("streams whose events differ from their result", tally.token_mismatches),
                     ("bad requests not refused", tally.misanswered_bad)):

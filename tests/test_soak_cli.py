@@ -167,6 +167,7 @@ def test_rss_gate_needs_enough_samples():
     (dict(misanswered_bad=1), "once"),
     (dict(jobs_answered=9), "once"),
     (dict(open_at_end=1), "once"),
+    (dict(open_jobs_at_end=1), "once"),
 ])
 def test_each_gate_fails_on_what_it_guards(change, gate):
     tally = _clean_tally()
@@ -177,6 +178,7 @@ def test_each_gate_fails_on_what_it_guards(change, gate):
         tally.open_at_end = change["open_requests"]
     if "open_jobs" in change:
         tally.jobs_answered -= change["open_jobs"]
+        tally.open_jobs_at_end = change["open_jobs"]
     passed = _passed(_samples([100 * MIB] * 40), tally)
     assert not passed[gate]
     assert all(ok for name, ok in passed.items() if name != gate), passed
