@@ -713,9 +713,11 @@ class BufferPool:
             err = LeaseError(f"{slot!r} returned while its job may still be on the device; "
                              "slot quarantined", stage="lease", job_id=core.job_id,
                              seq_id=core.seq_id, generation=slot.generation)
-            log.error("%s", err, extra=err.context())
+            log.error("%s", str(err), extra=err.context())
             raise err
-        log.warning("buffer slot quarantined on return: %s (%s)", slot.reason, slot,
+        # the log gets text, not the slot: a handler that keeps records (pytest's does)
+        # would keep a retired generation's slot and its host arrays alive
+        log.warning("buffer slot quarantined on return: %s (%s)", slot.reason, str(slot),
                     extra={"job_id": core.job_id, "seq_id": core.seq_id,
                            "generation": slot.generation, "stage": "lease"})
         return False
@@ -728,7 +730,7 @@ class BufferPool:
             core = self._own(lease)
             lease._consume("quarantined")
             self._quarantine_locked(core.slot, reason)
-        log.warning("buffer slot quarantined: %s (%s)", reason, core.slot,
+        log.warning("buffer slot quarantined: %s (%s)", reason, str(core.slot),
                     extra={"job_id": core.job_id, "seq_id": core.seq_id,
                            "generation": core.slot.generation, "stage": "lease"})
 
@@ -828,4 +830,4 @@ def _destroy(driver: Driver, slot: BufferSlot) -> None:
         err = from_calrt(code, "destroy_buffers",
                          f"destroy_buffers of {slot!r} returned {code_name(code)}",
                          generation=slot.generation)
-        log.warning("%s", err, extra=err.context())
+        log.warning("%s", str(err), extra=err.context())

@@ -150,32 +150,41 @@ class JobHandle:
 
     def result(self, timeout: float | None = None) -> InferenceResult:
         """Block until the job ends; return its result or raise its error."""
-        if not self.done():
-            latch = self._latch
-            if timeout is None:
-                got = latch.acquire()
-            elif timeout > 0:
-                got = latch.acquire(True, timeout)
-            else:
-                got = latch.acquire(False)
-            if not got:
-                raise DeadlineExceeded(
-                    f"job {self.job_id} not finished within {timeout} s",
-                    job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
-            latch.release()                 # the next waiter, if any, passes too
-        if self._error is not None:
-            raise self._error
+        self._wait(timeout)
+        error = self._error
+        if error is not None:
+            # Raising writes this frame into the error's traceback, and the error stays
+            # on the handle: let the frame forget the handle (as concurrent.futures does)
+            # or handle -> error -> traceback -> frame -> handle is a reference cycle.
+            try:
+                raise error.with_traceback(None)    # this raise's frames, no older ones
+            finally:
+                self = error = None
         assert self._result is not None
         return self._result
 
     def exception(self, timeout: float | None = None) -> CalfsmError | None:
-        try:
-            self.result(timeout)
-        except CalfsmError as e:
-            if self._error is e:
-                return e
-            raise
-        return None
+        """Block until the job ends; its error, or None if it succeeded. Nothing is
+        raised here (only a timeout), so the error gains no traceback of this call."""
+        self._wait(timeout)
+        return self._error
+
+    def _wait(self, timeout: float | None) -> None:
+        """Return once the job has ended; DeadlineExceeded if ``timeout`` passed first."""
+        if self.done():
+            return
+        latch = self._latch
+        if timeout is None:
+            got = latch.acquire()
+        elif timeout > 0:
+            got = latch.acquire(True, timeout)
+        else:
+            got = latch.acquire(False)
+        if not got:
+            raise DeadlineExceeded(
+                f"job {self.job_id} not finished within {timeout} s",
+                job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
+        latch.release()                 # the next waiter, if any, passes too
 
     def add_done_callback(self, fn: Callable[[JobHandle], None]) -> None:
         """Call ``fn(handle)`` when the job ends (at once if it already has)."""
@@ -194,13 +203,18 @@ class JobHandle:
 
         self.add_done_callback(transfer)
         yield from fut.__await__()
-        return self.result(0)
+        try:
+            return self.result(0)
+        finally:
+            self = None                 # an error raised here must not hold the handle
 
     def __repr__(self) -> str:
         return f"<JobHandle job={self.job_id} seq={self._job.seq_id} state={self.state}>"
 
     # ---- executor side -------------------------------------------------------------
     def _resolve(self, result: InferenceResult | None, error: CalfsmError | None) -> None:
+        if error is not None:
+            drop_tracebacks(error)
         with self._lock:
             if self.done():
                 raise RuntimeError(f"job {self.job_id} resolved twice")
@@ -215,6 +229,27 @@ class JobHandle:
         self._latch.release()
         for fn in callbacks:
             _run_callback(fn, self)
+
+
+def drop_tracebacks(error: BaseException) -> None:
+    """Forget where ``error`` (and every exception it chains) was raised.
+
+    An error that becomes a job's or a stream's outcome was raised and caught inside the
+    executor; its traceback holds those frames, and through them (their locals and the
+    frames they were called from) the handle, the stream or the generation that ended
+    with it: a reference cycle only the cyclic collector frees, with logits rows and
+    buffer pools in it. The outcome keeps its type, message, context and causes; a
+    caller that raises it gets a traceback of its own. Unexpected errors are logged with
+    their traceback where they are caught."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [error]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += (e.__cause__, e.__context__)
 
 
 def _settle(fut: asyncio.Future, handle: JobHandle) -> None:

@@ -57,7 +57,7 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from calfsm.job import InferenceResult, JobHandle, JobTimings
+from calfsm.job import InferenceResult, JobHandle, JobTimings, drop_tracebacks
 from calfsm.machines.job import JobState
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
@@ -281,7 +281,9 @@ class Sequence:
             if self.executor.epoch is not None and not self.executor.lifecycle.closing:
                 self.executor.reset_sequence(self.seq_id)
         except CalfsmError as e:
-            log.warning("releasing the KV of sequence %s failed: %s", self.seq_id, e,
+            # the text, not the error: a handler that keeps records (pytest's does) would
+            # keep the error's frames, and with them this sequence and its last job
+            log.warning("releasing the KV of sequence %s failed: %s", self.seq_id, str(e),
                         extra=e.context())
         finally:
             with self._lock:
@@ -385,8 +387,9 @@ class Stream:
         self._close_sequence = close_sequence
         # two logits rows: the step on the device writes one while the next is staged
         # with the other (a row is the sampler's to consume until its step's token is out)
-        self._rows = (np.empty(contract.vocab, dtype=np.float32),
-                      np.empty(contract.vocab, dtype=np.float32))
+        self._rows: tuple[np.ndarray, np.ndarray] | None = (
+            np.empty(contract.vocab, dtype=np.float32),
+            np.empty(contract.vocab, dtype=np.float32))
         self._flip = 0
         self._staged: JobHandle | None = None
         self._staged_pos = -1
@@ -489,9 +492,13 @@ class Stream:
 
     # ---- producer side (job completions) -------------------------------------------
     def _row(self) -> np.ndarray:
-        """The logits row for the next step (alternating)."""
+        """The logits row for the next step (alternating). A finished stream has let its
+        rows go: a step that races its end (its token is dropped) gets a row of its own."""
+        rows = self._rows
+        if rows is None:
+            return np.empty(self._sampler.vocab, dtype=np.float32)
         self._flip ^= 1
-        return self._rows[self._flip]
+        return rows[self._flip]
 
     def _left(self) -> float | None:
         if math.isinf(self._deadline):
@@ -728,6 +735,10 @@ class Stream:
             if self._ending:
                 return
             self._ending = True
+            if error is not None:
+                # raised in this stream's own steps, its traceback would hold them (and
+                # the stream) alive in a cycle with the result
+                drop_tracebacks(error)
             times = self._times
             ttft = times[0] - self._t0 if times else None
             itl = tuple(b - a for a, b in itertools.pairwise(times))
@@ -742,6 +753,10 @@ class Stream:
             self._wake_locked()
         with self._lock:
             staged, self._staged = self._staged, None
+            # nothing more is sampled or stepped: let the rows and the last step go (a
+            # finished stream the caller keeps holds its result, not 2 x vocab floats)
+            self._rows = None
+            self._handle = None
         if staged is not None:
             self.sequence.executor.discard_staged(staged)
         if self._listening:
