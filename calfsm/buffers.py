@@ -30,6 +30,9 @@ reset the executor calls :meth:`BufferPool.retire`: every slot of the generation
 retired (leased ones become quarantined when returned), free slots' device buffers are
 destroyed, and a new pool is built for the new generation. A lease of another generation
 returned to a pool is refused with :class:`LeaseError` and its slot left alone.
+The pool counts the usable (not quarantined) slots of each task kind; when a
+quarantine takes a kind's last one its jobs could only wait, so the pool logs it and
+calls ``on_exhausted(kind, reason)`` (outside its lock), whose owner drains and resets.
 
 Invariant (checked by the stateful tests): ``free + leased + quarantined == total`` and
 no slot is held by two leases. Retired slots count as quarantined.
@@ -505,6 +508,12 @@ class BufferPool:
         self._n_leased = 0
         self._n_quarantined = 0
         self._retired = False
+        #: slots per kind not quarantined: once a kind has none, only a new generation
+        #: serves it again, and ``on_exhausted(kind, reason)`` is told (no lock held)
+        self._usable: dict[TaskKind, int] = {}
+        for s in self._slots:
+            self._usable[s.kind] = self._usable.get(s.kind, 0) + 1
+        self.on_exhausted: Callable[[TaskKind, str], None] | None = None
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -665,12 +674,36 @@ class BufferPool:
                              generation=slot.generation)
         return core
 
-    def _quarantine_locked(self, slot: BufferSlot, reason: str) -> None:
+    def _quarantine_locked(self, slot: BufferSlot, reason: str) -> str | None:
+        """Returns why the slot's kind has no usable slot left, if this took the last."""
         slot.holder = None
         slot.reason = reason
         slot.state = SlotState.RETIRED if self._retired else SlotState.QUARANTINED
         self._n_leased -= 1
         self._n_quarantined += 1
+        if self._retired:
+            return None
+        self._usable[slot.kind] -= 1
+        if self._usable[slot.kind]:
+            return None
+        return (f"every {slot.kind.value} buffer slot of generation {self.generation} is "
+                f"quarantined (the last: {reason})")
+
+    def _report_exhausted(self, kind: TaskKind, why: str | None) -> None:
+        if why is not None:
+            log.error("%s", why, extra={"generation": self.generation, "stage": "lease"})
+            hook = self.on_exhausted
+            if hook is not None:
+                try:                # a cleanup path called us: the hook must not break it
+                    hook(kind, why)
+                except Exception:
+                    log.exception("the exhaustion hook of generation %s failed",
+                                  self.generation)
+
+    def usable(self, kind: TaskKind) -> int:
+        """Slots of ``kind`` not quarantined (free or leased); 0 once retired."""
+        with self._lock:
+            return 0 if self._retired else self._usable.get(kind, 0)
 
     def release(self, lease: BufferLease) -> bool:
         """Return a lease's slot; True if it went back to the free list.
@@ -688,15 +721,16 @@ class BufferPool:
             slot = core.slot
             lease._consume("returned")
             if core.on_device:
-                self._quarantine_locked(slot, "returned while the job may be on the device")
+                why = self._quarantine_locked(slot, "returned while the job may be on "
+                                              "the device")
                 on_device = True
             else:
                 on_device = False
                 if core.slices:
                     reason = f"returned with slices applied: {sorted(core.slices)}"
-                    self._quarantine_locked(slot, reason)
+                    why = self._quarantine_locked(slot, reason)
                 elif self._retired:
-                    self._quarantine_locked(slot, "generation retired")
+                    why = self._quarantine_locked(slot, "generation retired")
                 else:
                     slot.holder = None
                     slot.state = SlotState.FREE
@@ -714,12 +748,14 @@ class BufferPool:
                              "slot quarantined", stage="lease", job_id=core.job_id,
                              seq_id=core.seq_id, generation=slot.generation)
             log.error("%s", str(err), extra=err.context())
+            self._report_exhausted(slot.kind, why)
             raise err
         # the log gets text, not the slot: a handler that keeps records (pytest's does)
         # would keep a retired generation's slot and its host arrays alive
         log.warning("buffer slot quarantined on return: %s (%s)", slot.reason, str(slot),
                     extra={"job_id": core.job_id, "seq_id": core.seq_id,
                            "generation": slot.generation, "stage": "lease"})
+        self._report_exhausted(slot.kind, why)
         return False
 
     def quarantine(self, lease: BufferLease, reason: str) -> None:
@@ -729,10 +765,11 @@ class BufferPool:
         with self._lock:
             core = self._own(lease)
             lease._consume("quarantined")
-            self._quarantine_locked(core.slot, reason)
+            why = self._quarantine_locked(core.slot, reason)
         log.warning("buffer slot quarantined: %s (%s)", reason, str(core.slot),
                     extra={"job_id": core.job_id, "seq_id": core.seq_id,
                            "generation": core.slot.generation, "stage": "lease"})
+        self._report_exhausted(core.slot.kind, why)
 
     def retire(self) -> None:
         """After a reset: no slot of this generation is lent again. Free slots are retired
@@ -741,6 +778,7 @@ class BufferPool:
         returned; waiters are woken with Unavailable. Calling it twice is harmless."""
         with self._lock:
             self._retired = True
+            self.on_exhausted = None    # a retired pool serves nobody: nothing to report
             freed: list[BufferSlot] = []
             for q in self._free.values():
                 while q:

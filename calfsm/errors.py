@@ -54,6 +54,7 @@ __all__ = [
     "check",
     "code_name",
     "from_calrt",
+    "output_fault",
 ]
 
 
@@ -454,6 +455,21 @@ def from_calrt(code: int, stage: str, message: str | None = None,
     category, cls = CODE_TABLE.get(code, _UNCLASSIFIED)  # type: ignore[call-overload]
     text = message or f"CalRT returned {code_name(code)} at {stage}"
     return cls(text, category=category, calrt_code=code, stage=stage, **context)
+
+
+def output_fault(message: str, *, calrt_code: int | None = None,
+                 **context: Any) -> Internal:
+    """The error of a job the device says finished well but whose output breaks the
+    contract: fewer bytes than the row needs (FI09) or a non-finite logit (FI10).
+
+    The device's word on its own output cannot be trusted, so this is category UNKNOWN
+    (the generation is tainted: drain, reset, warm-up golden), never REQUEST: the
+    request was fine, and a request error would leave the device serving while every
+    such job quarantines a buffer slot. ``calrt_code`` names the closest CalRT condition
+    (SHAPE_MISMATCH for a short output) without taking that code's row of
+    :data:`CODE_TABLE`, which is about the runtime refusing a call."""
+    return Internal(message, category=ErrorCategory.UNKNOWN, calrt_code=calrt_code,
+                    **context)
 
 
 def check(code: int, stage: str, **context: Any) -> None:

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -45,7 +46,7 @@ from calfsm.errors import (
     check,
 )
 from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
-from calfsm.manifest import Manifest
+from calfsm.manifest import Manifest, TaskKind
 from calfsm.recovery import Decision, FaultPolicy, Verdict
 
 if TYPE_CHECKING:
@@ -313,6 +314,11 @@ class DeviceLifecycle:
             self.on_recovery_due()
         return True
 
+    def slots_exhausted(self, kind: TaskKind, reason: str) -> None:
+        """The pool has no usable slot of ``kind`` left (all quarantined): the fault
+        policy decides (drain and reset), so that kind's jobs never wait in vain."""
+        self.apply(self.faults.slots_exhausted(kind, reason))
+
     def check_progress(self) -> None:
         """Watchdog: work on the device and no completion progress past the threshold is
         a device fault, so a wedged device never looks healthy."""
@@ -455,6 +461,7 @@ class DeviceLifecycle:
             self._enable_parallel()
             if self._warmup:
                 warm_up(self.driver, epoch, self._execution_timeout_s)
+            epoch.pool.on_exhausted = _on_exhausted(self)
         except CalfsmError as e:
             return e
         with life.locked():
@@ -608,6 +615,18 @@ class DeviceLifecycle:
         again = self.configure_and_warm(manifest, calbin, generation, lost=lost)
         if again is not None:
             self.give_up(f"rollback to the known-good model failed: {again}")
+
+
+def _on_exhausted(owner: DeviceLifecycle) -> Callable[[TaskKind, str], None]:
+    """The pool's exhaustion hook, holding its owner weakly: the lifecycle holds the
+    epoch that holds the pool, and a pool must not hold them back (no reference cycle)."""
+    ref = weakref.ref(owner)
+
+    def exhausted(kind: TaskKind, reason: str) -> None:
+        life = ref()
+        if life is not None:
+            life.slots_exhausted(kind, reason)
+    return exhausted
 
 
 def epoch_builder(driver: Driver, *, max_inflight: int, slots_per_engine: int,

@@ -55,11 +55,10 @@ import numpy as np
 from calfsm import _native
 from calfsm.errors import (
     CalrtCode,
-    ErrorCategory,
     Incompatible,
-    Internal,
     InvalidArgument,
     from_calrt,
+    output_fault,
 )
 from calfsm.manifest import SubmodelContract, TaskKind
 
@@ -295,9 +294,11 @@ def extract_logits(out_u16: np.ndarray, produced_bytes: int, contract: SubmodelC
       wrong for the graph (decode takes exactly one) -> :class:`InvalidArgument`; nothing
       written.
     - ``produced_bytes`` (the driver's ``output_bytes``) not covering the row, or beyond
-      the tensor's byte size -> ``from_calrt(SHAPE_MISMATCH, "output")``; nothing written
-      (FI09).
-    - a NaN/Inf in the row -> :class:`Internal` of category UNKNOWN at stage ``output``
+      the tensor's byte size -> :func:`~calfsm.errors.output_fault` (``Internal`` of
+      category UNKNOWN, ``calrt_code`` SHAPE_MISMATCH) at stage ``output``; nothing
+      written (FI09). A host array too small for the row -> ``from_calrt(SHAPE_MISMATCH,
+      "output")`` (request).
+    - a NaN/Inf in the row -> :func:`~calfsm.errors.output_fault` at stage ``output``
       naming the index (FI10); the target then holds the converted row.
     """
     # The all-is-well case in one kernel call; anything not plainly right (or a
@@ -351,26 +352,30 @@ def _extract_checked(out_u16: np.ndarray, produced_bytes: int, contract: Submode
                               f"{out_u16.dtype}", stage=_STAGE, **ctx)
     src = _flat(out_u16, "output host array", **ctx)
     byte_size = contract.logits.byte_size
+    # What the device says it wrote breaking the contract is an output fault of the
+    # device (like a NaN); a host array too small for the row is the caller's.
     if produced_bytes < 0 or produced_bytes > byte_size:
-        raise from_calrt(CalrtCode.SHAPE_MISMATCH, _STAGE,
-                         message=f"device reports {produced_bytes} output bytes for "
-                                 f"{contract.logits.name!r}, its byte size is {byte_size}",
-                         **ctx)
-    # Values the device actually wrote (and the host array can hold).
-    size = min(produced_bytes // _U16.itemsize, src.shape[0])
+        raise output_fault(f"device reports {produced_bytes} output bytes for "
+                           f"{contract.logits.name!r}, its byte size is {byte_size}",
+                           calrt_code=CalrtCode.SHAPE_MISMATCH, stage=_STAGE, **ctx)
     base = row * vocab
+    written = produced_bytes // _U16.itemsize
+    if not (base <= written and vocab <= written - base):
+        raise output_fault(f"short output: {contract.logits.name!r} holds {written} BF16 "
+                           f"values ({produced_bytes} bytes), row {row} needs "
+                           f"[{base}, {base + vocab})",
+                           calrt_code=CalrtCode.SHAPE_MISMATCH, stage=_STAGE, **ctx)
+    size = min(written, src.shape[0])   # and the host array can hold
     if not (base <= size and vocab <= size - base):
         raise from_calrt(CalrtCode.SHAPE_MISMATCH, _STAGE,
-                         message=f"output {contract.logits.name!r} holds {size} BF16 values "
-                                 f"({produced_bytes} bytes), row {row} needs "
-                                 f"[{base}, {base + vocab})", **ctx)
+                         message=f"output host array holds {src.shape[0]} BF16 values, "
+                                 f"row {row} needs [{base}, {base + vocab})", **ctx)
     # every check convert_bf16_range makes is made above (the bounds against what the
     # device wrote, not just the array): convert without repeating them
     row_f32 = _convert(src, base, vocab, _flat(dst_f32, "logits target", **ctx))
     bad = find_nonfinite(row_f32)
     if bad is not None:
         value = float(row_f32[bad])
-        raise Internal(f"non-finite logit {value} at vocabulary index {bad} (row {row}, "
-                       f"output element {base + bad})", category=ErrorCategory.UNKNOWN,
-                       stage=_STAGE, **ctx)
+        raise output_fault(f"non-finite logit {value} at vocabulary index {bad} (row "
+                           f"{row}, output element {base + bad})", stage=_STAGE, **ctx)
     return row_f32

@@ -152,6 +152,9 @@ class Pipeline:
         self._submit_q: deque[JobContext] = deque()
         self._complete_q: deque[JobContext] = deque()
         self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
+        #: the parked head the admission step took out to admit: the step owns it (a
+        #: cancel only flags it, a drain does not take it) until it is queued or failed
+        self._admitting: JobContext | None = None
         self._deferred: deque[Callable[[], None]] = deque()   # work to run outside locks
         self._staged: list[JobContext] = []         # streams' next steps, prepared ahead
         self._on_device: list[JobContext] = []      # submitted, wait not returned
@@ -220,7 +223,8 @@ class Pipeline:
         deferred work is left."""
         with self._lock:
             return not (self._parked or self._submit_q or self._complete_q
-                        or self._on_device or self._deferred or self._staged)
+                        or self._on_device or self._deferred or self._staged
+                        or self._admitting)
 
     def has_parked(self) -> bool:
         return bool(self._parked)
@@ -246,6 +250,7 @@ class Pipeline:
             fn()
         except Exception:
             log.exception("deferred work %r raised", fn)
+        self.hooks.changed()            # idle counts deferred work
         return True
 
     def has_completions(self) -> bool:
@@ -476,24 +481,37 @@ class Pipeline:
         self.hooks.after_work_queued()
 
     def admit_parked(self) -> bool:
-        """Try to admit the head parked job (FIFO). True if it moved (or failed)."""
+        """Try to admit the head parked job (FIFO). True if it moved (or failed).
+
+        The head is taken out while it is admitted (``_admitting``), so a cancel or a
+        drain meanwhile cannot fail it under this step's hands: the step looks at the
+        cancel flag and the lifecycle once admission returns, and fails the job itself
+        (the soak found the race: a cancel landing mid-admission fired ``admit`` on a
+        failed job)."""
         with self._lock:
-            if not self._parked:
+            if not self._parked or self._admitting is not None:
                 return False
-            job = self._parked[0]
+            job = self._admitting = self._parked.popleft()
         try:
             if job.cancel_requested or self.life.closing:
                 raise Cancelled("cancelled while waiting for admission",
                                 **_ctx(job, "admission"))
-            if not self.admit(job, wait=False):
-                return False
+            admitted = self.admit(job, wait=False)
             with self._lock:
-                self._parked.popleft()
+                self._admitting = None
+                gone = job.cancel_requested or self.life.closing \
+                    or self.life.state != _READY
+                if not admitted and not gone:
+                    self._parked.appendleft(job)      # still the head: try again later
+                    return False
+            if gone:
+                raise Cancelled("cancelled while waiting for admission",
+                                **_ctx(job, "admission"))
             self.prepare(job)
         except Exception as e:
             with self._lock:
-                if self._parked and self._parked[0] is job:
-                    self._parked.popleft()
+                if self._admitting is job:
+                    self._admitting = None
             if not isinstance(e, CalfsmError):
                 log.error("unexpected error admitting job %s", job.job_id, exc_info=e,
                           extra=_ctx(job, "admission"))
@@ -513,7 +531,7 @@ class Pipeline:
         token is known."""
         epoch = self.life.epoch
         if epoch is None or not self.life.ready or self._broken is not None \
-                or self._parked:
+                or self._parked or self._admitting is not None:
             return None
         try:
             lease = epoch.pool.acquire(request.kind, request.engine)
@@ -995,6 +1013,7 @@ class Pipeline:
         self._finish(job, err, outcome or (
             "cancelled" if isinstance(err, Cancelled) else "failed"))
         self.hooks.job_parked()         # what it held came free
+        self.hooks.changed()            # it left the waiting books: idle may hold now
         if kv_error is not None:
             self._apply(self.faults.decide(kv_error, self.clock.now()))
 

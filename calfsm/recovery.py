@@ -24,6 +24,13 @@ artifact       reject generation / roll back model    ``ROLL_BACK``: reject the 
 compatibility  stop / operator fix                    ``STOP``: admission stops for good
 =============  =====================================  ===================================
 
+One decision is not about an error: when quarantine has taken every buffer slot of a
+task kind (:meth:`FaultPolicy.slots_exhausted`; the pool tells, see
+:mod:`calfsm.buffers`), that kind's jobs could only wait for a buffer that never comes,
+since a quarantined slot comes back only with a new generation. The decision is
+``DRAIN_AND_RESET`` whatever put the slots there (even errors that alone only fail
+their job), with the pool's reason; it spends no error budget.
+
 The policy holds only the error budget (a token bucket) and the back-off streak; it
 touches no executor, so it is unit-tested on its own. Whoever owns the lifecycle applies
 the decision (:mod:`calfsm.lifecycle`).
@@ -44,6 +51,7 @@ from calfsm.errors import (
     JobEffect,
     RecoveryAction,
 )
+from calfsm.manifest import TaskKind
 
 __all__ = ["Decision", "FaultPolicy", "RecoveryPolicy", "Verdict"]
 
@@ -146,6 +154,13 @@ class FaultPolicy:
                 and requeues < self.policy.max_requeues:
             return Verdict(Decision.REQUEUE, f"requeued after {err}", until)
         return Verdict(Decision.BACK_OFF, f"backing off after {err}", until)
+
+    def slots_exhausted(self, kind: TaskKind, reason: str) -> Verdict:
+        """The decision when no slot of ``kind`` is left to lend in this generation
+        (``reason``: the pool's account of it). Only a reset rebuilds the pool, and a
+        drain answers whoever waits for that kind with a retryable 503 at once."""
+        return Verdict(Decision.DRAIN_AND_RESET,
+                       f"no usable {kind.value} buffer slot left: {reason}")
 
     def succeeded(self) -> None:
         """A job completed: the back-off streak starts over."""

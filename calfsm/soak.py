@@ -85,9 +85,6 @@ EXIT_START_FAILED = 3
 EXCLUDED_KINDS = {
     "reset_fails": "a failed reset ends the executor Failed by design (a supervisor "
                    "restarts the process): the soak would end at the first one",
-    "short_output": "a short output quarantines its slot and recovers nothing; once a "
-                    "kind's slots are all quarantined its jobs wait for a buffer forever "
-                    "(see docs/soak.md): the soak finds this in seconds",
 }
 #: the fault kinds ``--faults swarm`` draws from by default
 SOAK_KINDS = tuple(k for k in SWARM_KINDS if k not in EXCLUDED_KINDS)

@@ -254,14 +254,14 @@ def _device_gate(tally: Tally) -> Gate:
     if tally.final_state == "Failed" and not tally.plan_fails_resets:
         problems.append(f"executor Failed without an injected reset failure: "
                         f"{tally.failure_reason}")
+    if tally.executor_bugs > tally.programming_errors:
+        # a bug only the executor's counters saw: the caller had its answer already
+        problems.append(f"the executor counted "
+                        f"{tally.executor_bugs - tally.programming_errors} programming "
+                        "error(s) no job delivered")
     detail = "; ".join(problems) or (
         f"{tally.device_errors} device-side job errors, all explained "
         f"(by point: {dict(sorted(tally.attributed.items())) or 'none'})")
-    if tally.executor_bugs > tally.programming_errors:
-        # a bug only the executor's counters saw: the caller had its answer already
-        detail += (f"; warning: the executor counted "
-                   f"{tally.executor_bugs - tally.programming_errors} programming error(s) "
-                   "no job delivered (docs/soak.md, findings)")
     return Gate("device", not problems, detail)
 
 

@@ -307,13 +307,15 @@ def test_switch_needs_configuration_reset(mode):
 
 def test_unknown_kv_sequence_refused_until_reset_others_keep_working():
     """A failure after submit leaves that sequence Unknown; it is refused with a clear
-    error until the caller resets it, and other sequences are unaffected (no drain:
-    a request-category output error)."""
+    error until the caller resets it, and other sequences are unaffected. A short output
+    is an output fault of the device (category unknown, like a NaN): the generation is
+    drained and reset, and the refusal outlives the recovery."""
     plan = FaultPlan.of(FaultRule("infer", "short_output", seq_id=SEQ, n_bytes=64))
     with make_executor("step", faults=plan) as ex:
         err = outcome(ex, ex.enqueue(_job()))
         assert err.calrt_code == CalrtCode.SHAPE_MISMATCH
-        assert ex.lifecycle_state == "Ready"
+        assert err.category is ErrorCategory.UNKNOWN
+        _recovered_and_serving(ex)
         again = outcome(ex, ex.enqueue(_job()))
         assert again is not None and "reset" in str(again)
         assert outcome(ex, ex.enqueue(_job(seq=SEQ + 1))) is None
