@@ -116,9 +116,11 @@ class Sequence:
         self.seq_id = seq_id
         self.state: str = SequenceState.OPEN.value
         self._allocator = allocator
-        self._lock = threading.Lock()
+        self._lock = threading.Condition(threading.Lock())
         self._position = 0
         self._last: JobHandle | None = None
+        #: a job is being started (Busy, not yet in ``_last``): close() waits for it
+        self._starting = False
         self._settled: JobHandle | None = None      # the last job already booked
 
     @property
@@ -158,15 +160,26 @@ class Sequence:
                           + (": one job at a time" if state == SequenceState.BUSY else ""),
                           stage="sequence", seq_id=self.seq_id)
             _fire(self, "start_job")
+            self._starting = True
         try:
             handle = self.executor.enqueue_nowait(request)
         except BaseException:
             with self._lock:
                 _fire_if(self, "job_ended")
+                self._started_locked(None)
             raise
-        self._last = handle
+        with self._lock:
+            self._started_locked(handle)
         handle.add_done_callback(self._job_done)
         return handle
+
+    def _started_locked(self, handle: JobHandle | None) -> None:
+        """The job being started is ``_last`` now (or none was): a close() waiting to
+        know which job to wait for may go on."""
+        if handle is not None:
+            self._last = handle
+        self._starting = False
+        self._lock.notify_all()
 
     def stage(self, request: Request) -> JobHandle | None:
         """Prepare this sequence's next step while its current one runs (overlap
@@ -184,15 +197,17 @@ class Sequence:
                 ok = False
             else:
                 _fire(self, "start_job")
-                ok = True
+                self._starting = ok = True
         if not ok:
             self.executor.discard_staged(staged)
             return None
         if not self.executor.release_staged(staged, request):
             with self._lock:
                 _fire_if(self, "job_ended")
+                self._started_locked(None)
             return None
-        self._last = staged
+        with self._lock:
+            self._started_locked(staged)
         staged.add_done_callback(self._job_done)
         return staged
 
@@ -256,6 +271,8 @@ class Sequence:
             if self.state in (SequenceState.CLOSING, SequenceState.RELEASED):
                 return
             _fire(self, "close")
+            # a job being started now is the one to wait for, not the one before it
+            self._lock.wait_for(lambda: not self._starting, timeout)
             last = self._last
         if last is not None and not last.done():
             try:

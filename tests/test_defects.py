@@ -588,3 +588,34 @@ def test_defect_wait_until_idle_wakes_when_the_last_stream_ends():
             assert ex.wait_until(ex.idle, 3.0)
             slowest = max(slowest, time.monotonic() - t0)
         assert slowest < 1.0, f"wait_until(idle) slept {slowest:.3f} s after the work ended"
+
+
+def test_defect_close_racing_a_job_being_started_waits_for_that_job(caplog):
+    """Found while breaking reference cycles: ``Sequence.close()`` landing between a
+    job's start (the sequence Busy) and its handle being recorded waited for the job
+    before it, released the KV under the new one and gave the id back while it ran."""
+    with make_executor("threaded") as ex:
+        seq = ex.open_sequence()
+        assert finish(ex, seq.prefill([1, 2, 3])).greedy() is not None
+        real = ex.enqueue_nowait
+        closer = threading.Thread(target=seq.close, name="test-closer")
+        seen: dict[str, bool] = {}
+
+        def enqueue_while_closing(request):
+            closer.start()
+            closer.join(0.2)                 # close() must wait for this job's handle
+            seen["waited"] = closer.is_alive()
+            return real(request)
+
+        ex.enqueue_nowait = enqueue_while_closing
+        try:
+            handle = seq.decode(7)
+        finally:
+            del ex.enqueue_nowait
+        closer.join(10)
+        assert seen["waited"], "close() went on before the job being started was known"
+        assert not closer.is_alive()
+        assert handle.exception(5) is None
+        assert seq.state == "Released"
+        assert ex.wait_until(ex.idle, 5) and ex.epoch.kv.stats().open == 0
+    assert not [r for r in caplog.records if "releasing the KV" in r.getMessage()]
