@@ -155,6 +155,7 @@ class Pipeline:
         #: the parked head the admission step took out to admit: the step owns it (a
         #: cancel only flags it, a drain does not take it) until it is queued or failed
         self._admitting: JobContext | None = None
+        self._completing = 0        # jobs out of the complete queue, step not yet done
         self._deferred: deque[Callable[[], None]] = deque()   # work to run outside locks
         self._staged: list[JobContext] = []         # streams' next steps, prepared ahead
         self._on_device: list[JobContext] = []      # submitted, wait not returned
@@ -224,7 +225,7 @@ class Pipeline:
         with self._lock:
             return not (self._parked or self._submit_q or self._complete_q
                         or self._on_device or self._deferred or self._staged
-                        or self._admitting)
+                        or self._admitting or self._completing)
 
     def has_parked(self) -> bool:
         return bool(self._parked)
@@ -831,9 +832,31 @@ class Pipeline:
 
     # ---- complete ------------------------------------------------------------------
     def next_completion(self) -> JobContext | None:
-        """Pop the oldest submitted job whose Wait is due."""
+        """Pop the oldest submitted job whose Wait is due; run it with
+        :meth:`run_completion`."""
         with self._lock:
-            return self._complete_q.popleft() if self._complete_q else None
+            if not self._complete_q:
+                return None
+            self._completing += 1
+            return self._complete_q.popleft()
+
+    def drop_completion(self, job: JobContext) -> None:
+        """Give up a job :meth:`next_completion` gave out without completing it (a
+        shutdown abandoning a zombie the device never let go)."""
+        with self._lock:
+            self._completing -= 1
+        self.hooks.changed()
+
+    def run_completion(self, job: JobContext) -> None:
+        """The complete step of a job :meth:`next_completion` gave out. Until it returns
+        (the job resolved, its callbacks run) the pipeline is not idle: a stream's
+        one-shot sequence is released from those callbacks."""
+        try:
+            self.run_step(job, "complete", self.complete)
+        finally:
+            with self._lock:
+                self._completing -= 1
+            self.hooks.changed()
 
     def completion_timeout_s(self, job: JobContext) -> float:
         """How long the Wait of ``job`` may block (its execution deadline; a slice for a
@@ -1132,7 +1155,7 @@ class Pipeline:
         job = self.next_completion()
         if job is None:
             return False
-        self.run_step(job, "complete", self.complete)
+        self.run_completion(job)
         return True
 
 

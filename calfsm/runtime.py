@@ -232,8 +232,9 @@ class ThreadRuntime(_Runtime):
                 continue
             if life.closing and time.monotonic() > self._close_deadline \
                     and job.ended:
+                p.drop_completion(job)
                 return              # abandon a zombie: the device never let it go
-            p.run_step(job, "complete", p.complete)
+            p.run_completion(job)
 
     def _admission_loop(self) -> None:
         """Admit parked jobs, head first, while they move; then sleep until a job parks,

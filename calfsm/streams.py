@@ -766,14 +766,14 @@ class Stream:
         # the stream counted
         self.sequence.executor.observers.stream_ended(self, result)
         with self._lock:
-            self._result = result
-            self._wake_locked()
-        with self._lock:
             staged, self._staged = self._staged, None
             # nothing more is sampled or stepped: let the rows and the last step go (a
             # finished stream the caller keeps holds its result, not 2 x vocab floats)
             self._rows = None
             self._handle = None
+        # what the stream held is handed back before its consumer is woken, so a
+        # consumer that has the result and waits for the executor to be idle sees the
+        # prepared step discarded and the one-shot sequence's release pending
         if staged is not None:
             self.sequence.executor.discard_staged(staged)
         if self._listening:
@@ -781,6 +781,9 @@ class Stream:
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
         if self._close_sequence:
             self.sequence.executor.defer(self.sequence.close)
+        with self._lock:
+            self._result = result
+            self._wake_locked()
 
     def _wake_locked(self) -> None:
         self._lock.notify_all()
