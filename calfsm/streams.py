@@ -410,6 +410,9 @@ class Stream:
         self._flip = 0
         self._staged: JobHandle | None = None
         self._staged_pos = -1
+        #: the highest position whose decode was handed on (staged or the ordinary way):
+        #: a step staged for it later would hold a slot nobody will use
+        self._handed = -1
         self._next_pos = -1             # where the token of the step in flight goes
         self._tokens: list[int] = []
         self._times: list[float] = []
@@ -557,9 +560,12 @@ class Stream:
                 return
             pos = self._next_pos
             inflight = self._handle
-        # only behind a step that holds its own slot: a staged step waits for the one
-        # before it, so that one must never wait for a slot (no deadlock)
-        if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED):
+        # only behind a live step that holds its own slot: a staged step waits for the
+        # one before it, so that one must never wait for a slot (no deadlock). A step
+        # that already ended (a fault: the stream may replay, whose prefill could wait
+        # for the very slot staged here) has nothing to stage behind.
+        if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED) \
+                or inflight.done():
             return
         staged = self.sequence.stage(Request.decode(
             self.sequence.seq_id, 0, pos, target=self._row(), deadline_s=self._left()))
@@ -567,7 +573,7 @@ class Stream:
             return
         with self._lock:
             keep = not self._ending and not self._cancelled and self._next_pos == pos \
-                and self._staged is None and not self._taken(pos)
+                and self._staged is None and self._handed < pos and not self._taken(pos)
             if keep:
                 self._staged, self._staged_pos = staged, pos
         if not keep:                     # the step it was for completed meanwhile
@@ -579,8 +585,13 @@ class Stream:
         return handle is not None and handle.context.past_len >= pos
 
     def _take_staged(self, pos: int) -> JobHandle | None:
+        """The step for ``pos`` if one was staged for it; from here the decode at ``pos``
+        is handed on, so a staging still under way for it discards its step (else that
+        step would hold a slot the ordinary job for ``pos`` may be waiting for: the
+        soak found two streams' orphaned steps holding both decode slots)."""
         with self._lock:
             staged, self._staged = self._staged, None
+            self._handed = max(self._handed, pos)
             ok = staged is not None and self._staged_pos == pos
         if staged is not None and not ok:
             self.sequence.executor.discard_staged(staged)
@@ -736,6 +747,10 @@ class Stream:
         except CalfsmError as e:
             self._finish(FinishReason.ERROR, e)
             return
+        with self._lock:            # a step staged for the lost generation's flow
+            staged, self._staged = self._staged, None
+        if staged is not None:
+            seq.executor.discard_staged(staged)
         history = list(self.prompt) + self._tokens[:-1]
         self._replay_check = self._tokens[-1] if self._tokens else None
         self._resumes += 1

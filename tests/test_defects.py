@@ -619,3 +619,4 @@ def test_defect_close_racing_a_job_being_started_waits_for_that_job(caplog):
         assert seq.state == "Released"
         assert ex.wait_until(ex.idle, 5) and ex.epoch.kv.stats().open == 0
     assert not [r for r in caplog.records if "releasing the KV" in r.getMessage()]
+
