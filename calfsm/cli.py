@@ -28,7 +28,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -44,8 +43,8 @@ from calfsm.manifest import (
     Manifest,
     SubmodelContract,
     TaskKind,
-    builtin_manifest,
     builtin_manifest_names,
+    manifest_from_option,
 )
 from calfsm.sampling import SamplingParams
 from calfsm.serve import cli as serve_cli
@@ -80,14 +79,9 @@ log = logging.getLogger("calfsm.cli")
 T = TypeVar("T")
 
 
+
 def _manifest(spec: str) -> Manifest:
-    """A built-in name always means the built-in manifest; anything else is a file."""
-    if spec in builtin_manifest_names():
-        return builtin_manifest(spec)
-    if not Path(spec).is_file():
-        raise InvalidArgument(f"not a built-in manifest ({', '.join(builtin_manifest_names())})"
-                              " and not a file", stage="cli")
-    return Manifest.load(spec)
+    return manifest_from_option(spec, option=None)
 
 
 def _faults(spec: str, seed: int, sequences: int) -> FaultPlan:

@@ -39,7 +39,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 
-from calfsm.errors import ManifestError
+from calfsm.errors import InvalidArgument, ManifestError
 
 __all__ = [
     "REQUIRED_KINDS",
@@ -592,3 +592,19 @@ def builtin_manifest(name: str = "qwen3-b1") -> Manifest:
                             stage="manifest")
     text = resources.files("calfsm.data").joinpath(_BUILTINS[name]).read_text("utf-8")
     return Manifest.from_dict(json.loads(text))
+
+
+def manifest_from_option(spec: str, *, option: str | None = "--manifest",
+                         stage: str = "cli") -> Manifest:
+    """What a command line's ``--manifest NAME|PATH`` names: a built-in name always
+    means the built-in manifest (even beside a file of that name); anything else is a
+    manifest file. The one parser of that option for every command; ``option`` prefixes
+    the error (None: the caller does)."""
+    if spec in _BUILTINS:
+        return builtin_manifest(spec)
+    if not Path(spec).is_file():
+        prefix = f"{option} {spec}: " if option else ""
+        raise InvalidArgument(f"{prefix}not a built-in manifest ({', '.join(_BUILTINS)}) "
+                              "and not a file", stage=stage)
+    return Manifest.load(spec)
+

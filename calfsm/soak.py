@@ -57,7 +57,12 @@ from calfsm.errors import (
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.job import JobHandle, Request
-from calfsm.manifest import Manifest, TaskKind, builtin_manifest, builtin_manifest_names
+from calfsm.manifest import (
+    Manifest,
+    TaskKind,
+    builtin_manifest_names,
+    manifest_from_option,
+)
 from calfsm.sampling import SamplingParams
 from calfsm.soak_gates import (
     DEVICE_CATEGORIES,
@@ -664,13 +669,6 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
     return p
 
 
-def _manifest(spec: str) -> Manifest:
-    if spec in builtin_manifest_names():
-        return builtin_manifest(spec)
-    if not Path(spec).is_file():
-        raise InvalidArgument(f"--manifest {spec}: not a built-in manifest and not a file",
-                              stage="soak")
-    return Manifest.load(spec)
 
 
 def _config(args: argparse.Namespace) -> SoakConfig:
@@ -711,7 +709,7 @@ def main(args: argparse.Namespace) -> int:
         if not 0 < args.fault_rate <= 1:
             raise InvalidArgument(f"--fault-rate must be in (0, 1], got {args.fault_rate}",
                                   stage="soak")
-        manifest = _manifest(args.manifest)
+        manifest = manifest_from_option(args.manifest, stage="soak")
         plan = soak_plan(args.faults, args.seed, config.clients, rate=args.fault_rate,
                          kinds=_kinds(args.kinds))
         driver = load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,

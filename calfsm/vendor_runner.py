@@ -53,7 +53,11 @@ from calfsm.drivers import Driver, driver_class, driver_names
 from calfsm.drivers.base import Calbin, EngineSlot, JobTag, OutputStatus
 from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalfsmError, InvalidArgument, code_name
-from calfsm.manifest import Manifest, TaskKind, builtin_manifest, builtin_manifest_names
+from calfsm.manifest import (
+    Manifest,
+    TaskKind,
+    manifest_from_option,
+)
 
 __all__ = ["EXIT_INCOMPLETE", "EXIT_OK", "EXIT_USAGE", "Bench", "Chain", "Outcome",
            "RunContext", "Slot", "golden", "open_driver", "parse_latency", "run_runner",
@@ -84,14 +88,6 @@ def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
     return kind == "real", model
 
 
-def _manifest(spec: str) -> Manifest:
-    if spec in builtin_manifest_names():
-        return builtin_manifest(spec)
-    if not Path(spec).is_file():
-        raise InvalidArgument(f"--manifest {spec}: not a built-in manifest "
-                              f"({', '.join(builtin_manifest_names())}) and not a file",
-                              stage="runner")
-    return Manifest.load(spec)
 
 
 def runner_parser(name: str, description: str) -> argparse.ArgumentParser:
@@ -469,7 +465,7 @@ def run_runner(name: str, description: str, observe: Callable[[RunContext], Outc
     try:
         if not (args.timeout_s > 0 and math.isfinite(args.timeout_s)):
             raise InvalidArgument("--timeout-s must be a finite number > 0", stage="runner")
-        manifest = _manifest(args.manifest)
+        manifest = manifest_from_option(args.manifest, stage="runner")
         if driver is None:
             driver = open_driver(args.driver, manifest, args.latency, args.seed)
         else:

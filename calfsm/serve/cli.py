@@ -16,13 +16,12 @@ import signal
 import sys
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from calfsm.drivers import driver_names, load_driver
-from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.manifest import Manifest, builtin_manifest, builtin_manifest_names
+from calfsm.manifest import Manifest, builtin_manifest_names, manifest_from_option
 
 __all__ = ["add_parser", "run"]
 
@@ -73,13 +72,6 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     return p
 
 
-def _manifest(spec: str) -> Manifest:
-    if spec in builtin_manifest_names():
-        return builtin_manifest(spec)
-    if not Path(spec).is_file():
-        raise InvalidArgument(f"--manifest {spec}: not a built-in manifest and not a file",
-                              stage="cli")
-    return Manifest.load(spec)
 
 
 def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
@@ -128,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        manifest = _manifest(args.manifest)
+        manifest = manifest_from_option(args.manifest)
         driver = _driver(args, manifest)
         exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
                                   max_sequences=args.max_sequences)
