@@ -16,7 +16,7 @@ from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.inflight import REQUIRED_CAPABILITY
 from calfsm.machines.job import JobState
-from calfsm.manifest import builtin_manifest
+from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.scheduler import StepScheduler
 
 MODES = ("step", "threaded")
@@ -201,3 +201,43 @@ def two_in_flight(directory: Path, driver: Any) -> dict[str, Any]:
     ``directory``."""
     write_evidence(directory, driver)
     return {"max_inflight": 2, "evidence_dir": str(directory)}
+
+
+class HeldReset:
+    """Proxy to a driver whose ``reset`` waits for ``gate`` (``resetting`` is set
+    first): a recovery held in progress for as long as the test needs to look at it."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.gate = threading.Event()
+        self.gate.set()
+        self.resetting = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def reset(self, kind: Any) -> int:
+        self.resetting.set()
+        assert self.gate.wait(30), "test never opened the reset gate"
+        return self._inner.reset(kind)
+
+
+def reference_stream(runner: Any, prompt: list[int], params: Any) -> list[int]:
+    """What a stream (or a server choice) must give for ``prompt`` on TINY: the direct
+    path's float32 logits sampled by a fresh sampler of ``params``, with the stream's
+    finish rules (stop tokens, max_tokens, max_seq). Uses and releases sequence 0."""
+    contract = TINY.submodel(TaskKind.DECODE)
+    sampler = params.sampler_for(contract.vocab)
+    row, pos, out = runner.prefill(0, prompt), len(prompt), []
+    try:
+        while True:
+            tok = sampler.sample(row.copy())
+            if params.is_stop(tok):
+                return out
+            out.append(tok)
+            if len(out) >= params.max_tokens or pos >= contract.max_seq:
+                return out
+            row = runner.decode(0, tok, pos)
+            pos += 1
+    finally:
+        runner.release(0)

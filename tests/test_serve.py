@@ -33,6 +33,7 @@ from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.sampling import SamplingParams
 from calfsm.serve import ByteTokenizer, ServerConfig, create_app, realtime_sim
 from calfsm.serve.tokenizer import IncrementalDecoder, chat_prompt
+from tests.executor_helpers import reference_stream
 
 TINY = builtin_manifest("tiny")
 CONTRACT = TINY.submodel(TaskKind.DECODE)
@@ -86,18 +87,7 @@ def serve(executor: DeviceExecutor, **config: Any) -> LiveServer:
 def reference(prompt: list[int], params: SamplingParams) -> list[int]:
     """What a choice must give: the direct path's logits sampled by a fresh sampler of
     ``params``, with the stream's finish rules (stop tokens, max_tokens, max_seq)."""
-    runner = DirectRunner(SimDriver(TINY, trace=False), TINY)
-    sampler = params.sampler_for(VOCAB)
-    row, pos, out = runner.prefill(0, prompt), len(prompt), []
-    while True:
-        tok = sampler.sample(row.copy())
-        if params.is_stop(tok):
-            return out
-        out.append(tok)
-        if len(out) >= params.max_tokens or pos >= MAX_SEQ:
-            return out
-        row = runner.decode(0, tok, pos)
-        pos += 1
+    return reference_stream(DirectRunner(SimDriver(TINY, trace=False), TINY), prompt, params)
 
 
 def sse_events(lines: Iterator[str]) -> list[dict[str, Any] | str]:

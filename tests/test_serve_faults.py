@@ -31,6 +31,7 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.sampling import SamplingParams
 from calfsm.serve import realtime_sim
 from calfsm.streams import FinishReason, Stream
+from tests.executor_helpers import HeldReset
 from tests.test_serve import (
     MODEL,
     TINY,
@@ -45,25 +46,6 @@ from tests.test_serve import (
 pytestmark = pytest.mark.timeout(60)
 GREEDY = {"temperature": 0, "max_tokens": 6}
 
-
-class GatedReset:
-    """A driver whose ``reset`` waits for the test's gate: a recovery stays in progress
-    for as long as the test needs to look at it."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.gate = threading.Event()
-        self.gate.set()
-        self.resetting = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def reset(self, kind: Any) -> int:
-        self.resetting.set()
-        if not self.gate.wait(30):
-            raise AssertionError("the test never opened the reset gate")
-        return self._inner.reset(kind)
 
 
 class RecordingExecutor(DeviceExecutor):
@@ -85,7 +67,7 @@ def settled(ex: DeviceExecutor) -> bool:
 
 
 def test_ready_is_503_during_a_recovery_and_200_after():
-    driver = GatedReset(realtime_sim(TINY, decode_ms=0))
+    driver = HeldReset(realtime_sim(TINY, decode_ms=0))
     ex = DeviceExecutor(driver, TINY)
     srv = serve(ex)
     try:

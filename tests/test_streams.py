@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import sys
 import threading
-from typing import Any
 
 import pytest
 
@@ -47,12 +46,14 @@ from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream
 from tests.executor_helpers import (
     TINY,
     GatedDriver,
+    HeldReset,
     HoldAfterWaits,
     calls,
     drive,
     eventually,
     make_executor,
     make_sim,
+    reference_stream,
 )
 
 N_TOKENS = 16
@@ -86,23 +87,7 @@ def golden(runner) -> list[list[int]]:
     return [runner.generate(0, p, N_TOKENS) for p in PROMPTS]
 
 
-def reference(runner: DirectRunner, prompt: list[int], params: SamplingParams) -> list[int]:
-    """What a stream must give: the reference's float32 logits sampled by a fresh
-    :class:`~calfsm.sampling.Sampler` of ``params``, with the stream's finish rules."""
-    sampler = params.sampler_for(VOCAB)
-    row, pos, out = runner.prefill(0, prompt), len(prompt), []
-    try:
-        while True:
-            tok = sampler.sample(row.copy())
-            if params.is_stop(tok):
-                return out
-            out.append(tok)
-            if len(out) >= params.max_tokens or pos >= MAX_SEQ:
-                return out
-            row = runner.decode(0, tok, pos)
-            pos += 1
-    finally:
-        runner.release(0)
+reference = reference_stream
 
 
 def settle(ex: DeviceExecutor, stream: Stream, seed: int = 0) -> GenerationResult:
@@ -565,24 +550,6 @@ def test_fault_mid_stream_without_resume_is_a_retryable_503(mode, golden, fault)
         assert_freed(ex)
         assert generate(ex, PROMPT, GREEDY).tokens == tuple(golden[5])   # and it serves
 
-
-class HeldReset:
-    """Proxy to a driver whose ``reset`` waits for ``gate`` (``resetting`` is set
-    first): a recovery held after it listed the sequences whose KV it will lose."""
-
-    def __init__(self, inner: Any) -> None:
-        self._inner = inner
-        self.gate = threading.Event()
-        self.gate.set()
-        self.resetting = threading.Event()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._inner, name)
-
-    def reset(self, kind: Any) -> int:
-        self.resetting.set()
-        assert self.gate.wait(30), "test never opened the reset gate"
-        return self._inner.reset(kind)
 
 
 def test_sequence_closed_during_a_recovery_is_not_lost_in_the_next():
