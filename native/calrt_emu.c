@@ -475,14 +475,9 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
     return CALRT_STATUS_DONE_OK;
 }
 
-/* Append an ended job to the timeline ring (allocated on first use). */
-static void timeline_add(device *d, const job *j, int32_t status, int64_t ended) {
-    if (!d->tl_cap) return;
-    if (!d->timeline) {
-        d->timeline = calloc(d->tl_cap, sizeof *d->timeline);
-        if (!d->timeline) return;  /* out of memory: the timeline is best effort */
-    }
-    calrt_emu_job_record_t *r = &d->timeline[d->tl_head];
+/* One job's timeline record: its phases, its status and when it ended. */
+static void fill_record(const job *j, calrt_emu_job_record_t *r, int32_t status,
+                        int64_t ended) {
     memset(r, 0, sizeof *r);
     r->job = j->id;
     r->engine = j->engine;
@@ -491,6 +486,16 @@ static void timeline_add(device *d, const job *j, int32_t status, int64_t ended)
     r->tag = j->tag;
     memcpy(r->phase_ns, j->phase_ns, sizeof r->phase_ns);
     r->ended_ns = ended;
+}
+
+/* Append an ended job to the timeline ring (allocated on first use). */
+static void timeline_add(device *d, const job *j, int32_t status, int64_t ended) {
+    if (!d->tl_cap) return;
+    if (!d->timeline) {
+        d->timeline = calloc(d->tl_cap, sizeof *d->timeline);
+        if (!d->timeline) return;  /* out of memory: the timeline is best effort */
+    }
+    fill_record(j, &d->timeline[d->tl_head], status, ended);
     d->tl_head = (d->tl_head + 1) % d->tl_cap;
     if (d->tl_len < d->tl_cap) d->tl_len++;
 }
@@ -1526,17 +1531,6 @@ int32_t calrt_emu_set_timeline(calrt_device_t h, uint32_t jobs) {
     RETURN(CALRT_SUCCESS);
 }
 
-static void pending_record(const job *j, calrt_emu_job_record_t *r) {
-    memset(r, 0, sizeof *r);
-    r->job = j->id;
-    r->engine = j->engine;
-    r->status = CALRT_STATUS_PENDING;
-    r->has_tag = j->has_tag;
-    r->tag = j->tag;
-    memcpy(r->phase_ns, j->phase_ns, sizeof r->phase_ns);
-    r->ended_ns = NEVER;
-}
-
 int32_t calrt_emu_timeline(calrt_device_t h, calrt_emu_job_record_t *out, uint32_t cap,
                            uint32_t *n) {
     if (!n || (cap && !out)) return CALRT_INVALID_VALUE;
@@ -1552,7 +1546,7 @@ int32_t calrt_emu_timeline(calrt_device_t h, calrt_emu_job_record_t *out, uint32
         out[w++] = d->timeline[(first + i) % d->tl_cap];
     uint64_t k = d->tl_len;
     for (job *j = d->q_head; j; j = j->next, k++)
-        if (k >= skip) pending_record(j, &out[w++]);
+        if (k >= skip) fill_record(j, &out[w++], CALRT_STATUS_PENDING, NEVER);
     *n = w;
     RETURN(CALRT_SUCCESS);
 }
