@@ -205,10 +205,9 @@ class ExecutorPath:
         self.ex.close()
 
 
-def bench_one_sequence(manifest, decode_s: float, steps: int, blocks: int) -> dict:
-    paths = {"direct": DirectPath(manifest, decode_s),
-             "floor": FloorPath(manifest, decode_s),
-             "executor": ExecutorPath(manifest, decode_s)}
+def interleaved_blocks(paths: dict, steps: int, blocks: int) -> dict[str, list[list[float]]]:
+    """Warm every path, then run ``blocks`` blocks of ``steps`` on each, in ABC... then
+    CBA order so drift hits all alike; each path's per-block samples. Closes the paths."""
     try:
         for path in paths.values():
             path.block(20)                    # warm all (kernels, caches, threads)
@@ -216,13 +215,20 @@ def bench_one_sequence(manifest, decode_s: float, steps: int, blocks: int) -> di
         for b in range(blocks):
             order = list(paths.items())
             if b % 2:
-                order = order[::-1]           # ABC... then CBA: drift hits all alike
+                order = order[::-1]
             for name, path in order:
                 gc.collect()
                 per[name].append(path.block(steps))
+        return per
     finally:
         for path in paths.values():
             path.close()
+
+
+def bench_one_sequence(manifest, decode_s: float, steps: int, blocks: int) -> dict:
+    per = interleaved_blocks({"direct": DirectPath(manifest, decode_s),
+                              "floor": FloorPath(manifest, decode_s),
+                              "executor": ExecutorPath(manifest, decode_s)}, steps, blocks)
     res = {}
     for name, runs in per.items():
         res[name] = {

@@ -50,7 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_executor import PROMPT, DirectPath, ExecutorPath, _pct, _sim
+from bench_executor import PROMPT, DirectPath, ExecutorPath, _pct, _sim, interleaved_blocks
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.manifest import TaskKind, builtin_manifest
@@ -103,19 +103,11 @@ def bench_one_stream(manifest, decode_s: float, steps: int, blocks: int) -> dict
         got = paths["streams"].tokens(20)
         if list(got) != want:
             raise RuntimeError(f"the stream's tokens {got} are not the direct path's {want}")
-        for path in paths.values():
-            path.block(20)                    # warm all (kernels, caches, threads)
-        per: dict[str, list[list[float]]] = {name: [] for name in paths}
-        for b in range(blocks):
-            order = list(paths.items())
-            if b % 2:
-                order = order[::-1]           # ABC... then CBA: drift hits all alike
-            for name, path in order:
-                gc.collect()
-                per[name].append(path.block(steps))
-    finally:
+    except BaseException:
         for path in paths.values():
             path.close()
+        raise
+    per = interleaved_blocks(paths, steps, blocks)
     return {name: {"p50": statistics.median(_pct(r, 50) for r in runs),
                    "p99": statistics.median(_pct(r, 99) for r in runs)}
             for name, runs in per.items()}
