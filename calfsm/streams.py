@@ -276,9 +276,11 @@ class Sequence:
             last = self._last
         if last is not None and not last.done():
             try:
-                last.result(timeout)
+                # exception(), not result(): the job's own error must not be raised
+                # here, or its traceback would hold this frame (and the sequence)
+                last.exception(timeout)
             except CalfsmError:
-                pass                    # its outcome is its caller's; we only wait
+                pass                    # a timeout; its outcome is its caller's
         if last is not None and not last.done():
             # the device still writes this sequence's KV: release it (and the id) once
             # the job has ended, never before
