@@ -86,6 +86,7 @@ from calfsm.errors import (
     code_name,
     from_calrt,
 )
+from calfsm.lograte import RateLimitedLog
 from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
 from calfsm.request import check_embeds
 
@@ -98,6 +99,8 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+#: the warnings a fault storm repeats, a burst per minute each (calfsm/lograte.py)
+_limited = RateLimitedLog(log)
 
 #: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
 _MAX_WAIT_S = min(threading.TIMEOUT_MAX, 3600.0)
@@ -752,9 +755,10 @@ class BufferPool:
             raise err
         # the log gets text, not the slot: a handler that keeps records (pytest's does)
         # would keep a retired generation's slot and its host arrays alive
-        log.warning("buffer slot quarantined on return: %s (%s)", slot.reason, str(slot),
-                    extra={"job_id": core.job_id, "seq_id": core.seq_id,
-                           "generation": slot.generation, "stage": "lease"})
+        _limited.warning("quarantine", "buffer slot quarantined on return: %s (%s)",
+                         slot.reason, str(slot), extra={
+                             "job_id": core.job_id, "seq_id": core.seq_id,
+                             "generation": slot.generation, "stage": "lease"})
         self._report_exhausted(slot.kind, why)
         return False
 
@@ -766,9 +770,10 @@ class BufferPool:
             core = self._own(lease)
             lease._consume("quarantined")
             why = self._quarantine_locked(core.slot, reason)
-        log.warning("buffer slot quarantined: %s (%s)", reason, str(core.slot),
-                    extra={"job_id": core.job_id, "seq_id": core.seq_id,
-                           "generation": core.slot.generation, "stage": "lease"})
+        _limited.warning("quarantine", "buffer slot quarantined: %s (%s)", reason,
+                         str(core.slot), extra={
+                             "job_id": core.job_id, "seq_id": core.seq_id,
+                             "generation": core.slot.generation, "stage": "lease"})
         self._report_exhausted(core.slot.kind, why)
 
     def retire(self) -> None:

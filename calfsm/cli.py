@@ -138,8 +138,9 @@ class CountingExecutor(DeviceExecutor):
     def enqueue(self, request: Request) -> JobHandle:
         return self._counted(super().enqueue, request)
 
-    def enqueue_nowait(self, request: Request) -> JobHandle:
-        return self._counted(super().enqueue_nowait, request)
+    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
+        return self._counted(lambda r: super(CountingExecutor, self).enqueue_nowait(
+            r, continuing=continuing), request)
 
     def release_staged(self, handle: JobHandle, request: Request) -> bool:
         released = super().release_staged(handle, request)

@@ -23,6 +23,12 @@ def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
                               stage="config")
 
 
+def _non_negative(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
+        raise InvalidArgument(f"ExecutorConfig.{attr.name} must be >= 0, got {value!r}",
+                              stage="config")
+
+
 def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgument(f"ExecutorConfig.{attr.name} must be an integer >= 1, got "
@@ -43,11 +49,26 @@ class ExecutorConfig:
     threaded: bool = True
     admission_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     queue_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    execution_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: how long ``wait`` may take before a job is given up as hung (FI07) and the device
+    #: drained; None: ten times the step's expected time, at least 1 s (the manifest's
+    #: ``timing``, raised to what the warm-up measured: calfsm/service.py)
+    execution_timeout_s: float | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_positive))
     default_deadline_s: float = attrs.field(default=60.0, validator=_positive)
     slots_per_engine: int = attrs.field(default=2, validator=_at_least_one)
     token_budget: int | None = None
     shutdown_timeout_s: float = attrs.field(default=10.0, validator=_positive)
+    #: ``close()``: how long running streams may go on finishing (no new work is taken)
+    #: before they are cut; 0: cut them at once
+    shutdown_grace_s: float = attrs.field(default=0.0, validator=_non_negative)
+    #: liveness: a job on the device this long (and past its execution timeout plus the
+    #: drain's grace) means the device stopped making progress: ``health().live`` False
+    hang_after_s: float = attrs.field(default=5.0, validator=_positive)
+    #: refuse a new stream (429 with Retry-After) that, or that would make another
+    #: stream, miss its deadline by the measured service rate (calfsm/capacity.py)
+    admission_estimate: bool = True
+    #: the estimate's safety factor on the modelled finishing times
+    admission_slack: float = attrs.field(default=1.2, validator=_positive)
     warmup: bool = True
     recovery: RecoveryPolicy = attrs.field(factory=RecoveryPolicy)
     #: jobs that may wait for the device at once (accepted, not yet submitted); more are
@@ -99,3 +120,13 @@ class Health:
     #: configuration the executor could not honour, and why (e.g. max_inflight)
     notes: tuple[str, ...] = ()
     broken: str | None = None
+    #: liveness: False when only a restart helps (Failed, broken, a device that stopped
+    #: making progress), with why in ``live_reason``
+    live: bool = True
+    live_reason: str | None = None
+    #: clock seconds the oldest job on the device has been there (0: none)
+    oldest_job_s: float = 0.0
+    #: a job has been on the device past half its execution timeout: not ready
+    hang_suspected: bool = False
+    #: why ``ready`` is False (None when ready)
+    ready_reason: str | None = None

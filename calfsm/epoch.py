@@ -23,6 +23,7 @@ from calfsm.drivers.base import SEQ_LIMIT, Calbin, Driver, EngineSlot, JobTag
 from calfsm.errors import CalfsmError, Internal, ManifestError, check, from_calrt
 from calfsm.kv import KvCoordinator
 from calfsm.manifest import Manifest, ModelGeneration, SubmodelContract, TaskKind
+from calfsm.service import ServiceModel, WarmupTiming
 from calfsm.staging import check_output, read_output
 
 __all__ = ["WARMUP_PROMPT", "WARMUP_SEQ", "Epoch", "build_epoch", "warm_up"]
@@ -112,10 +113,11 @@ def expected_warmup_tokens(vocab: int) -> list[int]:
     return out
 
 
-def warm_up(driver: Driver, epoch: Epoch, timeout_s: float) -> None:
+def warm_up(driver: Driver, epoch: Epoch, service: ServiceModel) -> WarmupTiming:
     """Run the fixed golden prefill + decode on the new generation and compare it with
     the reference model. Any code, status or token difference raises; the sequence is
-    released afterwards either way."""
+    released afterwards either way. Returns how long each step took (the service model
+    calibrates its expectation with it); each waits at most its execution timeout."""
     prefill = epoch.contract(TaskKind.PREFILL_IDS) if TaskKind.PREFILL_IDS in epoch.handles \
         else None
     decode = epoch.contract(TaskKind.DECODE) if TaskKind.DECODE in epoch.handles else None
@@ -124,12 +126,17 @@ def warm_up(driver: Driver, epoch: Epoch, timeout_s: float) -> None:
                             generation=epoch.generation, stage="warmup")
     want = expected_warmup_tokens(decode.vocab)
     got: list[int] = []
+    took: list[float] = []
     logits = np.empty(decode.vocab, dtype=np.float32)
+    clock = driver.clock
     try:
         tokens = list(WARMUP_PROMPT)
         kind, past = TaskKind.PREFILL_IDS, 0
         for step in range(WARMUP_DECODE):
-            _run_direct(driver, epoch, kind, WARMUP_SEQ, tokens, past, logits, timeout_s)
+            t0 = clock.now()
+            _run_direct(driver, epoch, kind, WARMUP_SEQ, tokens, past, logits,
+                        service.execution_timeout_s(kind, len(tokens)))
+            took.append(clock.now() - t0)
             tok = int(np.argmax(logits))
             got.append(tok)
             past += len(tokens)
@@ -147,6 +154,7 @@ def warm_up(driver: Driver, epoch: Epoch, timeout_s: float) -> None:
         _release_warmup(driver, epoch, quiet=True)
         raise
     _release_warmup(driver, epoch, quiet=False)
+    return WarmupTiming(len(WARMUP_PROMPT), took[0], tuple(took[1:]))
 
 
 def _release_warmup(driver: Driver, epoch: Epoch, *, quiet: bool) -> None:

@@ -24,11 +24,12 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from calfsm.capacity import LiveStreams
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver
 from calfsm.dump import DumpSink
 from calfsm.epoch import WARMUP_SEQ, Epoch
-from calfsm.errors import CalfsmError, Cancelled, Unavailable
+from calfsm.errors import CalfsmError, Cancelled, ExecutorClosed, Unavailable
 from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
@@ -39,6 +40,8 @@ from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
 from calfsm.recovery import FaultPolicy
 from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
 from calfsm.sampling import SamplingParams
+from calfsm.scheduler import StepScheduler
+from calfsm.service import ServiceModel
 from calfsm.streams import Sequence, SequenceAllocator, Stream
 
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
@@ -69,17 +72,22 @@ class DeviceExecutor:
         engines = plan.engines
         self._life = life = Lifecycle(self.clock)
         self.faults = FaultPolicy(cfg.recovery)
+        #: what a step is expected to cost (hang detection) and costs (admission)
+        self.service = ServiceModel(manifest.timing,
+                                    execution_timeout_s=cfg.execution_timeout_s)
+        #: the live streams and the admission estimate for a new one
+        self.live_streams = LiveStreams(self.service, self.clock, slack=cfg.admission_slack,
+                                   enabled=cfg.admission_estimate)
         self._pipeline = Pipeline(
             driver, life, self.faults, max_inflight=plan.max_inflight, engines=engines,
             timeouts=PipelineTimeouts(
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
-                execution_s=cfg.execution_timeout_s,
                 default_deadline_s=cfg.default_deadline_s,
                 zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
-            apply=self._apply, drain=self.recover)
+            service=self.service, apply=self._apply, drain=self.recover)
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
-            execution_timeout_s=cfg.execution_timeout_s,
+            service=self.service,
             build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
                                 token_budget=cfg.token_budget, engines=engines,
@@ -112,18 +120,21 @@ class DeviceExecutor:
         self._pipeline.start(job, wait=self.config.threaded)
         return handle
 
-    def enqueue_nowait(self, request: Request) -> JobHandle:
+    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
         """Like :meth:`enqueue`, but never blocks: a job that must wait for KV or a
         buffer is parked (holding no thread) and admitted in FIFO order when capacity
-        comes free, bounded by its admission deadline."""
-        job = self._accept(request)
+        comes free, bounded by its admission deadline. ``continuing``: the next step of
+        a running stream (streams set it): never refused by ``max_waiting``, and still
+        admitted while a graceful shutdown lets running streams finish."""
+        job = self._accept(request, continuing=continuing)
         handle = job.handle
         self._pipeline.start(job, wait=False)
         return handle
 
-    def _accept(self, request: Request) -> JobContext:
+    def _accept(self, request: Request, *, continuing: bool = False) -> JobContext:
         try:
-            return self._pipeline.accept(request, self._pipeline.cancel)
+            return self._pipeline.accept(request, self._pipeline.cancel,
+                                         continuing=continuing)
         except CalfsmError as e:
             self._rejected(e)
             raise
@@ -163,14 +174,24 @@ class DeviceExecutor:
         return Sequence(self, seq_id, self._sequences)
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
-                 deadline_s: float | None = None, resume: bool = True) -> Stream:
-        """One-shot generation on a fresh sequence, released when the stream ends."""
+                 deadline_s: float | None = None, resume: bool = True,
+                 max_resumes: int = 2) -> Stream:
+        """One-shot generation on a fresh sequence, released when the stream ends (its
+        id is free again by the time the stream's result is delivered).
+
+        ``deadline_s``: the stream's own deadline; a stream that cannot end in time by
+        the measured service rate, or that would make a running one late, is refused at
+        once (ResourceExhausted, with a Retry-After). ``resume``: after a device reset
+        lost the sequence's KV, replay the prompt and the tokens so far on the new
+        generation and go on, at most ``max_resumes`` times for this stream."""
         seq = self.open_sequence()
         try:
             return Stream(seq, prompt, params or SamplingParams(), deadline_s=deadline_s,
-                          resume=resume, close_sequence=True)
-        except BaseException:
+                          resume=resume, max_resumes=max_resumes, close_sequence=True)
+        except BaseException as e:
             seq.close()
+            if isinstance(e, CalfsmError):
+                self._rejected(e)
             raise
 
     # ---- overlap scheduling: a stream's next step prepared ahead ---------------------
@@ -225,8 +246,12 @@ class DeviceExecutor:
         Step mode: drive the scheduler instead."""
         return self._life.wait_for(states, timeout)
 
-    def close(self, timeout: float | None = None) -> None:
-        """Cancel queued jobs, drain submitted ones, join the threads (FI13).
+    def close(self, timeout: float | None = None, *, grace_s: float | None = None
+              ) -> None:
+        """Shut down: stop taking new work, let running streams finish for ``grace_s``
+        (default ``config.shutdown_grace_s``, 0: none), then cut the ones left (each ends
+        ``error`` with a retryable :class:`ExecutorClosed`), cancel queued jobs, drain
+        submitted ones and join the threads (FI13). Returns as soon as that is done.
 
         Bounded: after ``timeout`` (default ``config.shutdown_timeout_s``) of draining,
         jobs still on the device are resolved Unavailable, their buffers stay quarantined,
@@ -234,12 +259,24 @@ class DeviceExecutor:
         Safe to call twice.
         """
         timeout = self.config.shutdown_timeout_s if timeout is None else timeout
-        if not self._life.begin_close():
+        grace = self.config.shutdown_grace_s if grace_s is None else grace_s
+        if not self._life.begin_stop():
             return
+        if grace > 0 and len(self.live_streams):
+            sched = None if self.config.threaded else StepScheduler(self)
+            self.live_streams.wait_empty(grace, None if sched is None
+                                    else lambda: sched.step() is not None)
+        retry = self._life.retry_after_s
+        for stream in self.live_streams.live():     # cut first: each says why, as one
+            stream.abort(ExecutorClosed("the executor shut down before the stream "
+                                        "finished", stage="shutdown",
+                                        seq_id=stream.sequence.seq_id,
+                                        retry_after_s=retry))
+        self._life.begin_close()
         self._runtime.begin_close(timeout)
         for job in self._pipeline.take_waiting():
             job.cancel_requested = True
-            self._pipeline.fail_before_submit(job, _shutdown_cancel(job))
+            self._pipeline.fail_before_submit(job, _shutdown_cancel(job, retry))
         self._pipeline.wake_waiters()
         while self._pipeline.run_deferred():    # streams end, sequences are released
             pass
@@ -274,8 +311,9 @@ class DeviceExecutor:
         """Construct (start-up and warm-up) without blocking the event loop."""
         return await asyncio.to_thread(cls, driver, manifest, config, calbin=calbin)
 
-    async def aclose(self, timeout: float | None = None) -> None:
-        await asyncio.to_thread(self.close, timeout)
+    async def aclose(self, timeout: float | None = None, *, grace_s: float | None = None
+                     ) -> None:
+        await asyncio.to_thread(self.close, timeout, grace_s=grace_s)
 
     async def await_lifecycle(self, *states: str, timeout: float | None = None) -> str:
         return await asyncio.to_thread(self.wait_lifecycle, *states, timeout=timeout)
@@ -362,23 +400,60 @@ class DeviceExecutor:
             errors_by_category=by_category, **{k: counts[k] for k in COUNTERS})
 
     def health(self) -> Health:
-        """Lifecycle, depths and heartbeats; runs the no-progress watchdog first, so a
-        wedged device never reports ready."""
+        """Liveness and readiness (spec section 9), cheap and safe from any thread.
+
+        Runs the no-progress watchdog first, so a wedged device never reports ready.
+        ``ready``: Ready, not shutting down, not broken, and no job on the device past
+        half its execution timeout (a suspected hang). ``live``: False when only a
+        restart helps — Failed, broken, or a job on the device longer than
+        ``config.hang_after_s`` and its own execution timeout plus the drain's grace
+        (the executor's own recovery did not get the device back). Draining and
+        recovering are live (that is progress) but not ready."""
         self._control.check_progress()
         inflight, depth = self._pipeline.depths()
         life, p = self._life, self._pipeline
+        age, oldest = p.oldest_on_device()
+        suspect = oldest is not None and not oldest.ended and age > \
+            self.service.suspect_after_s(oldest.kind, oldest.token_count)
+        live_reason = None
+        if p.broken is not None:
+            live_reason = f"executor broken: {p.broken}"
+        elif life.state == "Failed":
+            live_reason = f"executor failed: {life.reason}"
+        elif oldest is not None and age > max(
+                self.config.hang_after_s,
+                self.service.execution_timeout_s(oldest.kind, oldest.token_count)
+                + self.config.recovery.grace_period_s):
+            live_reason = (f"no device progress: job {oldest.job_id} on the device for "
+                           f"{age:.3f} s (hang_after_s {self.config.hang_after_s:g})")
+        ready = life.ready and p.broken is None and not suspect
+        if ready:
+            ready_reason = None
+        elif p.broken is not None:
+            ready_reason = live_reason
+        elif life.closing or life.stopping:
+            ready_reason = "shutting down"
+        elif life.state != "Ready":
+            ready_reason = f"{life.state}: {life.reason}" if life.reason else life.state
+        else:
+            ready_reason = (f"suspected hang: job {oldest.job_id} on the device for "
+                            f"{age:.3f} s, over half its execution timeout")
         return Health(
-            state=life.state, ready=life.ready and p.broken is None,
+            state=life.state, ready=ready,
             generation=life.generation, inflight=inflight, queue_depth=depth,
             submitter_heartbeat=p.heartbeat("submitter"),
             completion_heartbeat=p.heartbeat("completion"), reason=life.reason,
-            max_inflight=p.max_inflight, notes=self._notes, broken=p.broken)
+            max_inflight=p.max_inflight, notes=self._notes, broken=p.broken,
+            live=live_reason is None, live_reason=live_reason, oldest_job_s=age,
+            hang_suspected=suspect, ready_reason=ready_reason)
 
     def __repr__(self) -> str:
         return (f"<DeviceExecutor {self.driver.name} gen={self.generation} "
                 f"{self.lifecycle_state}>")
 
 
-def _shutdown_cancel(job: JobContext) -> Cancelled:
+def _shutdown_cancel(job: JobContext, retry_after_s: float) -> Cancelled:
+    """Not the caller's cancel: another replica may serve it, hence the retry-after."""
     return Cancelled("cancelled by shutdown", stage="shutdown", job_id=job.job_id,
-                     seq_id=job.seq_id, generation=job.generation)
+                     seq_id=job.seq_id, generation=job.generation,
+                     retry_after_s=retry_after_s)

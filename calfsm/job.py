@@ -92,6 +92,13 @@ class JobContext:
     lease: BufferLease | None = None
     kv: KvReservation | None = None
     queue_deadline: float = float("inf")
+    execution_deadline: float = float("inf")   # set at submit: wait gives up after it
+    #: a running stream's next step (not new work: never refused by ``max_waiting``,
+    #: admitted during a graceful shutdown)
+    continuing: bool = False
+    #: the lifecycle's out-of-Ready seconds when the job was accepted: the admission
+    #: budget is not charged for a recovery the job waited through
+    unready_mark: float = 0.0
     holds_inflight: bool = False         # popped for submit, device not yet released
     requeues: int = 0                    # times a transient submit error put it back
     ended: bool = False                  # resolved: its caller has the outcome

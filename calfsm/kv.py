@@ -99,11 +99,14 @@ from calfsm.errors import (
     Unavailable,
     from_calrt,
 )
+from calfsm.lograte import RateLimitedLog
 from calfsm.machines.kv import KV_MACHINE, KvState
 
 __all__ = ["KvCoordinator", "KvReservation", "KvState", "KvStats", "SeqState"]
 
 log = logging.getLogger(__name__)
+#: the warnings a fault storm repeats, a burst per minute each (calfsm/lograte.py)
+_limited = RateLimitedLog(log)
 
 _STAGE = "admission"
 #: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
@@ -497,8 +500,8 @@ class KvCoordinator:
             r.reason = reason
             self._to_unknown_locked(seq, reason)
             self._end_locked(r, seq)
-        log.warning("KV of sequence %d is Unknown: %s", r.seq_id, reason,
-                    extra={"seq_id": r.seq_id, "job_id": r.job_id,
+        _limited.warning("kv_unknown", "KV of sequence %d is Unknown: %s", r.seq_id, reason,
+                         extra={"seq_id": r.seq_id, "job_id": r.job_id,
                            "generation": r.generation, "stage": "kv"})
 
     def _to_unknown_locked(self, seq: _Seq, reason: str) -> None:

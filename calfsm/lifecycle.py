@@ -7,7 +7,9 @@ Theory of operation
 reason, the current :class:`~calfsm.epoch.Epoch`, the known-good models) and its lock;
 nothing else writes it. Every transition goes through :meth:`Lifecycle.fire`, which wakes
 the waiters of :meth:`Lifecycle.wait_for` and calls the change listeners (the thread
-runtime rings its doorbells there).
+runtime rings its doorbells there; a stream waiting to resume hears of Ready there).
+Listeners never run with the lifecycle lock held: a transition made inside
+:meth:`Lifecycle.locked` (a check-then-act) calls them when the outermost hold ends.
 
 :class:`DeviceLifecycle` runs the procedures on a driver: ``Unconfigured -> Configuring ->
 Warming -> Ready`` at start-up; after a fault ``Ready -> Draining -> Recovering ->
@@ -24,10 +26,11 @@ scheduler runs :meth:`DeviceLifecycle.recover` as a step once :meth:`recovery_du
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -45,9 +48,11 @@ from calfsm.errors import (
     Unsupported,
     check,
 )
+from calfsm.lograte import RateLimitedLog
 from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.recovery import Decision, FaultPolicy, Verdict
+from calfsm.service import ServiceModel
 
 if TYPE_CHECKING:
     from calfsm.pipeline import Pipeline
@@ -55,6 +60,8 @@ if TYPE_CHECKING:
 __all__ = ["DeviceLifecycle", "Lifecycle", "LifecycleRecord"]
 
 log = logging.getLogger("calfsm.lifecycle")
+#: the warnings a fault storm repeats, a burst per minute each (calfsm/lograte.py)
+_limited = RateLimitedLog(log)
 
 #: strongest first: the reset that leaves the least state behind
 RESET_PREFERENCE = (ResetKind.FULL, ResetKind.CONFIGURATION, ResetKind.CCU)
@@ -83,8 +90,18 @@ class Lifecycle:
         self._rec = LifecycleRecord()
         self._lock = threading.RLock()
         self._cond = threading.Condition(self._lock)
+        #: how deep the thread holding ``locked()`` is in it, and whether a transition
+        #: inside owes the listeners a call once it lets go (only the holder writes them)
+        self._depth = 0
+        self._owed = False
         self._closing = False
+        self._stopping = False
         self._epoch: Epoch | None = None
+        #: clock seconds spent out of Ready since the first Ready, and since when the
+        #: current stretch lasts (None: Ready now, or never was)
+        self._unready_s = 0.0
+        self._unready_since: float | None = None
+        self._was_ready = False
         self._listeners: list[Callable[[], None]] = []
         self.history: list[tuple[float, str, str]] = []   # (time, state, reason)
 
@@ -120,16 +137,46 @@ class Lifecycle:
         return self._closing
 
     @property
+    def stopping(self) -> bool:
+        """A graceful shutdown began: no new work; running streams go on (``close``)."""
+        return self._stopping
+
+    @property
     def ready(self) -> bool:
-        return self._rec.state == _READY and not self._closing
+        return self._rec.state == _READY and not self._closing and not self._stopping
+
+    def unready_s(self, now: float) -> float:
+        """Clock seconds spent out of Ready (draining, recovering, warming) since the
+        first Ready, up to ``now``. A waiting job is not charged for them: its admission
+        budget is extended by what this grew while it waited."""
+        since = self._unready_since
+        return self._unready_s if since is None else self._unready_s + (now - since)
 
     @property
     def known_good(self) -> Any:
         return self._rec.known_good
 
-    def locked(self) -> threading.RLock:
-        """The record's lock, for a check-then-act that must see no transition between."""
-        return self._lock
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Hold the record's lock, for a check-then-act that must see no transition
+        between (re-entrant). The listeners of a transition made inside are called when
+        the outermost hold ends, outside the lock."""
+        with self._lock:
+            self._depth += 1
+            try:
+                yield
+            finally:
+                self._depth -= 1
+                owed = self._owed and self._depth == 0
+                if owed:
+                    self._owed = False
+        if owed:
+            self._changed()
+
+    def holds_lock(self) -> bool:
+        """Whether the calling thread holds the lifecycle lock (tests hold listeners and
+        observers to running without it)."""
+        return self._lock._is_owned()  # type: ignore[attr-defined]
 
     # ---- moving --------------------------------------------------------------------
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -145,23 +192,35 @@ class Lifecycle:
 
     def fire(self, trigger: str) -> bool:
         """Fire a lifecycle trigger; every transition goes through here."""
-        with self._lock:
+        with self.locked():
             fired = LIFECYCLE_MACHINE.fire(self._rec, trigger)
-            self._cond.notify_all()
-        self._changed()
+            self._moved()
         return fired
 
     def fire_if_declared(self, trigger: str) -> bool:
         """Fire ``trigger`` if it is declared from the current state (under one lock)."""
-        with self._lock:
+        with self.locked():
             fired = LIFECYCLE_MACHINE.fire_if_declared(self._rec, trigger)
-            self._cond.notify_all()
-        self._changed()
+            self._moved()
         return fired
+
+    def _moved(self) -> None:
+        """Under the lock, after a trigger: keep the out-of-Ready clock, wake waiters,
+        and owe the listeners a call once the outermost hold ends."""
+        self._owed = True
+        ready = self._rec.state == _READY
+        if ready:
+            if self._unready_since is not None:
+                self._unready_s += self.clock.now() - self._unready_since
+                self._unready_since = None
+            self._was_ready = True
+        elif self._was_ready and self._unready_since is None:
+            self._unready_since = self.clock.now()
+        self._cond.notify_all()
 
     def drain(self, reason: str, retry_after_s: float) -> bool:
         """Ready -> Draining with ``reason``. False if not Ready (or closing)."""
-        with self._lock:
+        with self.locked():
             if self._rec.state != _READY or self._closing:
                 return False
             self._rec.reason = reason
@@ -172,7 +231,7 @@ class Lifecycle:
 
     def fail(self, reason: str) -> None:
         """Any live state -> Failed with ``reason`` (a supervisor restarts the process)."""
-        with self._lock:
+        with self.locked():
             self._rec.reason = reason
             self.fire_if_declared("fail")
             self.note(reason)
@@ -187,7 +246,7 @@ class Lifecycle:
 
     def warmed(self, manifest: Manifest, calbin: Calbin) -> None:
         """Warming -> Ready: this model is the known-good one now."""
-        with self._lock:
+        with self.locked():
             self.fire("warmed")
             rec = self._rec
             if rec.known_good is not None and rec.known_good[0] is not manifest:
@@ -208,14 +267,26 @@ class Lifecycle:
             rec.known_good, rec.previous_good = rec.previous_good, None
             return rec.known_good
 
+    def begin_stop(self) -> bool:
+        """Stop admitting new work (a graceful shutdown's first phase): new requests get
+        :class:`ExecutorClosed` with a retry-after hint, the next steps of running
+        streams are still admitted. False if a shutdown already began."""
+        with self.locked():
+            if self._stopping or self._closing:
+                return False
+            self._stopping = True
+            self._owed = True
+            self._cond.notify_all()
+        return True
+
     def begin_close(self) -> bool:
         """Stop admission for good. False if close already began."""
-        with self._lock:
+        with self.locked():
             if self._closing:
                 return False
             self._closing = True
+            self._owed = True
             self._cond.notify_all()
-        self._changed()
         return True
 
     def note(self, reason: str) -> None:
@@ -226,13 +297,17 @@ class Lifecycle:
             listener()
 
     # ---- admission gate and waiting ------------------------------------------------
-    def gate(self) -> None:
-        """Only Ready admits. Closed: :class:`ExecutorClosed` (misuse); Recovering: 503
-        with a retry-after hint; Failed: 503 without one (restart the process)."""
+    def gate(self, *, continuing: bool = False) -> None:
+        """Only Ready admits. Closed: :class:`ExecutorClosed` (misuse); shutting down:
+        the same with a retry-after hint, except for the next step of a running stream
+        (``continuing``), which a graceful shutdown lets finish; Recovering: 503 with a
+        retry-after hint; Failed: 503 without one (restart the process)."""
         rec = self._rec
-        if self._closing:
-            raise ExecutorClosed("executor is closed", stage="admission",
-                                 generation=rec.generation)
+        if self._closing or (self._stopping and not continuing):
+            raise ExecutorClosed(
+                "executor is " + ("closed" if self._closing else "shutting down"),
+                stage="admission", generation=rec.generation,
+                retry_after_s=rec.retry_after_s)
         if rec.state != _READY:
             raise Unavailable(
                 f"device is {rec.state}" + (f": {rec.reason}" if rec.reason else ""),
@@ -261,7 +336,7 @@ class DeviceLifecycle:
 
     def __init__(self, driver: Driver, life: Lifecycle, policy: FaultPolicy,
                  pipeline: Pipeline, *, build: Callable[..., Epoch],
-                 warmup: bool, execution_timeout_s: float) -> None:
+                 warmup: bool, service: ServiceModel) -> None:
         self.driver = driver
         self.life = life
         self.faults = policy
@@ -269,7 +344,7 @@ class DeviceLifecycle:
         self.pipeline = pipeline
         self._build = build
         self._warmup = warmup
-        self._execution_timeout_s = execution_timeout_s
+        self._service = service
         self._pending = False
         self._roll_back = False
         self._drain_started = 0.0
@@ -302,11 +377,11 @@ class DeviceLifecycle:
             self._drain_started = life.clock.now()
             self._pending = True
             self._roll_back = roll_back
-        log.warning("draining generation %s: %s", life.generation, reason,
-                    extra={"generation": life.generation, "stage": "drain"})
-        # what has not reached the device fails now, retryable (it would run on a
-        # generation that is about to be reset)
-        self.pipeline.fail_waiting(Unavailable(
+        _limited.warning("drain", "draining generation %s: %s", life.generation, reason,
+                         extra={"generation": life.generation, "stage": "drain"})
+        # what has not reached the device waits for the next generation, or fails now,
+        # retryable, where it cannot run there (a sequence's KV the reset will lose)
+        self.pipeline.hold_waiting(Unavailable(
             f"device is recovering: {reason}", stage="admission",
             retry_after_s=self.policy.retry_after_s))
         self.pipeline.wake_waiters()
@@ -380,8 +455,8 @@ class DeviceLifecycle:
             log.warning("recovery stopped: the executor is shutting down")
             return False
         self.pipeline.count("recoveries")
-        log.warning("recovered: generation %s ready", life.generation,
-                    extra={"generation": life.generation, "stage": "recovery"})
+        _limited.warning("recovered", "recovered: generation %s ready", life.generation,
+                         extra={"generation": life.generation, "stage": "recovery"})
         return True
 
     def reset_kind(self) -> ResetKind | None:
@@ -426,8 +501,8 @@ class DeviceLifecycle:
                 self.give_up(f"generation {generation} did not come up "
                               f"(attempt {attempt} of {attempts}): {err}")
                 return False
-            log.warning("bring-up attempt %s of %s failed, resetting again: %s", attempt,
-                        attempts, err, extra=err.context())
+            _limited.warning("bring_up", "bring-up attempt %s of %s failed, resetting "
+                             "again: %s", attempt, attempts, err, extra=err.context())
             if life.epoch is not None and not life.epoch.retired:
                 life.epoch.retire()
             if life.state == LifecycleState.CONFIGURING or \
@@ -460,7 +535,7 @@ class DeviceLifecycle:
             self._step("configured")
             self._enable_parallel()
             if self._warmup:
-                warm_up(self.driver, epoch, self._execution_timeout_s)
+                self._service.calibrate(warm_up(self.driver, epoch, self._service))
             epoch.pool.on_exhausted = _on_exhausted(self)
         except CalfsmError as e:
             return e
@@ -547,7 +622,7 @@ class DeviceLifecycle:
                     raise FailedPrecondition(f"cannot switch model while {life.state}",
                                              stage="switch", generation=life.generation)
                 self._drain_started = life.clock.now()
-            self.pipeline.fail_waiting(Unavailable(
+            self.pipeline.hold_waiting(Unavailable(
                 "device is switching models", stage="admission",
                 retry_after_s=self.policy.retry_after_s))
             self.pipeline.device_barrier()

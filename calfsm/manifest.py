@@ -47,6 +47,7 @@ __all__ = [
     "Manifest",
     "ModelGeneration",
     "ModelInfo",
+    "StepTiming",
     "SubmodelContract",
     "TaskKind",
     "TensorContract",
@@ -215,6 +216,16 @@ class ModelGeneration:
 
 
 @attrs.frozen
+class StepTiming:
+    """What the vendor expects a step to take on the device: one decode step, and each
+    prefilled token on top of that. The executor sizes its hang detection (the execution
+    timeout) and its first admission estimates from it (:mod:`calfsm.service`)."""
+
+    decode_ms: float
+    prefill_token_us: float
+
+
+@attrs.frozen
 class Manifest:
     """The contents of a manifest file."""
 
@@ -222,6 +233,9 @@ class Manifest:
     calrt_version: str
     submodels: tuple[SubmodelContract, ...]
     name: str = ""
+    #: the vendor's expected step times (optional; without them the executor assumes
+    #: slow ones, :data:`calfsm.service.DEFAULT_TIMING`)
+    timing: StepTiming | None = None
 
     # ---- loading -------------------------------------------------------------------
     @classmethod
@@ -291,6 +305,12 @@ class Manifest:
                                 f"{', '.join(k.value for k in REQUIRED_KINDS)}; the "
                                 "warm-up golden runs both)")
         problems.extend(self._vocabulary_problems())
+        if self.timing is not None:
+            for field in ("decode_ms", "prefill_token_us"):
+                value = getattr(self.timing, field)
+                if not (math.isfinite(value) and value > 0):
+                    problems.append(f"timing.{field}: must be a finite number > 0, got "
+                                    f"{value!r}")
         if problems:
             raise ManifestError("invalid manifest: " + "; ".join(problems), stage="manifest")
 
@@ -512,6 +532,11 @@ def _make_converter() -> cattrs.Converter:
             raise TypeError(f"expected a string, got {value!r}")
         return value
 
+    def strict_float(value: Any, _type: type) -> float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"expected a number, got {value!r}")
+        return float(value)
+
     def strict_bool(value: Any, _type: type) -> bool:
         if not isinstance(value, bool):
             raise TypeError(f"expected true or false, got {value!r}")
@@ -548,6 +573,7 @@ def _make_converter() -> cattrs.Converter:
     conv.register_structure_hook(int, strict_int)
     conv.register_structure_hook(str, strict_str)
     conv.register_structure_hook(bool, strict_bool)
+    conv.register_structure_hook(float, strict_float)
     conv.register_structure_hook_func(lambda t: t == tuple[int, ...], shape)
     conv.register_structure_hook(DType, enum_of(DType))
     conv.register_structure_hook(TaskKind, enum_of(TaskKind))

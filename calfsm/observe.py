@@ -63,6 +63,7 @@ JOB_OUTCOMES = ("succeeded", "failed", "cancelled", "quarantined", "discarded")
 #: why a request was refused before it became a job
 REJECTION_REASONS = (
     "max_waiting",      # ExecutorConfig.max_waiting jobs already wait (429)
+    "capacity",         # the admission estimate: it would not end in time (429)
     "sequences",        # every sequence id is open (429)
     "not_ready",        # the lifecycle is not Ready: draining, recovering, failed (503)
     "closed",           # the executor is closing or closed
@@ -80,7 +81,8 @@ def rejection_reason(err: CalfsmError, *, opening: bool = False) -> str | None:
     if isinstance(err, ExecutorBroken):
         return "broken"
     if isinstance(err, ResourceExhausted):
-        return "sequences" if opening else "max_waiting"
+        return "sequences" if opening else (
+            "capacity" if err.stage == "capacity" else "max_waiting")
     if isinstance(err, Unavailable):
         return "not_ready"
     return None

@@ -62,17 +62,22 @@ from calfsm.errors import (
     from_calrt,
 )
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
+from calfsm.kv import SeqState
 from calfsm.lifecycle import Lifecycle
+from calfsm.lograte import RateLimitedLog
 from calfsm.machines.job import JOB_MACHINE, JobState
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.observe import JobEnded, Observers
 from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.request import check_request
+from calfsm.service import ServiceModel
 from calfsm.staging import check_output, read_output
 
 __all__ = ["COUNTERS", "Hooks", "Pipeline", "PipelineTimeouts"]
 
 log = logging.getLogger("calfsm.pipeline")
+#: the warnings a fault storm repeats, a burst per minute each (calfsm/lograte.py)
+_limited = RateLimitedLog(log)
 
 _fire = JOB_MACHINE.fire
 _fire_if = JOB_MACHINE.fire_if_declared
@@ -115,16 +120,15 @@ class Hooks:
 class PipelineTimeouts:
     """The timeouts of :class:`~calfsm.executor.ExecutorConfig` the steps use."""
 
-    __slots__ = ("admission_s", "default_deadline_s", "execution_s", "max_waiting",
-                 "queue_s", "zombie_wait_s")
+    __slots__ = ("admission_s", "default_deadline_s", "max_waiting", "queue_s",
+                 "zombie_wait_s")
 
-    def __init__(self, *, admission_s: float, queue_s: float, execution_s: float,
+    def __init__(self, *, admission_s: float, queue_s: float,
                  default_deadline_s: float, zombie_wait_s: float,
                  max_waiting: int | None = None) -> None:
         self.max_waiting = max_waiting
         self.admission_s = admission_s
         self.queue_s = queue_s
-        self.execution_s = execution_s
         self.default_deadline_s = default_deadline_s
         self.zombie_wait_s = zombie_wait_s
 
@@ -133,7 +137,7 @@ class Pipeline:
     """Queues, in-flight accounting and the admit/prepare/submit/complete steps."""
 
     def __init__(self, driver: Driver, life: Lifecycle, faults: FaultPolicy, *,
-                 timeouts: PipelineTimeouts, max_inflight: int,
+                 timeouts: PipelineTimeouts, service: ServiceModel, max_inflight: int,
                  engines: tuple[EngineSlot, ...], apply: Callable[[Verdict], None],
                  drain: Callable[[str], bool]) -> None:
         self.driver = driver
@@ -141,6 +145,8 @@ class Pipeline:
         self.life = life
         self.faults = faults
         self.t = timeouts
+        #: expected and measured step costs: the execution timeout, the estimates
+        self.service = service
         self.max_inflight = max_inflight
         self.engines = engines
         self._apply = apply             # the lifecycle carries out a policy decision
@@ -164,7 +170,6 @@ class Pipeline:
         #: empty with one in flight on the AUTO engine
         self._engine_busy: dict[EngineSlot, JobContext] = {}
         self._waiting = 0                           # accepted, not submitted nor ended
-        self._job_s = 0.0                           # moving average of a job's device time
         self._broken: str | None = None
         self._ids = itertools.count(1)
         self._counts = dict.fromkeys(COUNTERS, 0)
@@ -214,6 +219,15 @@ class Pipeline:
         with self._lock:
             return list(self._on_device)
 
+    def oldest_on_device(self) -> tuple[float, JobContext | None]:
+        """(clock seconds the oldest job on the device has been there, that job), or
+        (0.0, None) when the device holds none."""
+        with self._lock:
+            job = self._on_device[0] if self._on_device else None
+        if job is None:
+            return 0.0, None
+        return max(0.0, self.clock.now() - job.timings.submitted), job
+
     def idle_on_device(self) -> bool:
         """No job holds the device (submitted or about to be)."""
         with self._lock:
@@ -229,6 +243,11 @@ class Pipeline:
 
     def has_parked(self) -> bool:
         return bool(self._parked)
+
+    def can_admit(self) -> bool:
+        """A job waits for admission and the device takes work (not Ready: the parked
+        jobs wait for the next generation)."""
+        return bool(self._parked) and self.life.state == _READY
 
     def has_deferred(self) -> bool:
         return bool(self._deferred)
@@ -270,17 +289,18 @@ class Pipeline:
     def admission_wait_s(self) -> float | None:
         """How long the admission step may sleep: until the first parked job's admission
         deadline (None: nothing parked)."""
+        now = self.clock.now()
         with self._lock:
             if not self._parked:
                 return None
-            first = min(self._admission_deadline(j) for j in self._parked)
-        return max(0.0, first - self.clock.now())
+            first = min(self._admission_deadline(j, now) for j in self._parked)
+        return None if math.isinf(first) else max(0.0, first - now)
 
     def expire_parked(self) -> None:
         """Fail every parked job past its admission deadline."""
         now = self.clock.now()
         with self._lock:
-            late = [j for j in self._parked if self._admission_deadline(j) <= now]
+            late = [j for j in self._parked if self._admission_deadline(j, now) <= now]
             for j in late:
                 self._parked.remove(j)
         for j in late:
@@ -289,23 +309,25 @@ class Pipeline:
 
     def next_deadline(self) -> float:
         """Earliest deadline a parked or queued job waits for."""
+        now = self.clock.now()
         with self._lock:
-            dl = [self._admission_deadline(j) for j in self._parked]
+            dl = [self._admission_deadline(j, now) for j in self._parked]
             dl += [j.queue_deadline for j in self._submit_q]
         return min(dl, default=math.inf)
 
     # ---- request side: accept -> admit -> prepare ----------------------------------
-    def accept(self, request: Request, canceller: Callable[[JobContext], None]
-               ) -> JobContext:
+    def accept(self, request: Request, canceller: Callable[[JobContext], None], *,
+               continuing: bool = False) -> JobContext:
         """Gate, then make the job and its handle; raises only for a closed or non-Ready
-        executor (or a bad ``request`` type). Every accepted job has one outcome."""
+        executor, a full wait queue (or a bad ``request`` type). Every accepted job has
+        one outcome. ``continuing``: a running stream's next step (see JobContext)."""
         if not isinstance(request, Request):
             raise InvalidArgument(f"enqueue takes a Request, got {type(request).__name__}",
                                   stage="request")
         if self._broken is not None:
             raise ExecutorBroken(f"executor is broken: {self._broken}", stage="admission")
-        self.life.gate()
-        self._admit_waiting(request)
+        self.life.gate(continuing=continuing)
+        self._admit_waiting(request, continuing)
         now = self.clock.now()
         deadline_s = request.deadline_s if request.deadline_s is not None \
             else self.t.default_deadline_s
@@ -316,22 +338,26 @@ class Pipeline:
             deadline=now + deadline_s if deadline_s > 0 else now)
         job.engine = request.engine
         job.timings.accepted = now
+        job.continuing = continuing
+        job.unready_mark = self.life.unready_s(now)
         job.epoch = self.life.epoch
         job.handle = JobHandle(job, canceller)
         job.waiting = True
         self.count("accepted")
         return job
 
-    def _admit_waiting(self, request: Request) -> None:
-        """The bounded wait queue: refuse at once, with a Retry-After estimate, when
-        ``max_waiting`` jobs already wait (429 instead of blocking, then 504)."""
+    def _admit_waiting(self, request: Request, continuing: bool) -> None:
+        """The bounded wait queue: refuse new work at once, with a Retry-After estimate
+        from the measured service time, when ``max_waiting`` jobs already wait (429 now
+        instead of a 504 later). A running stream's next step (``continuing``) is never
+        refused here: its stream was admitted, and its steps wait their turn."""
         limit = self.t.max_waiting
         with self._lock:
-            if limit is None or self._waiting < limit:
+            if continuing or limit is None or self._waiting < limit:
                 self._waiting += 1
                 return
             depth = self._waiting
-        est = max(0.001, (depth + self._inflight) * (self._job_s or 0.01))
+        est = max(0.001, (depth + self._inflight) * self.service.decode_service_s())
         raise ResourceExhausted(
             f"{depth} jobs already wait for the device (max_waiting {limit})",
             stage="admission", seq_id=request.seq_id, retry_after_s=round(est, 3))
@@ -412,14 +438,23 @@ class Pipeline:
             if e.calrt_code is not None and not stale and not isinstance(e, Cancelled):
                 self._apply(self.faults.decide(e, self.clock.now()))
 
-    def _admission_deadline(self, job: JobContext) -> float:
-        return min(job.deadline, job.timings.accepted + self.t.admission_s)
+    def _admission_deadline(self, job: JobContext, now: float) -> float:
+        """``min(deadline, accepted + admission budget)``, the budget extended by the time
+        the executor spent out of Ready since the job was accepted: a job that waited
+        through a recovery is not charged for it (its own deadline still holds). While
+        the executor is not Ready only the job's own deadline can pass, and a running
+        stream's next step (``continuing``) is bounded by its own deadline alone: its
+        stream was admitted, and a step that waits its turn must not fail it."""
+        if job.continuing or self.life.state != _READY:
+            return job.deadline
+        paused = self.life.unready_s(now) - job.unready_mark
+        return min(job.deadline, job.timings.accepted + self.t.admission_s + paused)
 
     def admit(self, job: JobContext, *, wait: bool) -> bool:
         """KV reservation, then a buffer lease. ``wait=False``: False when either must
         wait (what was taken is kept for the next try); raises on errors."""
         epoch = job.epoch
-        deadline = self._admission_deadline(job)
+        deadline = self._admission_deadline(job, self.clock.now())
         if not wait and self.clock.now() >= deadline:
             raise DeadlineExceeded("admission deadline passed", **_ctx(job, "admission"))
         engine = self._engine_for(job)
@@ -470,7 +505,8 @@ class Pipeline:
         """A prepared job joins the submit queue (its queue deadline starts now), unless
         it was cancelled or the executor is closing: then Cancelled."""
         job.timings.queued = now
-        job.queue_deadline = min(job.deadline, now + self.t.queue_s)
+        job.queue_deadline = job.deadline if job.continuing \
+            else min(job.deadline, now + self.t.queue_s)
         with self._lock:
             queued = not (job.cancel_requested or self.life.closing)
             if queued:
@@ -490,21 +526,27 @@ class Pipeline:
         (the soak found the race: a cancel landing mid-admission fired ``admit`` on a
         failed job)."""
         with self._lock:
-            if not self._parked or self._admitting is not None:
-                return False
+            if not self._parked or self._admitting is not None \
+                    or self.life.state != _READY:
+                return False            # not Ready: parked jobs wait for the generation
             job = self._admitting = self._parked.popleft()
         try:
             if job.cancel_requested or self.life.closing:
                 raise Cancelled("cancelled while waiting for admission",
                                 **_ctx(job, "admission"))
+            if job.epoch is not self.life.epoch:
+                self._rebind(job)       # held through a recovery: the new generation's
             admitted = self.admit(job, wait=False)
             with self._lock:
                 self._admitting = None
-                gone = job.cancel_requested or self.life.closing \
-                    or self.life.state != _READY
+                cancelled = job.cancel_requested or self.life.closing
+                gone = cancelled or self.life.state != _READY
                 if not admitted and not gone:
                     self._parked.appendleft(job)      # still the head: try again later
                     return False
+            if gone and not cancelled and self._holdable(job):
+                self._hold([job])       # a drain began meanwhile: wait for the next one
+                return True
             if gone:
                 raise Cancelled("cancelled while waiting for admission",
                                 **_ctx(job, "admission"))
@@ -539,7 +581,7 @@ class Pipeline:
         except (ResourceExhausted, Unavailable):
             return None
         try:
-            job = self.accept(request, canceller)
+            job = self.accept(request, canceller, continuing=True)
         except CalfsmError:
             epoch.pool.release(lease)
             return None
@@ -639,9 +681,60 @@ class Pipeline:
     def fail_waiting(self, err: CalfsmError) -> None:
         """Fail every job that has not reached the device (each with its own copy)."""
         for job in self.take_waiting():
-            self.fail_before_submit(job, type(err)(
-                err.message, category=err.category, stage=err.stage,
-                retry_after_s=err.retry_after_s))
+            self.fail_before_submit(job, _copy(err))
+
+    def hold_waiting(self, err: CalfsmError) -> None:
+        """The device is about to be reset (a drain): what has not reached it waits for
+        the next generation where it can run there, and fails with ``err`` where it
+        cannot. A job that starts its sequence afresh (``past_len == 0``: a prefill of a
+        new prompt, a stream's first step or its replay) gives back what it took in this
+        generation and is parked again, ahead of anything newer. A job that continues a
+        sequence's KV (a stream's next step) cannot run after a reset, which loses that
+        KV: it fails, retryable, and its stream resumes. A step staged ahead is
+        discarded the same way."""
+        held = []
+        for job in self.take_waiting():
+            if self._holdable(job):
+                held.append(job)
+            else:
+                self.fail_before_submit(job, _copy(err))
+        self._hold(held)
+
+    def _holdable(self, job: JobContext) -> bool:
+        return job.past_len == 0 and job.state != JobState.STAGED \
+            and not job.cancel_requested and not job.ended and self._broken is None
+
+    def _hold(self, jobs: list[JobContext]) -> None:
+        """Give back what ``jobs`` took in their generation (they never ran) and park them
+        at the head, in the order they were accepted, for the next generation."""
+        kept = []
+        for job in jobs:
+            kv_error = self._give_back(job)
+            if kv_error is not None:        # the books are closed: it cannot wait
+                _fire_if(job, "fail")
+                self._finish(job, kv_error, "failed")
+                self._apply(self.faults.decide(kv_error, self.clock.now()))
+                continue
+            job.kv = None
+            _fire_if(job, "hold")
+            job.queue_deadline = math.inf
+            kept.append(job)
+        kept.sort(key=lambda j: j.job_id)
+        with self._lock:
+            self._parked.extendleft(reversed(kept))
+        if kept:
+            self.hooks.job_parked()
+            self.hooks.changed()
+
+    def _rebind(self, job: JobContext) -> None:
+        """A job held through a recovery joins the current generation: checked against
+        its contract again (a model switch may have changed it), and its sequence, whose
+        KV the reset lost, starts afresh, as the job itself does (``past_len == 0``)."""
+        epoch = job.epoch = self.life.epoch
+        job.generation = self.life.generation
+        self.validate(job)
+        if epoch.kv.sequence_state(job.seq_id) is SeqState.UNKNOWN:
+            epoch.kv.reset_sequence(job.seq_id)
 
     def wake_waiters(self) -> None:
         """Wake every job blocked for admission, so it sees a changed lifecycle."""
@@ -751,7 +844,9 @@ class Pipeline:
                 rc = self.driver.infer_fixed(handle, slot.inp, slot.out, slot.engine,
                                              tag=tag)
             if rc == 0:
-                job.timings.submitted = self.clock.now()
+                job.timings.submitted = now = self.clock.now()
+                job.execution_deadline = now + self.service.execution_timeout_s(
+                    job.kind, job.token_count)
                 self._leave_waiting(job)
                 job.lease.mark_on_device()
                 epoch.kv.mark_submitted(job.kv)
@@ -763,6 +858,9 @@ class Pipeline:
                 return
         if rc is None:
             self.release_inflight(job)
+            if self._holdable(job) and not self.life.closing:
+                self._hold([job])       # the device left Ready under it: next generation
+                return
             self.fail_before_submit(job, Unavailable(
                 f"device left Ready ({self.life.state}) before the job was submitted",
                 retry_after_s=self.life.retry_after_s, **_ctx(job, "submit")))
@@ -863,7 +961,7 @@ class Pipeline:
         job already given up)."""
         if job.ended:
             return self.t.zombie_wait_s
-        return max(0.0, job.timings.submitted + self.t.execution_s - self.clock.now())
+        return max(0.0, job.execution_deadline - self.clock.now())
 
     def complete(self, job: JobContext) -> None:
         """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
@@ -957,7 +1055,7 @@ class Pipeline:
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.hooks.job_parked()         # a slot and KV came free: admission may go on
-        self._job_s += 0.1 * ((job.timings.device_wait_ms * 1e-3) - self._job_s)
+        self.service.observe(job.kind, job.token_count, job.timings.submitted, t1)
         self.faults.succeeded()
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
@@ -998,7 +1096,8 @@ class Pipeline:
         old = job.epoch
         if old is not self.life.epoch or old.retired:
             self.count("stale_completions")
-            log.warning("stale completion of generation %s fenced", job.generation, extra={
+            _limited.warning("stale_completion", "stale completion of generation %s fenced",
+                             job.generation, extra={
                 "job_id": job.job_id, "seq_id": job.seq_id, "generation": job.generation,
                 "calrt_code": rc, "stage": "stale_completion"})
         self._withhold(job, "completion after the job was given up or its generation reset")
@@ -1015,23 +1114,7 @@ class Pipeline:
         ``outcome``: the counter it ends in (default: cancelled or failed)."""
         if isinstance(err, Cancelled):
             _fire_if(job, "cancel")
-        epoch = job.epoch
-        if job.lease is not None:
-            try:
-                job.lease.undo_slices()
-            except CalfsmError as e:
-                log.warning("undo_slices failed while failing a job: %s", e,
-                            extra=e.context())
-            lease, job.lease = job.lease, None
-            epoch.pool.release(lease)
-        kv_error = None
-        if job.kv is not None and job.kv.state == "Reserved":
-            try:
-                epoch.kv.rollback(job.kv)
-            except CalfsmError as e:    # books closed, sequence Unknown: the job still ends
-                kv_error = e
-                log.warning("KV rollback failed while failing a job: %s", e,
-                            extra=e.context())
+        kv_error = self._give_back(job)
         _fire_if(job, "fail")
         self._finish(job, err, outcome or (
             "cancelled" if isinstance(err, Cancelled) else "failed"))
@@ -1039,6 +1122,29 @@ class Pipeline:
         self.hooks.changed()            # it left the waiting books: idle may hold now
         if kv_error is not None:
             self._apply(self.faults.decide(kv_error, self.clock.now()))
+
+    def _give_back(self, job: JobContext) -> CalfsmError | None:
+        """What a job the device never ran took goes back: slices undone (a failed undo
+        is logged and quarantines the slot on return, FI15), the lease returned, the KV
+        rolled back. Returns the rollback's error (the books are closed and the sequence
+        is Unknown), else None."""
+        epoch = job.epoch
+        if job.lease is not None:
+            try:
+                job.lease.undo_slices()
+            except CalfsmError as e:
+                log.warning("undo_slices failed while giving a job's slot back: %s", e,
+                            extra=e.context())
+            lease, job.lease = job.lease, None
+            epoch.pool.release(lease)
+        if job.kv is not None and job.kv.state == "Reserved":
+            try:
+                epoch.kv.rollback(job.kv)
+            except CalfsmError as e:
+                log.warning("KV rollback failed while giving a job's KV back: %s", e,
+                            extra=e.context())
+                return e
+        return None
 
     def _withhold(self, job: JobContext, reason: str) -> None:
         """The device may have run (or may still run) the job: never claim a rollback.
@@ -1056,8 +1162,13 @@ class Pipeline:
         job.timings.completed = self.clock.now()
         self._leave_waiting(job)
         self._count_outcome(outcome, err)
-        if not isinstance(err, Cancelled):
-            log.warning("job failed: %s", err.message, extra=err.context())
+        if isinstance(err, Cancelled):
+            pass
+        elif err.http_status < 500:     # the caller's side (400, 429): not a fault here
+            log.debug("job failed: %s", err.message, extra=err.context())
+        else:
+            _limited.warning("job_failed", "job failed: %s", err.message,
+                             extra=err.context())
         if not job.ended:
             if self.observers.jobs:
                 self._observe(job, outcome, None, err, output)
@@ -1157,6 +1268,12 @@ class Pipeline:
             return False
         self.run_completion(job)
         return True
+
+
+def _copy(err: CalfsmError) -> CalfsmError:
+    """A fresh error of the same kind and message, for one of many jobs."""
+    return type(err)(err.message, category=err.category, stage=err.stage,
+                     retry_after_s=err.retry_after_s)
 
 
 def _ctx(job: JobContext, stage: str | None) -> dict[str, Any]:

@@ -24,6 +24,16 @@ artifact       reject generation / roll back model    ``ROLL_BACK``: reject the 
 compatibility  stop / operator fix                    ``STOP``: admission stops for good
 =============  =====================================  ===================================
 
+A generation that fails every job is not serving, whatever each error's row says: a
+device that rejects every CSR write answers each job with a request code (``continue``),
+and without more the executor would fail every request while calling itself Ready.
+So the policy also counts the jobs that failed *in a row* with a code from the device
+(any category but the transient ones, which the budget above handles, and but KV
+exhaustion, which is capacity, not a fault); after ``RecoveryPolicy.failure_streak`` of
+them with no success between, it answers ``DRAIN_AND_RESET`` ("generation fails every
+job"). If the device still refuses, the warm-up golden of the next generation fails too
+and the bring-up ends Failed: a 503 a supervisor acts on, not a 500 forever.
+
 One decision is not about an error: when quarantine has taken every buffer slot of a
 task kind (:meth:`FaultPolicy.slots_exhausted`; the pool tells, see
 :mod:`calfsm.buffers`), that kind's jobs could only wait for a buffer that never comes,
@@ -47,6 +57,7 @@ from calfsm.errors import (
     ACTIONS,
     AdmissionEffect,
     CalfsmError,
+    CalrtCode,
     InvalidArgument,
     JobEffect,
     RecoveryAction,
@@ -54,6 +65,9 @@ from calfsm.errors import (
 from calfsm.manifest import TaskKind
 
 __all__ = ["Decision", "FaultPolicy", "RecoveryPolicy", "Verdict"]
+
+#: KV exhaustion is capacity, not a device fault: it never counts as a failed job
+_ALLOC_FAILED = int(CalrtCode.ALLOC_FAILED)
 
 
 def _non_negative(inst: object, attr: attrs.Attribute, value: float) -> None:
@@ -79,6 +93,9 @@ class RecoveryPolicy:
     #: times a job refused by a transient submit error (DEVICE_BUSY: the graph did not
     #: run) goes back to the head of the queue after the back-off before it fails
     max_requeues: int = attrs.field(default=0, validator=_non_negative)
+    #: jobs in a row failing with a device code (no success between) after which the
+    #: generation is judged unable to serve and drained (0: never)
+    failure_streak: int = attrs.field(default=8, validator=_non_negative)
 
 
 class Decision(enum.Enum):
@@ -124,6 +141,7 @@ class FaultPolicy:
         self._last_refill: float | None = None
         self._streak = 0
         self._backoff_until = 0.0
+        self._failed_in_a_row = 0
 
     @property
     def backoff_until(self) -> float:
@@ -138,6 +156,10 @@ class FaultPolicy:
         (the device may have run it). A requeue or back-off spends the error budget."""
         action = ACTIONS[err.category]
         decision = _BY_ACTION[action.action]
+        if decision is Decision.CONTINUE and self._fails_the_generation(err):
+            return Verdict(Decision.DRAIN_AND_RESET,
+                           f"generation fails every job: {self._failed_in_a_row} in a row "
+                           f"failed with a device code, the last: {err}")
         if decision is not Decision.BACK_OFF:
             return Verdict(decision, f"{err.category.value} error: {err}")
         with self._lock:
@@ -163,8 +185,9 @@ class FaultPolicy:
                        f"no usable {kind.value} buffer slot left: {reason}")
 
     def succeeded(self) -> None:
-        """A job completed: the back-off streak starts over."""
+        """A job completed: the back-off streak and the failure streak start over."""
         self._streak = 0
+        self._failed_in_a_row = 0
 
     def reset(self) -> None:
         """A new generation came up: a full budget and no back-off."""
@@ -172,6 +195,17 @@ class FaultPolicy:
             self._tokens = self.policy.error_budget
             self._streak = 0
             self._backoff_until = 0.0
+            self._failed_in_a_row = 0
+
+    def _fails_the_generation(self, err: CalfsmError) -> bool:
+        """Count a job that failed with a code from the device; True once
+        ``failure_streak`` of them came in a row."""
+        limit = self.policy.failure_streak
+        if not limit or err.calrt_code is None or err.calrt_code == _ALLOC_FAILED:
+            return False
+        with self._lock:
+            self._failed_in_a_row += 1
+            return self._failed_in_a_row >= limit
 
     def _spend_locked(self, now: float) -> bool:
         p = self.policy

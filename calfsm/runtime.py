@@ -84,6 +84,7 @@ class ThreadRuntime(_Runtime):
         self._completion_thread: threading.Thread | None = None
         self._yield = False
         self._close_deadline = math.inf
+        self._stopping = False        # stop(): the admission thread may leave when idle
         control.on_recovery_due = self._start_recovery
         life.on_change(self._wake_all)
 
@@ -133,6 +134,7 @@ class ThreadRuntime(_Runtime):
 
     def stop(self, timeout: float) -> list[str]:
         """Join the worker threads; returns the names of those still alive."""
+        self._stopping = True
         self._wake_all()
         for t in self._threads:
             t.join(timeout=max(0.1, timeout))
@@ -239,9 +241,11 @@ class ThreadRuntime(_Runtime):
     def _admission_loop(self) -> None:
         """Admit parked jobs, head first, while they move; then sleep until a job parks,
         capacity comes free, or the first admission deadline."""
-        p, life, clock = self.pipeline, self.life, self.clock
+        p, clock = self.pipeline, self.clock
         while True:
-            if p.broken is not None or (life.closing and not p.has_parked()
+            # during close() it keeps running what the draining jobs defer (a stream's
+            # end, a sequence's release): close() waits for that to be done
+            if p.broken is not None or (self._stopping and not p.has_parked()
                                         and not p.has_deferred()):
                 return
             if p.run_deferred():
@@ -300,7 +304,7 @@ class Steps:
         return self.pipeline.next_deadline() <= self.clock.now()
 
     def can_admit(self) -> bool:
-        return self.pipeline.has_parked()
+        return self.pipeline.can_admit()
 
     def admission_fingerprint(self) -> int:
         return self.pipeline.admission_fingerprint()

@@ -74,6 +74,10 @@ from calfsm.errors import (
 
 __all__ = ["MAX_VOCAB", "Sampler", "SamplingParams", "native_sampling_available"]
 
+#: bounds of ``SamplingParams.stop_sequences`` (each is matched after every token)
+MAX_STOP_SEQUENCES = 16
+MAX_STOP_LENGTH = 64
+
 log = logging.getLogger("calfsm.sampling")
 
 #: the largest vocabulary a draw accepts (masses of this many tokens sum below 2**64)
@@ -132,7 +136,9 @@ class SamplingParams:
 
     ``temperature`` 0 is greedy (then ``top_k``, ``top_p`` and ``seed`` do not apply);
     ``top_k`` 0 and ``top_p`` 1 are off; ``seed`` None draws fresh entropy once per
-    stream. Generation ends at a token of ``stop_token_ids`` (:meth:`is_stop`) or after
+    stream. Generation ends at a token of ``stop_token_ids`` (:meth:`is_stop`), when
+    the tokens end with one of ``stop_sequences`` (token-id sequences; a stream holds
+    back the tokens that may begin one and never delivers a completed one), or after
     ``max_tokens`` tokens (the stream bounds it by ``max_seq`` too). A ``sampler``
     replaces the built-in one (then leave temperature, top_k, top_p and seed at their
     defaults). Every field is checked here; a bad value raises InvalidArgument.
@@ -145,7 +151,9 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     max_tokens: int = 16
     sampler: Callable[[np.ndarray], int] | None = None
+    stop_sequences: tuple[tuple[int, ...], ...] = ()
     _stops: frozenset[int] = attrs.field(init=False, repr=False, eq=False)
+    _multi: tuple[tuple[int, ...], ...] = attrs.field(init=False, repr=False, eq=False)
 
     def __attrs_post_init__(self) -> None:
         t = _number(self.temperature, "temperature")
@@ -161,7 +169,24 @@ class SamplingParams:
             _set(self, "seed", _int(self.seed, "seed", 0))
         stops = _token_ids(self.stop_token_ids, "stop_token_ids")
         _set(self, "stop_token_ids", stops)
+        seqs = self.stop_sequences
+        if isinstance(seqs, str | bytes) or not isinstance(seqs, Sequence | np.ndarray):
+            raise _bad(f"stop_sequences must be a sequence of token-id sequences, got "
+                       f"{reprlib.repr(seqs)}")
+        if len(seqs) > MAX_STOP_SEQUENCES:
+            raise _bad(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, got {len(seqs)}")
+        checked = []
+        for i, seq in enumerate(seqs):
+            ids = _token_ids(seq, f"stop_sequences[{i}]")
+            if not 1 <= len(ids) <= MAX_STOP_LENGTH:
+                raise _bad(f"stop_sequences[{i}] must hold 1 to {MAX_STOP_LENGTH} token "
+                           f"ids, got {len(ids)}")
+            checked.append(ids)
+        # a one-token sequence is a stop token; the longer ones need the tail matcher
+        stops = (*stops, *(ids[0] for ids in checked if len(ids) == 1))
+        _set(self, "stop_sequences", tuple(checked))
         _set(self, "_stops", frozenset(stops))
+        _set(self, "_multi", tuple(ids for ids in checked if len(ids) > 1))
         _set(self, "max_tokens", _int(self.max_tokens, "max_tokens", 1))
         if self.sampler is not None:
             if not callable(self.sampler):
@@ -179,8 +204,32 @@ class SamplingParams:
         return self.temperature == 0.0 and self.sampler is None
 
     def is_stop(self, token: int) -> bool:
-        """Whether ``token`` is one of the stop tokens."""
+        """Whether ``token`` is one of the stop tokens (or a one-token stop sequence)."""
         return token in self._stops
+
+    @property
+    def holds_back(self) -> bool:
+        """Whether a stream must hold tokens back: a stop sequence of two or more."""
+        return bool(self._multi)
+
+    def stop_match(self, tokens: Sequence[int]) -> int:
+        """The length of a stop sequence (of two or more tokens) that ``tokens`` end
+        with, else 0."""
+        for seq in self._multi:
+            n = len(seq)
+            if len(tokens) >= n and tuple(tokens[-n:]) == seq:
+                return n
+        return 0
+
+    def stop_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of the last ``tokens`` may begin a stop sequence (the longest tail
+        that is a proper prefix of one): the tokens a stream holds back for now."""
+        longest = max((len(s) for s in self._multi), default=1)
+        for k in range(min(len(tokens), longest - 1), 0, -1):
+            tail = tuple(tokens[-k:])
+            if any(len(s) > k and s[:k] == tail for s in self._multi):
+                return k
+        return 0
 
     def sampler_for(self, vocab: int, *, native: bool | None = None) -> Sampler:
         """A new :class:`Sampler` (one per stream) for a vocabulary of ``vocab``."""
@@ -277,6 +326,10 @@ class Sampler:
         for i, t in enumerate(params.stop_token_ids):
             if t >= vocab:
                 raise InvalidArgument(f"stop_token_ids[{i}] = {t} is outside the "
+                                      f"vocabulary of {vocab}", stage="request")
+        for i, seq in enumerate(params.stop_sequences):
+            if max(seq) >= vocab:
+                raise InvalidArgument(f"stop_sequences[{i}] holds {max(seq)}, outside the "
                                       f"vocabulary of {vocab}", stage="request")
         self.params = params
         self.vocab = vocab

@@ -205,8 +205,8 @@ class SoakExecutor(DeviceExecutor):
     def enqueue(self, request: Request) -> JobHandle:
         return self._book(super().enqueue(request))
 
-    def enqueue_nowait(self, request: Request) -> JobHandle:
-        return self._book(super().enqueue_nowait(request))
+    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
+        return self._book(super().enqueue_nowait(request, continuing=continuing))
 
     def release_staged(self, handle: JobHandle, request: Request) -> bool:
         released = super().release_staged(handle, request)

@@ -58,6 +58,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.job import InferenceResult, JobHandle, JobTimings, drop_tracebacks
+from calfsm.lograte import RateLimitedLog
 from calfsm.machines.job import JobState
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
@@ -71,6 +72,8 @@ __all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", 
            "TokenEvent", "Usage"]
 
 log = logging.getLogger("calfsm.streams")
+#: the warnings a fault storm repeats, a burst per minute each (calfsm/lograte.py)
+_limited = RateLimitedLog(log)
 
 _fire = SEQUENCE_MACHINE.fire
 _fire_if = SEQUENCE_MACHINE.fire_if_declared
@@ -142,9 +145,10 @@ class Sequence:
         """One decode step of ``token`` at the sequence's position."""
         return self.run(Request.decode(self.seq_id, token, self._position, **kw))
 
-    def run(self, request: Request) -> JobHandle:
+    def run(self, request: Request, *, continuing: bool = False) -> JobHandle:
         """Enqueue ``request`` (of this sequence) without blocking; refused while busy,
-        lost or closed."""
+        lost or closed. ``continuing``: the next step of a running stream (never refused
+        by ``max_waiting``, still admitted during a graceful shutdown)."""
         if request.seq_id != self.seq_id:
             raise InvalidArgument(f"request for sequence {request.seq_id} run on sequence "
                                   f"{self.seq_id}", stage="sequence", seq_id=self.seq_id)
@@ -162,7 +166,7 @@ class Sequence:
             _fire(self, "start_job")
             self._starting = True
         try:
-            handle = self.executor.enqueue_nowait(request)
+            handle = self.executor.enqueue_nowait(request, continuing=continuing)
         except BaseException:
             with self._lock:
                 _fire_if(self, "job_ended")
@@ -267,14 +271,23 @@ class Sequence:
     # ---- closing -------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
         """Wait for the last job to end, release the KV, give the id back. Idempotent."""
+        self._close(timeout, wait=True)
+
+    def close_when_done(self) -> None:
+        """Close without waiting: the KV and the id come back now if the last job has
+        ended, else the moment it ends (a one-shot stream's sequence, at its end)."""
+        self._close(None, wait=False)
+
+    def _close(self, timeout: float | None, *, wait: bool) -> None:
         with self._lock:
             if self.state in (SequenceState.CLOSING, SequenceState.RELEASED):
                 return
             _fire(self, "close")
             # a job being started now is the one to wait for, not the one before it
+            # (its starter never blocks: this wait is short)
             self._lock.wait_for(lambda: not self._starting, timeout)
             last = self._last
-        if last is not None and not last.done():
+        if wait and last is not None and not last.done():
             try:
                 # exception(), not result(): the job's own error must not be raised
                 # here, or its traceback would hold this frame (and the sequence)
@@ -289,10 +302,7 @@ class Sequence:
         self._release()
 
     def _after_last_job(self, _handle: JobHandle) -> None:
-        if self.executor.lifecycle.closing:
-            self._release()             # close() is running what is left: do it now
-        else:
-            self.executor.defer(self._release)  # not on the completion side
+        self._release()     # the job has ended (its callbacks run holding no lock)
 
     def _release(self) -> None:
         """Release the KV and give the id back (the sequence's last job has ended)."""
@@ -399,7 +409,14 @@ class Stream:
                                            and deadline_s > 0):
             raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
                                   stage="request")
+        if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
+                or max_resumes < 0:
+            raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
+                                  f"{max_resumes!r}", stage="request")
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
+        #: tokens this stream can give at most: max_tokens, bounded by the context
+        self._max_new = max(1, min(params.max_tokens,
+                                   self._max_seq - sequence.position - len(self.prompt) + 1))
         self._resume = resume
         self._max_resumes = max_resumes
         self._resumes = 0
@@ -421,6 +438,9 @@ class Stream:
         self._t0 = now
         self._lock = threading.Condition(threading.Lock())
         self._events: deque[TokenEvent] = deque()
+        #: events held back: their tokens may begin a stop sequence (not yet delivered)
+        self._held: list[TokenEvent] = []
+        self._delivered = 0             # tokens given to the consumer (queued events too)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._result: GenerationResult | None = None
         self._cancelled = False
@@ -431,8 +451,12 @@ class Stream:
         self._ending = False            # _finish has begun: nothing more is recorded
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
                                 target=self._row(), deadline_s=self._left())
+        # refused now (429) if it, or a stream it would slow down, cannot end in time
+        ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
+                         deadline=self._deadline, seq_id=sequence.seq_id)
+        ex.live_streams.add(self)
         ex.observers.stream_started(self)
-        self._submit(first)
+        self._submit(first, continuing=False)
 
     @property
     def started(self) -> float:
@@ -454,6 +478,37 @@ class Stream:
         if waiting:                 # no step runs (it waits to resume): end it now
             self._finish(FinishReason.CANCELLED)
         return True
+
+    def abort(self, error: CalfsmError) -> bool:
+        """End the stream now with finish reason ``error`` and ``error`` (what a
+        shutdown does to the streams it has to cut); otherwise as :meth:`cancel`:
+        nothing more is delivered, a step on the device runs to its end. False if the
+        stream had already finished."""
+        with self._lock:
+            if self._ending:
+                return False
+            cancelled = self._cancelled     # the consumer's cancel came first: it stands
+            self._cancelled = True
+            handle = self._handle
+        if handle is not None:
+            handle.cancel()
+        if cancelled:
+            self._finish(FinishReason.CANCELLED)
+        else:
+            self._finish(FinishReason.ERROR, error)
+        return True
+
+    def remaining_work(self, service: Any) -> tuple[float, float]:
+        """(device seconds this stream still needs at most, its deadline as clock time),
+        costed with ``service`` (a :class:`~calfsm.service.ServiceModel`): what the
+        admission estimate of a new stream weighs it by."""
+        done = len(self._tokens)
+        left = max(0, self._max_new - done)
+        work = max(0, left - 1) * service.decode_service_s() if done == 0 \
+            else left * service.decode_service_s()
+        if done == 0:
+            work += service.service_s(TaskKind.PREFILL_IDS, len(self.prompt))
+        return work, self._deadline
 
     def done(self) -> bool:
         return self._result is not None
@@ -527,15 +582,18 @@ class Stream:
             return None
         return max(1e-9, self._deadline - self._clock.now())
 
-    def _submit(self, request: Request, staged: JobHandle | None = None) -> None:
+    def _submit(self, request: Request, staged: JobHandle | None = None, *,
+                continuing: bool = True) -> None:
         """Run the next step: the staged one with its real request if there is one, else
-        the ordinary way; then prepare the step after it (deferred, off this thread)."""
+        the ordinary way; then prepare the step after it (deferred, off this thread).
+        ``continuing``: every step but the stream's first is the stream's own going on
+        (not new work for ``max_waiting`` or a graceful shutdown)."""
         handle = None
         if staged is not None:
             handle = self.sequence.release(staged, request)
         if handle is None:
             try:
-                handle = self.sequence.run(request)
+                handle = self.sequence.run(request, continuing=continuing)
             except CalfsmError as e:
                 self._on_error(e)
                 return
@@ -639,8 +697,12 @@ class Stream:
         # the token is the stream's from here (a next step that fails at once ends the
         # stream with it), but the consumer is woken only after the next step went to
         # the submitter
-        if want is None and not self._record(token, result, position):
+        recorded = want is not None or self._record(token, result, position)
+        if not recorded:
             self._finish(FinishReason.CANCELLED)
+            return
+        if recorded == "stop":              # a stop sequence is complete: not delivered
+            self._finish(FinishReason.STOP)
             return
         delivered = len(self._tokens)
         if delivered >= self.params.max_tokens or position >= self._max_seq:
@@ -663,18 +725,32 @@ class Stream:
         elif reason is not None:
             self._finish(reason)
 
-    def _record(self, token: int, result: InferenceResult, position: int) -> bool:
+    def _record(self, token: int, result: InferenceResult, position: int) -> bool | str:
         """Make ``token`` the stream's (not yet woken); False if a cancel or the end of
-        the stream came first: then nothing is delivered."""
+        the stream came first: then nothing is delivered. With stop sequences, the
+        tokens that may begin one are held back; ``"stop"`` when one is complete (its
+        tokens are dropped, the ones held before it delivered)."""
         now = self._clock.now()
+        params = self.params
         with self._lock:
             if self._cancelled or self._ending:
                 return False
-            self._tokens.append(token)
+            tokens = self._tokens
+            tokens.append(token)
             self._times.append(now)
-            self._events.append(TokenEvent(token, position, len(self._tokens) - 1,
-                                           result.timings))
-            return True
+            event = TokenEvent(token, position, len(tokens) - 1, result.timings)
+            if not params.holds_back:
+                self._events.append(event)
+                self._delivered += 1
+                return True
+            held = self._held
+            held.append(event)
+            matched = params.stop_match(tokens)
+            keep = len(held) - matched if matched else len(held) - params.stop_prefix(tokens)
+            self._events.extend(held[:keep])
+            self._delivered += keep
+            self._held = [] if matched else held[keep:]
+            return "stop" if matched else True
 
     def _on_error(self, err: CalfsmError) -> None:
         if isinstance(err, Cancelled) or self._cancelled:
@@ -757,9 +833,9 @@ class Stream:
         self._replay_check = self._tokens[-1] if self._tokens else None
         self._resumes += 1
         seq.executor.observers.stream_resumed(self)
-        log.warning("stream on sequence %s resumes after a reset: replaying %s tokens",
-                    seq.seq_id, len(history), extra={"seq_id": seq.seq_id,
-                                                     "stage": "resume"})
+        _limited.warning("resume", "stream on sequence %s resumes after a reset: "
+                         "replaying %s tokens", seq.seq_id, len(history),
+                         extra={"seq_id": seq.seq_id, "stage": "resume"})
         self._submit(Request.prefill(seq.seq_id, history, target=self._row(),
                                      deadline_s=self._left()))
 
@@ -773,15 +849,24 @@ class Stream:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
                 drop_tracebacks(error)
-            times = self._times
+            if self._held and reason is not FinishReason.CANCELLED:
+                # no stop sequence came: what was held back is output after all (a
+                # cancel delivers nothing more)
+                self._events.extend(self._held)
+                self._delivered += len(self._held)
+            self._held = []
+            delivered = self._delivered
+            times = self._times[:delivered]
             ttft = times[0] - self._t0 if times else None
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
-                tuple(self._tokens), reason, Usage(len(self.prompt), len(self._tokens)),
-                ttft, itl, error, self._resumes)
+                tuple(self._tokens[:delivered]), reason,
+                Usage(len(self.prompt), delivered), ttft, itl, error, self._resumes)
+        ex = self.sequence.executor
+        ex.live_streams.remove(self)
         # observers first (holding no lock), so a consumer that has the result finds
         # the stream counted
-        self.sequence.executor.observers.stream_ended(self, result)
+        ex.observers.stream_ended(self, result)
         with self._lock:
             staged, self._staged = self._staged, None
             # nothing more is sampled or stepped: let the rows and the last step go (a
@@ -797,7 +882,10 @@ class Stream:
             self._listening = False
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
         if self._close_sequence:
-            self.sequence.executor.defer(self.sequence.close)
+            # the id is back before the consumer wakes: a caller that has this result
+            # may open the next stream at once (unless the last step is still on the
+            # device: then the moment it ends)
+            self.sequence.close_when_done()
         with self._lock:
             self._result = result
             self._wake_locked()

@@ -9,12 +9,19 @@ import os
 import pytest
 from hypothesis import settings
 
+from calfsm import lograte
 from tests.executor_helpers import MODES
 
 settings.register_profile("ci", derandomize=True, database=None, deadline=None,
                           print_blob=True)
 if os.environ.get("CI"):
     settings.load_profile("ci")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_limits() -> None:
+    """Each test sees its first warnings: the process-wide log rate limits start over."""
+    lograte.reset()
 
 
 @pytest.fixture(params=MODES)

@@ -199,11 +199,11 @@ def test_the_summary_shows_jobs_refused_at_enqueue(capsys, monkeypatch, path):
     real_enqueue = getattr(DeviceExecutor, entry)
     calls = []
 
-    def enqueue(self, request):
+    def enqueue(self, request, **kw):
         calls.append(request)
         if len(calls) == 2:
             raise Unavailable("admission paused", retry_after_s=0.0, stage="admission")
-        return real_enqueue(self, request)
+        return real_enqueue(self, request, **kw)
 
     monkeypatch.setattr(DeviceExecutor, entry, enqueue)
     monkeypatch.setattr(DeviceExecutor, "stage", lambda self, request: None)

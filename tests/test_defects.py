@@ -601,11 +601,11 @@ def test_defect_close_racing_a_job_being_started_waits_for_that_job(caplog):
         closer = threading.Thread(target=seq.close, name="test-closer")
         seen: dict[str, bool] = {}
 
-        def enqueue_while_closing(request):
+        def enqueue_while_closing(request, **kw):
             closer.start()
             closer.join(0.2)                 # close() must wait for this job's handle
             seen["waited"] = closer.is_alive()
-            return real(request)
+            return real(request, **kw)
 
         ex.enqueue_nowait = enqueue_while_closing
         try:

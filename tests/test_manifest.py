@@ -77,8 +77,8 @@ def test_json_round_trip(tmp_path: Path) -> None:
 def _toml_value(v: Any) -> str:
     if isinstance(v, bool):
         return "true" if v else "false"
-    if isinstance(v, int):
-        return str(v)
+    if isinstance(v, int | float):
+        return repr(v)
     if isinstance(v, str):
         return json.dumps(v)  # a JSON string is a valid TOML basic string
     if isinstance(v, list):
@@ -88,10 +88,15 @@ def _toml_value(v: Any) -> str:
 
 def to_toml(data: dict[str, Any]) -> str:
     """Just enough TOML for a manifest: scalars, arrays, an array of tables
-    (``[[submodels]]``) whose tables hold sub-tables. ``None`` is left out (no null)."""
+    (``[[submodels]]``) whose tables hold sub-tables, and top-level tables (``[timing]``).
+    ``None`` is left out (no null)."""
     lines = [f"{k} = {_toml_value(v)}" for k, v in data.items()
              if not isinstance(v, list | dict) or (isinstance(v, list) and v
                                                    and not isinstance(v[0], dict))]
+    for key, table in data.items():
+        if isinstance(table, dict):
+            lines += ["", f"[{key}]"]
+            lines += [f"{k} = {_toml_value(v)}" for k, v in table.items() if v is not None]
     for key, items in data.items():
         if not (isinstance(items, list) and items and isinstance(items[0], dict)):
             continue

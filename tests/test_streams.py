@@ -35,7 +35,13 @@ from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import LatencyModel, SimDriver
-from calfsm.errors import CalfsmError, CalrtCode, FailedPrecondition, ResourceExhausted
+from calfsm.errors import (
+    CalfsmError,
+    CalrtCode,
+    FailedPrecondition,
+    InvalidArgument,
+    ResourceExhausted,
+)
 from calfsm.executor import DeviceExecutor
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
@@ -809,3 +815,82 @@ def test_a_sequence_takes_its_next_job_as_soon_as_result_returned(monkeypatch):
         h2 = seq.decode(tok)                 # not refused: the finished job is booked now
         StepScheduler(ex, 0).run_until(h2.done)
         assert h2.result(0).token_count == 1 and seq.position == 3
+
+
+# ---- one-shot ids, resume budget (issue 20, item 8) --------------------------------
+
+def test_one_shot_generate_gives_its_id_back_before_its_result(mode):
+    """With one sequence id, fifty one-shot streams in a row: each next ``generate``,
+    asked for the moment the last result is in, gets the id (no spurious 429)."""
+    with make_executor(mode, max_sequences=1) as ex:
+        for i in range(50):
+            s = ex.generate([i + 1, 2, 3], SamplingParams(max_tokens=2))
+            drive(ex, s.done)
+            assert s.result(10).finish_reason == FinishReason.LENGTH
+
+
+def test_max_resumes_is_settable_per_one_shot_stream_and_checked(mode):
+    with make_executor(mode) as ex:
+        for bad in (-1, 1.5, True, "2"):
+            with pytest.raises(InvalidArgument, match="max_resumes"):
+                ex.generate(PROMPT, GREEDY, max_resumes=bad)
+        assert ex.live_streams.live() == []
+        assert ex.open_sequence().seq_id == 0      # the refused streams gave their ids back
+
+
+def test_max_resumes_zero_ends_a_faulted_stream_with_a_retryable_503():
+    plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=0, nth=6))
+    with make_executor("step", faults=plan) as ex:
+        r = generate(ex, PROMPT, GREEDY, max_resumes=0)
+        assert r.finish_reason == FinishReason.ERROR and r.resumes == 0
+        assert r.error.retryable and r.error.http_status == 503
+        drive(ex, lambda: ex.lifecycle_state == "Ready")
+        r = generate(ex, PROMPT, GREEDY, max_resumes=1)      # the fault happened once
+        assert r.finish_reason == FinishReason.LENGTH
+
+
+# ---- stop sequences (several tokens) ------------------------------------------------
+
+def test_a_stop_sequence_ends_the_stream_stop_and_is_never_delivered(mode, golden):
+    """The reference tokens t0..t15 with a stop sequence (t5, t6, t7): the stream ends
+    ``stop`` with t0..t4, and its consumer never sees t5, although t5 and t6 were
+    generated (held back) before t7 completed the sequence."""
+    want = golden[5]
+    params = SamplingParams(max_tokens=N_TOKENS, stop_sequences=[want[5:8]])
+    with make_executor(mode) as ex:
+        s = ex.generate(PROMPT, params)
+        drive(ex, s.done)
+        seen = [e.token for e in s]
+        r = s.result(10)
+        assert r.finish_reason == FinishReason.STOP
+        assert list(r.tokens) == seen == want[:5]
+        assert r.usage.completion_tokens == 5 and len(r.inter_token_s) == 4
+
+
+def test_a_stop_sequence_prefix_that_does_not_complete_is_delivered(mode, golden):
+    """(t3, t4, x) with x never coming: t3 and t4 are held while they may begin it and
+    delivered once t5 shows they did not; a prefix left at max_tokens is delivered."""
+    want = golden[5]
+    other = next(t for t in range(VOCAB) if t not in want)
+    params = SamplingParams(max_tokens=N_TOKENS,
+                            stop_sequences=[(want[3], want[4], other), (want[15], other)])
+    with make_executor(mode) as ex:
+        s = ex.generate(PROMPT, params)
+        drive(ex, s.done)
+        events = list(s)
+        r = s.result(10)
+        assert r.finish_reason == FinishReason.LENGTH
+        assert list(r.tokens) == [e.token for e in events] == want
+        assert [e.index for e in events] == list(range(N_TOKENS))
+
+
+def test_stop_sequences_are_checked():
+    for bad, match in (([[]], r"stop_sequences\[0\] must hold"), ("ab", "stop_sequences"),
+                       ([[1, -2]], r"stop_sequences\[0\]\[1\]"),
+                       ([[1]] * 17, "at most 16")):
+        with pytest.raises(InvalidArgument, match=match):
+            SamplingParams(stop_sequences=bad)
+    with pytest.raises(InvalidArgument, match="outside the vocabulary"):
+        SamplingParams(stop_sequences=[[1, VOCAB]]).sampler_for(VOCAB)
+    one = SamplingParams(stop_sequences=[[7]])
+    assert one.is_stop(7) and not one.holds_back

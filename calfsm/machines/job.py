@@ -15,6 +15,10 @@ yet and is in no queue. When the token it carries is known it is ``admit``-ted (
 reserved) and queued; if its KV must wait it is ``unstage``-d (slot returned) and takes
 the ordinary path.
 
+A job that has not reached the device when a drain begins, and that starts its
+sequence afresh, is ``hold``-en: it gives back what it took in the generation about to
+be reset and waits, Created again, for the next one.
+
 ``CancelRequested`` exists only before submit: once ``infer()`` succeeded the device owns
 the buffers, so a cancel merely stops delivery (the ``deliverable`` guard of ``succeed``)
 and the job still goes through ``complete``. A job in Submitted leaves only through its
@@ -63,6 +67,7 @@ TRANSITIONS = [
     {"trigger": "unstage", "source": S.STAGED, "dest": S.CREATED},
     {"trigger": "admit", "source": [S.CREATED, S.STAGED], "dest": S.ADMITTED},
     {"trigger": "prepare", "source": S.ADMITTED, "dest": S.PREPARING},
+    {"trigger": "hold", "source": [S.ADMITTED, S.QUEUED], "dest": S.CREATED},
     {"trigger": "enqueue", "source": S.PREPARING, "dest": S.QUEUED},
     {"trigger": "submit", "source": S.QUEUED, "dest": S.SUBMITTED},
     {"trigger": "complete", "source": S.SUBMITTED, "dest": S.COMPLETING},

@@ -1,0 +1,181 @@
+"""Graceful shutdown of the executor (issue 20, item 4).
+
+``close()`` / ``aclose()`` stop taking new work at once (``ExecutorClosed``, a 503 with
+Retry-After), let running streams finish for ``grace_s``, then cut the rest (each ends
+``error`` with a retryable ``ExecutorClosed``) and return as soon as that is done — not
+after ``shutdown_timeout_s``. Jobs on the device when ``close()`` begins are drained,
+whichever comes first: ``close()`` or the completion side picking the job up, forced
+both ways here with a gated ``wait``; one in flight and two on Ping/Pong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from calfsm.errors import Cancelled, ExecutorClosed
+from calfsm.machines.job import JobState
+from calfsm.request import Request
+from calfsm.sampling import SamplingParams
+from calfsm.serve.realtime import realtime_sim
+from calfsm.streams import FinishReason
+from tests.executor_helpers import (
+    TINY,
+    GatedDriver,
+    make_executor,
+    make_sim,
+    two_in_flight,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+LONG = SamplingParams(max_tokens=5000)
+
+
+def _realtime(decode_ms: float = 2.0):
+    return realtime_sim(TINY, decode_ms=decode_ms, prefill_token_us=10)
+
+
+def test_close_with_a_running_stream_returns_at_once_and_cuts_it_retryably():
+    ex = make_executor("threaded", driver=_realtime())
+    stream = ex.generate([1, 2, 3], LONG)
+    next(iter(stream))                                # it is running
+    t0 = time.monotonic()
+    ex.close()                                        # shutdown_timeout_s is 10 s
+    took = time.monotonic() - t0
+    assert took < 2.0, took
+    r = stream.result(0)
+    assert r.finish_reason is FinishReason.ERROR and isinstance(r.error, ExecutorClosed)
+    assert r.error.retryable and r.error.http_status == 503
+    assert r.error.retry_after_s is not None
+
+
+def test_aclose_with_live_streams_returns_when_they_are_cut():
+    async def main() -> float:
+        ex = await asyncio.to_thread(make_executor, "threaded", driver=_realtime())
+        streams = [ex.generate([i, 1], LONG) for i in range(4)]
+        async for _ in streams[0]:
+            break
+        t0 = time.monotonic()
+        await ex.aclose()
+        took = time.monotonic() - t0
+        assert all(s.done() for s in streams)
+        return took
+
+    assert asyncio.run(main()) < 2.0
+
+
+def test_a_grace_lets_running_streams_finish_and_refuses_new_work():
+    """close(grace_s=10): a running 40-token stream (2 ms a step) ends ``length`` with
+    all its tokens; a new stream asked for meanwhile is refused with a retryable
+    ExecutorClosed; close returns right after the stream ended, long before the grace."""
+    ex = make_executor("threaded", driver=_realtime())
+    stream = ex.generate([1, 2, 3], SamplingParams(max_tokens=40))
+    next(iter(stream))
+    closer = threading.Thread(target=ex.close, kwargs={"grace_s": 10.0})
+    t0 = time.monotonic()
+    closer.start()
+    assert ex.lifecycle.stopping or not closer.is_alive()
+    with pytest.raises(ExecutorClosed) as info:
+        ex.generate([4, 5, 6], SamplingParams(max_tokens=4))
+    assert info.value.retryable and info.value.retry_after_s is not None
+    assert not ex.health().ready and ex.health().ready_reason == "shutting down"
+    closer.join(10)
+    took = time.monotonic() - t0
+    assert not closer.is_alive()
+    r = stream.result(0)
+    assert r.finish_reason is FinishReason.LENGTH and len(r.tokens) == 40, r
+    assert took < 5.0, took
+
+
+def test_a_grace_cuts_what_is_still_running_when_it_ends():
+    ex = make_executor("threaded", driver=_realtime())
+    stream = ex.generate([1, 2, 3], LONG)
+    next(iter(stream))
+    t0 = time.monotonic()
+    ex.close(grace_s=0.3)
+    took = time.monotonic() - t0
+    assert 0.3 <= took < 2.5, took
+    r = stream.result(0)
+    assert r.finish_reason is FinishReason.ERROR and isinstance(r.error, ExecutorClosed)
+    assert len(r.tokens) > 1
+
+
+def test_a_grace_in_step_mode_drives_the_streams_to_their_end():
+    with make_executor("step") as ex:
+        stream = ex.generate([1, 2, 3], SamplingParams(max_tokens=10))
+        ex.close(grace_s=5.0)
+        r = stream.result(0)
+        assert r.finish_reason is FinishReason.LENGTH and len(r.tokens) == 10
+
+
+def test_a_job_cancelled_by_shutdown_carries_a_retry_after():
+    inner = make_sim("threaded")
+    gated = GatedDriver(inner)
+    ex = make_executor("threaded", driver=gated, max_inflight=1, slots_per_engine=2)
+    gated.gate.clear()
+    on_device = ex.enqueue_nowait(Request.prefill(1, [1, 2, 3]))
+    assert gated.submitted.wait(5)
+    queued = ex.enqueue_nowait(Request.prefill(2, [1, 2, 3]))
+    closer = threading.Thread(target=ex.close)
+    closer.start()
+    err = queued.exception(5)
+    assert isinstance(err, Cancelled) and err.retry_after_s is not None and err.retryable
+    gated.gate.set()
+    closer.join(10)
+    assert not closer.is_alive() and on_device.exception(0) is None
+
+
+# ---- jobs on the device, close() and the completion's pickup in both orders --------
+
+def _hold(ex, gated, n: int) -> list:
+    gated.gate.clear()
+    handles = [ex.enqueue_nowait(Request.prefill(10 + i, [1, 2, 3])) for i in range(n)]
+    deadline = time.monotonic() + 10
+    while sum(h.state == JobState.SUBMITTED for h in handles) < n:
+        assert time.monotonic() < deadline, [h.state for h in handles]
+        gated.submitted.wait(0.01)
+        gated.submitted.clear()
+    assert gated.waiting.wait(5)          # the completion side is inside wait()
+    return handles
+
+
+@pytest.mark.parametrize("inflight", [1, 2], ids=["one", "pingpong"])
+@pytest.mark.parametrize("order", ["close_first", "pickup_first"])
+def test_close_drains_the_jobs_on_the_device_in_either_order(tmp_path, inflight, order):
+    """``close_first``: close() begins (and has stopped admission) while the completion
+    side is still held inside wait(); ``pickup_first``: the jobs come back and are
+    resolved before close() begins. Either way every job on the device gets its result,
+    close returns promptly, and nothing is left leased."""
+    inner = make_sim("threaded")
+    gated = GatedDriver(inner)
+    extra = two_in_flight(tmp_path, inner) if inflight == 2 else {}
+    ex = make_executor("threaded", driver=gated, **extra)
+    assert ex.health().max_inflight == inflight
+    handles = _hold(ex, gated, inflight)
+    if order == "close_first":
+        closer = threading.Thread(target=ex.close)
+        closer.start()
+        deadline = time.monotonic() + 5
+        while not ex.lifecycle.closing:
+            assert time.monotonic() < deadline
+            closer.join(0.001)
+        assert all(not h.done() for h in handles)       # still on the device
+        gated.gate.set()
+        closer.join(10)
+        assert not closer.is_alive()
+    else:
+        gated.gate.set()
+        for h in handles:
+            h.exception(5)
+        t0 = time.monotonic()
+        ex.close()
+        assert time.monotonic() - t0 < 2.0
+    assert [h.exception(0) for h in handles] == [None] * inflight
+    assert [h.result(0).token_count for h in handles] == [3] * inflight
+    assert ex.epoch.pool.stats().leased == 0
+    assert not [t for t in threading.enumerate() if t.name.startswith("calfsm-")
+                and t.is_alive()]
