@@ -25,14 +25,20 @@ from calfsm.streams import FinishReason
 from tests.executor_helpers import (
     TINY,
     GatedDriver,
+    eventually,
     make_executor,
     make_sim,
     two_in_flight,
 )
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(120)
 
 LONG = SamplingParams(max_tokens=5000)
+#: the tests' shutdown timeout: a close that waits for it instead of returning when done
+#: is what they catch, so their bounds sit far below it and far above a busy machine's
+#: scheduling delays
+TIMEOUT = 60.0
+PROMPT_BOUND = TIMEOUT / 4
 
 
 def _realtime(decode_ms: float = 2.0):
@@ -40,13 +46,13 @@ def _realtime(decode_ms: float = 2.0):
 
 
 def test_close_with_a_running_stream_returns_at_once_and_cuts_it_retryably():
-    ex = make_executor("threaded", driver=_realtime())
+    ex = make_executor("threaded", driver=_realtime(), shutdown_timeout_s=TIMEOUT)
     stream = ex.generate([1, 2, 3], LONG)
     next(iter(stream))                                # it is running
     t0 = time.monotonic()
-    ex.close()                                        # shutdown_timeout_s is 10 s
+    ex.close()
     took = time.monotonic() - t0
-    assert took < 2.0, took
+    assert took < PROMPT_BOUND, took
     r = stream.result(0)
     assert r.finish_reason is FinishReason.ERROR and isinstance(r.error, ExecutorClosed)
     assert r.error.retryable and r.error.http_status == 503
@@ -55,7 +61,8 @@ def test_close_with_a_running_stream_returns_at_once_and_cuts_it_retryably():
 
 def test_aclose_with_live_streams_returns_when_they_are_cut():
     async def main() -> float:
-        ex = await asyncio.to_thread(make_executor, "threaded", driver=_realtime())
+        ex = await asyncio.to_thread(make_executor, "threaded", driver=_realtime(),
+                                     shutdown_timeout_s=TIMEOUT)
         streams = [ex.generate([i, 1], LONG) for i in range(4)]
         async for _ in streams[0]:
             break
@@ -65,40 +72,40 @@ def test_aclose_with_live_streams_returns_when_they_are_cut():
         assert all(s.done() for s in streams)
         return took
 
-    assert asyncio.run(main()) < 2.0
+    assert asyncio.run(main()) < PROMPT_BOUND
 
 
 def test_a_grace_lets_running_streams_finish_and_refuses_new_work():
     """close(grace_s=10): a running 40-token stream (2 ms a step) ends ``length`` with
     all its tokens; a new stream asked for meanwhile is refused with a retryable
     ExecutorClosed; close returns right after the stream ended, long before the grace."""
-    ex = make_executor("threaded", driver=_realtime())
+    ex = make_executor("threaded", driver=_realtime(), shutdown_timeout_s=TIMEOUT)
     stream = ex.generate([1, 2, 3], SamplingParams(max_tokens=40))
     next(iter(stream))
-    closer = threading.Thread(target=ex.close, kwargs={"grace_s": 10.0})
+    closer = threading.Thread(target=ex.close, kwargs={"grace_s": TIMEOUT})
     t0 = time.monotonic()
     closer.start()
-    assert ex.lifecycle.stopping or not closer.is_alive()
+    assert eventually(lambda: ex.lifecycle.stopping, PROMPT_BOUND)
     with pytest.raises(ExecutorClosed) as info:
         ex.generate([4, 5, 6], SamplingParams(max_tokens=4))
     assert info.value.retryable and info.value.retry_after_s is not None
     assert not ex.health().ready and ex.health().ready_reason == "shutting down"
-    closer.join(10)
+    closer.join(TIMEOUT)
     took = time.monotonic() - t0
     assert not closer.is_alive()
     r = stream.result(0)
     assert r.finish_reason is FinishReason.LENGTH and len(r.tokens) == 40, r
-    assert took < 5.0, took
+    assert took < PROMPT_BOUND, took
 
 
 def test_a_grace_cuts_what_is_still_running_when_it_ends():
-    ex = make_executor("threaded", driver=_realtime())
+    ex = make_executor("threaded", driver=_realtime(), shutdown_timeout_s=TIMEOUT)
     stream = ex.generate([1, 2, 3], LONG)
     next(iter(stream))
     t0 = time.monotonic()
     ex.close(grace_s=0.3)
     took = time.monotonic() - t0
-    assert 0.3 <= took < 2.5, took
+    assert 0.3 <= took < PROMPT_BOUND, took
     r = stream.result(0)
     assert r.finish_reason is FinishReason.ERROR and isinstance(r.error, ExecutorClosed)
     assert len(r.tokens) > 1
@@ -153,7 +160,7 @@ def test_close_drains_the_jobs_on_the_device_in_either_order(tmp_path, inflight,
     inner = make_sim("threaded")
     gated = GatedDriver(inner)
     extra = two_in_flight(tmp_path, inner) if inflight == 2 else {}
-    ex = make_executor("threaded", driver=gated, **extra)
+    ex = make_executor("threaded", driver=gated, shutdown_timeout_s=TIMEOUT, **extra)
     assert ex.health().max_inflight == inflight
     handles = _hold(ex, gated, inflight)
     if order == "close_first":
@@ -173,7 +180,7 @@ def test_close_drains_the_jobs_on_the_device_in_either_order(tmp_path, inflight,
             h.exception(5)
         t0 = time.monotonic()
         ex.close()
-        assert time.monotonic() - t0 < 2.0
+        assert time.monotonic() - t0 < PROMPT_BOUND
     assert [h.exception(0) for h in handles] == [None] * inflight
     assert [h.result(0).token_count for h in handles] == [3] * inflight
     assert ex.epoch.pool.stats().leased == 0
