@@ -17,7 +17,7 @@ from typing import Any
 
 from calfsm.capabilities import (
     CAPABILITIES,
-    ENV_DIR,
+    DIR_RULE,
     Capability,
     EvidenceStore,
     Level,
@@ -30,13 +30,15 @@ from calfsm.drivers.base import Capabilities
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.manifest import Manifest, builtin_manifest, builtin_manifest_names
 
-__all__ = ["DEFAULT_REQUIRED", "EXIT_UNPROVEN", "add_parser", "main"]
+__all__ = ["DEFAULT_REQUIRED", "EVIDENCE_DIR_HELP", "EXIT_UNPROVEN", "add_parser", "main"]
 
 EXIT_OK = 0
 EXIT_UNPROVEN = 1
 EXIT_USAGE = 2
 #: the capabilities calfsm gates a feature on today (two in flight)
 DEFAULT_REQUIRED = ("parallel_two_in_flight",)
+#: the help of every ``--evidence-dir`` option: one rule for every command
+EVIDENCE_DIR_HELP = f"the vendor runners' evidence files (default: {DIR_RULE})"
 
 _DESCRIPTION = """\
 Print each vendor question (spec section 14), how much is known about it on this device
@@ -56,7 +58,7 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> argparse.Ar
                        description=_DESCRIPTION, epilog=_EPILOG,
                        formatter_class=formatter)
     p.add_argument("--evidence-dir", default=None, metavar="DIR",
-                   help=f"the runners' evidence files (default: ${ENV_DIR}, else ./evidence)")
+                   help=EVIDENCE_DIR_HELP)
     p.add_argument("--driver", default="sim", choices=driver_names(),
                    help="the driver whose device is asked about (its name, library, runtime "
                         "version and declared capabilities)")
@@ -124,9 +126,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"calfsm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    store = EvidenceStore(args.evidence_dir or None)
-    if store.directory is None:
-        store = EvidenceStore("evidence")
+    store = EvidenceStore(args.evidence_dir)
     answers = store.capabilities(device=device, runtime_version=version,
                                  calbin_sha256=args.calbin_sha256, declared=declared,
                                  max_age_s=args.max_age_s)

@@ -395,7 +395,12 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--max-prompt", type=int, default=64, metavar="N",
                      help="longest prompt in tokens (lengths are drawn from 1..N)")
     run.add_argument("--max-inflight", type=int, default=1, metavar="N",
-                     help="jobs the executor may keep on the device at once")
+                     help="jobs the executor may keep on the device at once: more than one "
+                          "runs only where the vendor runners' evidence proves two in "
+                          "flight (else it runs one and says why on stderr and in the "
+                          "table)")
+    run.add_argument("--evidence-dir", default=None, metavar="DIR",
+                     help=capabilities_cli.EVIDENCE_DIR_HELP)
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="sampling temperature, a finite number >= 0; 0 is greedy (then "
                           "--top-k, --top-p and --sampling-seed do not apply)")
@@ -496,10 +501,13 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
 
     try:
         ex = CountingExecutor(driver, manifest,
-                              ExecutorConfig(max_inflight=args.max_inflight))
+                              ExecutorConfig(max_inflight=args.max_inflight,
+                                             evidence_dir=args.evidence_dir))
     except CalfsmError as e:
         _error(f"start-up failed: {e}")
         return EXIT_DEVICE_FAILED
+    for note in ex.health().notes:     # configuration not honoured (e.g. --max-inflight)
+        _error(f"note: {note}")
     shutdown_error = None
     with Progress(console=Console(stderr=True), disable=args.quiet, transient=True) as bar:
         task = bar.add_task("prompts", total=args.prompts)
@@ -553,10 +561,15 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     from rich.table import Table
 
     stats = ex.stats()
+    health = ex.health()
     table = Table(title=f"calfsm run — {args.driver} driver, {manifest.name or 'manifest'}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("path", args.path + (", resume" if args.resume else ""))
+    table.add_row("jobs in flight: asked / running",
+                  f"{args.max_inflight} / {health.max_inflight}")
+    for note in health.notes:
+        table.add_row("note", note)
     for metric, value in _sampling_rows(args.sampling):
         table.add_row(metric, value)
     failed = sum(summary["errors"].values())
