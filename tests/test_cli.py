@@ -29,7 +29,7 @@ SMALL = ("--manifest", "tiny", "--prompts", "2", "--sequences", "1", "--tokens",
          "--quiet")
 OPTIONS = ("--driver", "--manifest", "--faults", "--seed", "--latency", "--path",
            "--prompts", "--sequences", "--tokens", "--max-prompt", "--max-inflight",
-           "--temperature", "--top-k", "--top-p", "--sampling-seed", "--resume", "--quiet")
+           "--evidence-dir", "--temperature", "--top-k", "--top-p", "--sampling-seed", "--resume", "--quiet")
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=5)
 
 
@@ -358,3 +358,21 @@ def test_resume_replays_a_stream_whose_kv_a_reset_lost():
     resumed = _workload("streams", faults=plan, resume=True, prompts=2, sequences=1)
     assert resumed["prompts_completed"] == 2 and resumed["errors"] == {}
     assert resumed["outputs"] == clean["outputs"]
+
+
+# ---- what the executor could not honour is said, not silent ------------------------------
+
+def test_max_inflight_two_without_evidence_says_it_runs_one_and_why(capsys, tmp_path):
+    """Before issue 20, ``--max-inflight 2`` silently ran one: the reason was only in
+    ``health().notes`` and a log line below the CLI's level."""
+    rc, out, err = run(capsys, *SMALL, "--max-inflight", "2", "--evidence-dir",
+                       str(tmp_path))
+    assert rc == cli.EXIT_OK
+    notes = [line for line in err.splitlines() if line.startswith("calfsm: note: ")]
+    assert len(notes) == 1, err
+    assert "max_inflight=2 requested, running 1: parallel_two_in_flight is claimed" \
+        in notes[0] and f"no evidence for sim runtime 0.7.6 in {tmp_path}" in notes[0]
+    assert row(out, "jobs in flight: asked / running") == "2 / 1"
+    assert row(out, "note").startswith("max_inflight=2 requested, running 1:")
+    rc, out, err = run(capsys, *SMALL)
+    assert "note" not in err and row(out, "jobs in flight: asked / running") == "1 / 1"
