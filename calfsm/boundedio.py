@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["MAX_DEPTH", "UnreadableFile", "json_depth", "load_json", "read_regular"]
+__all__ = ["MAX_DEPTH", "UnreadableFile", "check_depth", "json_depth", "load_json",
+           "read_regular"]
 
 #: the deepest nesting any calfsm file needs is about 6; 64 leaves room and stays far
 #: below the decoder's recursion limit wherever it is called from
@@ -89,6 +90,23 @@ def json_depth(text: str) -> int:
     b = np.frombuffer(structure.encode("ascii"), dtype=np.uint8)
     steps = np.where(np.isin(b, _OPEN), 1, -1)
     return int(np.cumsum(steps).max(initial=0))
+
+
+def check_depth(value: Any, *, max_depth: int = MAX_DEPTH) -> Any:
+    """``value`` (parsed data: dicts, lists, scalars), unless it nests deeper than
+    ``max_depth`` (:class:`UnreadableFile`). Iterative: it never recurses itself. For
+    data a parser built (TOML) where no text scan can tell the depth first."""
+    todo = [(value, 0)]
+    while todo:
+        item, depth = todo.pop()
+        children = item.values() if isinstance(item, dict) else \
+            item if isinstance(item, list | tuple) else ()
+        for child in children:
+            if isinstance(child, dict | list | tuple):
+                if depth + 1 >= max_depth:
+                    raise UnreadableFile(f"nested deeper than the {max_depth} allowed")
+                todo.append((child, depth + 1))
+    return value
 
 
 def load_json(text: str | bytes, *, max_depth: int = MAX_DEPTH) -> Any:

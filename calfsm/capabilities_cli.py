@@ -28,7 +28,7 @@ from calfsm.capabilities import (
 from calfsm.drivers import driver_names, load_driver
 from calfsm.drivers.base import Capabilities
 from calfsm.errors import CalfsmError, InvalidArgument
-from calfsm.manifest import Manifest, builtin_manifest, builtin_manifest_names
+from calfsm.manifest import manifest_from_option
 
 __all__ = ["DEFAULT_REQUIRED", "EVIDENCE_DIR_HELP", "EXIT_UNPROVEN", "add_parser", "main"]
 
@@ -96,9 +96,7 @@ def _identity(args: argparse.Namespace) -> tuple[str, str, Capabilities | None]:
     """(device, runtime version, declared capabilities or None)."""
     if args.device is not None and args.runtime_version is not None:
         return args.device, args.runtime_version, None
-    spec = args.manifest
-    manifest = builtin_manifest(spec) if spec in builtin_manifest_names() \
-        else Manifest.load(spec)
+    manifest = manifest_from_option(args.manifest)
     driver = load_driver(args.driver, manifest_or_calbin=manifest)
     try:
         return (args.device or device_identity(driver),

@@ -407,3 +407,25 @@ def test_the_same_swarm_seed_prints_the_same_table_every_time(path):
     assert row(first, "tokens/s (virtual device time)")     # no wall-time row left
     assert _table_of_a_fresh_process(*argv, hash_seed="2") == first
     assert _table_of_a_fresh_process(*argv, hash_seed="1") == first
+
+
+# ---- deep JSON in a manifest or a fault plan: exit 2, one line, from every command ---------
+
+@pytest.mark.parametrize("command", [
+    ("run", "--manifest"), ("run", "--faults"), ("capabilities", "--manifest"),
+    ("serve", "--manifest"), ("serve", "--faults"), ("soak", "--manifest"),
+    ("soak", "--faults"), ("parallel_mode.py", "--manifest")])
+def test_deep_json_in_any_loaded_file_exits_2_with_one_line(capsys, tmp_path, command):
+    """Before issue 20: exit 1 and a RecursionError traceback."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    name, option = command
+    if name.endswith(".py"):
+        from tests.test_runners import runner
+        rc = runner(name.removesuffix(".py")).main([option, str(deep)])
+    else:
+        rc = cli.main([name, option, str(deep)])
+    out, err = capsys.readouterr()
+    assert rc == cli.EXIT_USAGE, err
+    assert err.count("\n") == 1 and "nested 100000 deep, more than the 64 allowed" in err, err
+    assert "Traceback" not in out + err
