@@ -562,6 +562,12 @@ def main(argv: list[str] | None = None) -> int:
                          lambda spec: _faults(spec, args.seed, args.sequences))
         driver = build_driver(args.driver, manifest, faults=faults, seed=args.seed,
                               latency=args.latency)
+        try:
+            _option("--manifest", args.manifest,
+                    lambda _: manifest.check_runtime(driver.version()))
+        except CalfsmError:
+            driver.close()
+            raise
     except CalfsmError as e:
         _error(f"error: {e.message}")
         return EXIT_USAGE

@@ -40,7 +40,7 @@ from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, Iterabl
 from cattrs.gen import make_dict_structure_fn
 
 from calfsm.boundedio import MAX_DEPTH, UnreadableFile, check_depth, load_json, read_regular
-from calfsm.errors import InvalidArgument, ManifestError
+from calfsm.errors import Incompatible, InvalidArgument, ManifestError
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -334,6 +334,16 @@ class Manifest:
                 "it prefills could not be decoded"
                 for i, s in enumerate(self.submodels)
                 if s.kind.is_prefill and s.max_seq > decode.max_seq]
+
+    def check_runtime(self, runtime_version: str) -> None:
+        """Refuse to run this manifest's calbin on a device running CalRT
+        ``runtime_version`` unless it is the ``calrt_version`` the calbin is built for:
+        :class:`~calfsm.errors.Incompatible` (category compatibility: an operator must
+        bring the calbin and the runtime together; no retry or reset helps)."""
+        if self.calrt_version != runtime_version:
+            raise Incompatible(f"calrt_version: the manifest's calbin is built for CalRT "
+                               f"{self.calrt_version}, the device runs CalRT "
+                               f"{runtime_version}", stage="manifest")
 
     def submodel(self, kind: TaskKind) -> SubmodelContract:
         for sub in self.submodels:

@@ -409,6 +409,16 @@ def test_the_same_swarm_seed_prints_the_same_table_every_time(path):
     assert _table_of_a_fresh_process(*argv, hash_seed="1") == first
 
 
+@pytest.mark.parametrize("driver", ["sim", "calrt"])
+def test_a_manifest_for_another_runtime_version_is_a_usage_error(capsys, tmp_path, driver):
+    data = builtin_manifest("tiny").to_dict() | {"calrt_version": "0.8.0"}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    rc, out, err = run(capsys, "--manifest", str(path), "--driver", driver, "--quiet")
+    assert_usage_error(rc, out, err, f"--manifest {path}: calrt_version: the manifest's "
+                       "calbin is built for CalRT 0.8.0, the device runs CalRT 0.7.6")
+
+
 # ---- deep JSON in a manifest or a fault plan: exit 2, one line, from every command ---------
 
 @pytest.mark.parametrize("command", [

@@ -272,6 +272,40 @@ def test_bad_input_names_path_and_value(case: str) -> None:
     assert "\n" not in str(info.value)
 
 
+def test_a_manifest_for_another_runtime_is_incompatible() -> None:
+    from calfsm.errors import ErrorCategory, Incompatible
+    QWEN.check_runtime("0.7.6")
+    with pytest.raises(Incompatible) as info:
+        attrs.evolve(QWEN, calrt_version="0.7.5").check_runtime("0.7.6")
+    assert info.value.category is ErrorCategory.COMPATIBILITY
+    assert info.value.message == ("calrt_version: the manifest's calbin is built for CalRT "
+                                  "0.7.5, the device runs CalRT 0.7.6")
+
+
+@pytest.mark.parametrize("driver", ["sim", "calrt"])
+def test_executor_start_up_refuses_a_manifest_for_another_runtime(driver: str) -> None:
+    """It loaded, and ran, before issue 20. Refused before the device is configured,
+    category compatibility: final at once, no recovery attempt."""
+    from calfsm.drivers import driver_class
+    from calfsm.errors import ErrorCategory, Incompatible
+    from calfsm.executor import DeviceExecutor, ExecutorConfig
+
+    tiny = attrs.evolve(builtin_manifest("tiny"), calrt_version="0.7.5")
+    cls = driver_class(driver)
+    drv = getattr(cls, "virtual", cls)(manifest_or_calbin=tiny)
+    configured = []
+    real_configure = drv.configure
+    drv.configure = lambda calbin: configured.append(calbin) or real_configure(calbin)
+    try:
+        with pytest.raises(Incompatible, match=r"built for CalRT 0\.7\.5, the device runs "
+                                               r"CalRT 0\.7\.6") as info:
+            DeviceExecutor(drv, tiny, ExecutorConfig(threaded=False))
+        assert info.value.category is ErrorCategory.COMPATIBILITY
+        assert configured == []
+    finally:
+        drv.close()
+
+
 @pytest.mark.parametrize("sha", [
     "", "ab", QWEN.calbin_sha256.upper(), QWEN.calbin_sha256[:-1],
     QWEN.calbin_sha256 + "0", QWEN.calbin_sha256[:-1] + "g", " " + QWEN.calbin_sha256[1:],

@@ -78,6 +78,7 @@ __all__ = [
     "OutputStatus",
     "ResetKind",
     "is_int",
+    "runtime_code",
     "tensor_table",
 ]
 
@@ -220,6 +221,26 @@ class Calbin:
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+def runtime_code(calbin_version: str, runtime_version: str) -> int:
+    """What ``configure`` answers for a calbin built for CalRT ``calbin_version`` on a
+    device running ``runtime_version`` (spec 8, compatibility): 0 when they are the same;
+    ``RUNTIME_TOO_OLD`` (9) when the calbin is for a newer runtime; otherwise
+    ``DRIVER_INCOMPATIBLE`` (8): an older one, or a version that is not dotted numbers.
+    A calbin is compiled for one runtime version, so only equal versions run."""
+    if calbin_version == runtime_version:
+        return 0
+    want, have = _version_key(calbin_version), _version_key(runtime_version)
+    if want is not None and have is not None and want > have:
+        return int(CalrtCode.RUNTIME_TOO_OLD)
+    return int(CalrtCode.DRIVER_INCOMPATIBLE)
+
+
+def _version_key(version: str) -> tuple[int, ...] | None:
+    parts = version.split(".") if isinstance(version, str) else []
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) \
+        else None
 
 
 def _tensor(t: dict) -> TensorInfo:

@@ -75,6 +75,7 @@ from calfsm.drivers.base import (
     JobTag,
     OutputStatus,
     ResetKind,
+    runtime_code,
     tensor_table,
 )
 from calfsm.drivers.base import is_int as _is_int
@@ -552,8 +553,14 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
         with self._lock:
             if self._closed:
                 return _INVALID_STATE
-            text = calbin_text(calbin) if isinstance(calbin, Calbin) and calbin.models \
-                else b"calfsm-calbin 1\nend\n"
+            usable = isinstance(calbin, Calbin) and calbin.models
+            if usable:
+                # a calbin is built for one runtime: refused here, whatever the library
+                # would do with it (the emulator reads the version and ignores it)
+                rc = runtime_code(calbin.calrt_version, self.version())
+                if rc:
+                    return rc
+            text = calbin_text(calbin) if usable else b"calfsm-calbin 1\nend\n"
             rc = self._c("calrt_configure", text, len(text))
             if rc == _OK:
                 self._load_models()

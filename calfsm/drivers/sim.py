@@ -76,6 +76,7 @@ from calfsm.drivers.base import (
     JobTag,
     OutputStatus,
     ResetKind,
+    runtime_code,
     tensor_table,
 )
 from calfsm.drivers.base import is_int as _is_int
@@ -467,7 +468,8 @@ class SimDriver(ClosesOnExit, HandleChecks):
             return _ALREADY_CONFIGURED
         if not isinstance(calbin, Calbin) or not calbin.models or not _calbin_usable(calbin):
             return _INVALID_CALBIN
-        rc = self._fault_code("configure")
+        rc = runtime_code(calbin.calrt_version, self.version()) \
+            or self._fault_code("configure")
         if rc:
             return rc
         self._configured = calbin
