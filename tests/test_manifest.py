@@ -559,3 +559,13 @@ def test_empty_device() -> None:
 def test_calbin_replace_model_can_rename() -> None:
     calbin = device().replace_model(DECODE, name="qwen3_b1_dec0de")
     assert "qwen3_b1_dec0de" in {m.name for m in calbin.models}
+
+
+def test_a_deep_calbin_description_is_a_manifest_error(tmp_path: Path) -> None:
+    text = "[" * DEEP + "]" * DEEP
+    with pytest.raises(ManifestError, match="nested 100000 deep"):
+        Calbin.from_json(text)
+    fifo = tmp_path / "x.calbin.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ManifestError, match=r"cannot read calbin .* a FIFO"):
+        Calbin.load(fifo)

@@ -60,9 +60,10 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 import attrs
 import numpy as np
 
+from calfsm.boundedio import UnreadableFile, load_json, read_regular
 from calfsm.clock import Clock
 from calfsm.errors import CalrtCode, ManifestError
-from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
+from calfsm.manifest import MAX_FILE_BYTES, DType, Manifest, ModelInfo, TaskKind, TensorInfo
 
 __all__ = [
     "SEQ_LIMIT",
@@ -195,9 +196,9 @@ class Calbin:
                        for m in self.models]}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Calbin:
+    def from_json(cls, text: str | bytes) -> Calbin:
         try:
-            data = json.loads(text)
+            data = load_json(text)
             models = tuple(
                 ModelInfo(
                     name=m["name"], kind=TaskKind(m["kind"]) if m["kind"] else None,
@@ -217,7 +218,14 @@ class Calbin:
 
     @classmethod
     def load(cls, path: str | Path) -> Calbin:
-        return cls.from_json(Path(path).read_text("utf-8"))
+        """A calbin description file (a regular file; bounded like a manifest)."""
+        try:
+            raw = read_regular(path, max_bytes=MAX_FILE_BYTES)
+        except (OSError, UnreadableFile) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else e
+            raise ManifestError(f"cannot read calbin {str(path)!r}: {why}",
+                                stage="calbin") from None
+        return cls.from_json(raw)
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
