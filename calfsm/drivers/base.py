@@ -53,6 +53,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Self, runtime_checkable
@@ -66,6 +68,7 @@ from calfsm.errors import CalrtCode, ManifestError
 from calfsm.manifest import MAX_FILE_BYTES, DType, Manifest, ModelInfo, TaskKind, TensorInfo
 
 __all__ = [
+    "MAX_WAIT_S",
     "SEQ_LIMIT",
     "U32_MAX",
     "Calbin",
@@ -81,6 +84,7 @@ __all__ = [
     "is_int",
     "runtime_code",
     "tensor_table",
+    "wait_timeout",
 ]
 
 
@@ -229,6 +233,30 @@ class Calbin:
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+#: the longest wait the C ABI carries, 2**62 ns (about 146 years): a longer finite
+#: timeout is clamped to it (docs/driver-protocol.md, ``wait``)
+MAX_WAIT_S = 2**62 / 1e9
+
+
+def wait_timeout(timeout_s: Any) -> float | None:
+    """A ``wait`` timeout as every driver reads it: None when it is no number of seconds
+    (not a real number, a bool, NaN: the call returns ``INVALID_VALUE``); otherwise
+    clamped into ``[0, MAX_WAIT_S]`` (a negative timeout counts as 0), an infinite one
+    kept (no limit). ``1e300`` is ``MAX_WAIT_S`` on every driver, never an
+    ``OverflowError``."""
+    if isinstance(timeout_s, bool | np.bool_) or not isinstance(timeout_s, numbers.Real):
+        return None
+    try:
+        t = float(timeout_s)
+    except OverflowError:               # an int or Fraction beyond any float
+        return MAX_WAIT_S if timeout_s > 0 else 0.0
+    if math.isnan(t):
+        return None
+    if math.isinf(t):
+        return t if t > 0 else 0.0
+    return min(max(t, 0.0), MAX_WAIT_S)
 
 
 def runtime_code(calbin_version: str, runtime_version: str) -> int:

@@ -77,6 +77,7 @@ from calfsm.drivers.base import (
     ResetKind,
     runtime_code,
     tensor_table,
+    wait_timeout,
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan
@@ -773,9 +774,8 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
         # a submit or a close from another thread; the library is thread-safe
         if self._closed or not self._buf_ok(out) or out.is_input:
             return _INVALID_STATE
-        try:
-            timeout = max(0.0, float(timeout_s))
-        except (TypeError, ValueError):
+        timeout = wait_timeout(timeout_s)
+        if timeout is None:
             return _INVALID_VALUE
         ns = -1 if math.isinf(timeout) else min(round(timeout * 1e9), 2**62)
         with self._dev.lock:

@@ -285,6 +285,20 @@ def test_wait_infinite_timeout_on_finite_job(driver) -> None:
     assert driver.status(dec.out) == OK
 
 
+@pytest.mark.parametrize("timeout", [math.nan, True, "1", None, [1.0]])
+def test_wait_refuses_a_timeout_that_is_no_number(driver, timeout) -> None:
+    """INVALID_VALUE, checked right after the buffer (before whether the job ended), on
+    every driver; the job is not touched."""
+    driver.configure(CB)
+    dec = setup(driver, CB, TaskKind.DECODE)
+    prepare(driver, dec, 0, [1], 0)
+    assert driver.infer(dec.model, dec.inp, dec.out) == 0
+    assert driver.wait(dec.out, timeout) == C.INVALID_VALUE
+    assert driver.wait(dec.out, math.inf) == 0
+    assert driver.wait(dec.out, timeout) == C.INVALID_VALUE      # finished: still refused
+    assert driver.status(dec.out) == OK
+
+
 def test_positions_are_read_from_host_not_counted(driver) -> None:
     d = driver
     d.configure(CB)
