@@ -64,8 +64,8 @@ ENV_DIR = "CALFSM_EVIDENCE_DIR"
 DEFAULT_DIR = "evidence"
 #: the rule of :func:`evidence_dir` in words, for every ``--evidence-dir``/``--out`` help
 DIR_RULE = f"${ENV_DIR} when set, else ./{DEFAULT_DIR} of the working directory"
-#: the largest evidence file read (the biggest a runner writes is ~100 KiB: the overlap
-#: runner's per-job timeline); a larger one is reported, not read
+#: the largest evidence file read (the biggest a runner writes, the overlap runner's with
+#: its per-job timeline, is ~15 KiB); a larger one is reported, not read
 MAX_FILE_BYTES = 16 << 20
 
 
