@@ -20,13 +20,14 @@ import json
 import os
 import re
 import stat
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 __all__ = ["MAX_DEPTH", "UnreadableFile", "check_depth", "json_depth", "load_json",
-           "read_regular"]
+           "read_or_raise", "read_regular", "reason"]
 
 #: the deepest nesting any calfsm file needs is about 6; 64 leaves room and stays far
 #: below the decoder's recursion limit wherever it is called from
@@ -78,6 +79,21 @@ def read_regular(path: str | os.PathLike, *, max_bytes: int) -> bytes:
         return b"".join(chunks)
     finally:
         os.close(fd)
+
+
+def reason(e: Exception) -> str:
+    """Why a file could not be read, in a few words (an ``OSError``'s ``strerror``)."""
+    return e.strerror if isinstance(e, OSError) and e.strerror else str(e)
+
+
+def read_or_raise(path: str | os.PathLike, *, max_bytes: int,
+                  error: Callable[[str], Exception]) -> bytes:
+    """:func:`read_regular`, or ``error(why)`` raised (a loader's own error class, one
+    line) when the file cannot be opened or is no small regular file."""
+    try:
+        return read_regular(path, max_bytes=max_bytes)
+    except (OSError, UnreadableFile) as e:
+        raise error(reason(e)) from None
 
 
 def json_depth(text: str) -> int:

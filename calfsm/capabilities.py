@@ -49,7 +49,7 @@ from typing import Any
 
 import attrs
 
-from calfsm.boundedio import load_json, read_regular
+from calfsm.boundedio import load_json, read_regular, reason
 from calfsm.drivers.base import Capabilities, Driver, ResetKind
 from calfsm.errors import InvalidArgument
 
@@ -354,8 +354,7 @@ class EvidenceStore:
             try:
                 data = load_json(read_regular(path, max_bytes=MAX_FILE_BYTES))
             except (OSError, ValueError) as e:      # boundedio.UnreadableFile included
-                why = e.strerror if isinstance(e, OSError) and e.strerror else e
-                problems.append(f"{path.name}: unreadable: {why}")
+                problems.append(f"{path.name}: unreadable: {reason(e)}")
                 continue
             if not isinstance(data, Mapping) or "schema" not in data:
                 continue                    # a trace or some other JSON file

@@ -39,7 +39,7 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 
-from calfsm.boundedio import MAX_DEPTH, UnreadableFile, check_depth, load_json, read_regular
+from calfsm.boundedio import MAX_DEPTH, check_depth, load_json, read_or_raise
 from calfsm.errors import Incompatible, InvalidArgument, ManifestError
 
 __all__ = [
@@ -254,14 +254,8 @@ class Manifest:
         :data:`MAX_FILE_BYTES`, nested at most :data:`~calfsm.boundedio.MAX_DEPTH` deep
         (anything else, a FIFO included, is a :class:`ManifestError` at once)."""
         path = Path(path)
-        try:
-            raw = read_regular(path, max_bytes=MAX_FILE_BYTES)
-        except OSError as e:
-            raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror or e}",
-                                stage="manifest") from None
-        except UnreadableFile as e:
-            raise ManifestError(f"cannot read manifest {str(path)!r}: {e}",
-                                stage="manifest") from None
+        raw = read_or_raise(path, max_bytes=MAX_FILE_BYTES, error=lambda why: ManifestError(
+            f"cannot read manifest {str(path)!r}: {why}", stage="manifest"))
         try:
             if path.suffix == ".toml":
                 data = check_depth(tomllib.loads(raw.decode("utf-8")))

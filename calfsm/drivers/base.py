@@ -62,7 +62,7 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 import attrs
 import numpy as np
 
-from calfsm.boundedio import UnreadableFile, load_json, read_regular
+from calfsm.boundedio import load_json, read_or_raise
 from calfsm.clock import Clock
 from calfsm.errors import CalrtCode, ManifestError
 from calfsm.manifest import MAX_FILE_BYTES, DType, Manifest, ModelInfo, TaskKind, TensorInfo
@@ -223,13 +223,9 @@ class Calbin:
     @classmethod
     def load(cls, path: str | Path) -> Calbin:
         """A calbin description file (a regular file; bounded like a manifest)."""
-        try:
-            raw = read_regular(path, max_bytes=MAX_FILE_BYTES)
-        except (OSError, UnreadableFile) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise ManifestError(f"cannot read calbin {str(path)!r}: {why}",
-                                stage="calbin") from None
-        return cls.from_json(raw)
+        return cls.from_json(read_or_raise(
+            path, max_bytes=MAX_FILE_BYTES, error=lambda why: ManifestError(
+                f"cannot read calbin {str(path)!r}: {why}", stage="calbin")))
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()

@@ -71,7 +71,7 @@ from typing import Any
 
 import attrs
 
-from calfsm.boundedio import UnreadableFile, load_json, read_regular
+from calfsm.boundedio import load_json, read_or_raise
 from calfsm.drivers.base import SEQ_LIMIT
 from calfsm.errors import CalrtCode, InvalidArgument
 
@@ -393,13 +393,9 @@ class FaultPlan:
     def load(cls, path: str | Path) -> FaultPlan:
         """The plan in the file ``path``: a regular file (a FIFO or a device is refused
         at once, never read) of at most :data:`MAX_FILE_BYTES`."""
-        try:
-            raw = read_regular(path, max_bytes=MAX_FILE_BYTES)
-        except (OSError, UnreadableFile) as e:
-            why = e.strerror if isinstance(e, OSError) and e.strerror else e
-            raise InvalidArgument(f"cannot read fault plan {str(path)!r}: {why}",
-                                  stage="faults") from None
-        return cls.from_json(raw)
+        return cls.from_json(read_or_raise(
+            path, max_bytes=MAX_FILE_BYTES, error=lambda why: InvalidArgument(
+                f"cannot read fault plan {str(path)!r}: {why}", stage="faults")))
 
     # ---- random plans -----------------------------------------------------------------
     @classmethod
