@@ -24,8 +24,16 @@ on one device and runtime version, a :class:`Capability` with a :class:`Level`:
 Evidence from another device or runtime version, for another calbin, or older than a
 maximum age is *stale*: it proves nothing here, and the reason says so; nor does evidence
 of a runner that could not make every observation (``complete`` false). Features that
-depend on a capability (two in flight) are enabled only when it is ``PROVEN``; the
-executor and ``calfsm capabilities`` read the same files through this module.
+depend on a capability (two in flight) are enabled only when it is ``PROVEN``.
+
+One directory: :func:`evidence_dir` is the one rule every reader and writer follows
+(the executor, ``calfsm capabilities``, ``calfsm run``, ``calfsm serve`` and the
+runners' ``--out``): an explicit directory, else ``$CALFSM_EVIDENCE_DIR``, else
+``./evidence`` (:data:`DEFAULT_DIR`) of the working directory (docs/capabilities.md says
+why). A file in it that cannot be evidence — malformed, larger than
+:data:`MAX_FILE_BYTES`, nested too deep, or not a regular file at all (a FIFO, a
+directory, a symlink to a device) — proves nothing and is reported with its reason; it
+never raises and never blocks the reader.
 """
 
 from __future__ import annotations
@@ -41,15 +49,35 @@ from typing import Any
 
 import attrs
 
+from calfsm.boundedio import load_json, read_regular, reason
 from calfsm.drivers.base import Capabilities, Driver, ResetKind
 from calfsm.errors import InvalidArgument
 
-__all__ = ["CAPABILITIES", "ENV_DIR", "SCHEMA", "Capability", "CapabilityInfo", "Evidence",
-           "EvidenceStore", "Level", "Verdict", "capability_info", "device_identity",
-           "format_age"]
+__all__ = ["CAPABILITIES", "DEFAULT_DIR", "DIR_RULE", "ENV_DIR", "MAX_FILE_BYTES", "SCHEMA",
+           "Capability", "CapabilityInfo", "Evidence", "EvidenceStore", "Level", "Verdict",
+           "capability_info", "device_identity", "evidence_dir", "format_age"]
 
 #: the environment variable naming the evidence directory
 ENV_DIR = "CALFSM_EVIDENCE_DIR"
+#: the evidence directory when neither an argument nor ``$CALFSM_EVIDENCE_DIR`` names
+#: one: relative to the working directory (docs/capabilities.md, "One directory")
+DEFAULT_DIR = "evidence"
+#: the rule of :func:`evidence_dir` in words, for every ``--evidence-dir``/``--out`` help
+DIR_RULE = f"${ENV_DIR} when set, else ./{DEFAULT_DIR} of the working directory"
+#: the largest evidence file read (the biggest a runner writes, the overlap runner's with
+#: its per-job timeline, is ~15 KiB); a larger one is reported, not read
+MAX_FILE_BYTES = 16 << 20
+
+
+def evidence_dir(directory: str | os.PathLike | None = None) -> Path:
+    """The evidence directory, by the one rule: ``directory`` when given (not None, not
+    empty), else ``$CALFSM_EVIDENCE_DIR`` when set and not empty, else
+    :data:`DEFAULT_DIR`; as an absolute path (a relative one is taken against the
+    working directory now, so a later ``chdir`` does not move it)."""
+    for candidate in (directory, os.environ.get(ENV_DIR)):
+        if candidate is not None and os.fspath(candidate) != "":
+            return Path(candidate).absolute()
+    return Path(DEFAULT_DIR).absolute()
 #: the ``schema`` field every evidence file carries (other JSON files are not evidence)
 SCHEMA = "calfsm-evidence/1"
 
@@ -154,7 +182,7 @@ class Verdict:
 
 def _verdicts(value: Any) -> dict[str, Verdict]:
     if not isinstance(value, Mapping):
-        raise ValueError("verdicts must be an object")
+        raise ValueError("'verdicts' must be an object")
     out = {}
     for name, v in value.items():
         if not (isinstance(v, Mapping) and isinstance(v.get("holds"), bool)
@@ -162,6 +190,22 @@ def _verdicts(value: Any) -> dict[str, Verdict]:
             raise ValueError(f"verdict {name!r} needs a bool 'holds' and a str 'reason'")
         out[str(name)] = Verdict(v["holds"], v["reason"])
     return out
+
+
+def _field(data: Mapping[str, Any], key: str, kind: type | tuple[type, ...], what: str,
+           default: Any) -> Any:
+    """``data[key]`` (``default`` when absent), which must be a ``kind``."""
+    value = data.get(key, default)
+    if not isinstance(value, kind):
+        raise ValueError(f"{key!r} must be {what}, got {type(value).__name__}")
+    return value
+
+
+def _strings(data: Mapping[str, Any], key: str) -> dict[str, str]:
+    value = _field(data, key, Mapping, "an object", {})
+    if not all(isinstance(v, str) for v in value.values()):
+        raise ValueError(f"{key!r} must map names to strings")
+    return {str(k): v for k, v in value.items()}
 
 
 @attrs.frozen
@@ -207,7 +251,8 @@ class Evidence:
 
     @classmethod
     def from_dict(cls, data: Any) -> Evidence:
-        """An evidence record from its JSON object; ``ValueError`` naming what is wrong."""
+        """An evidence record from its JSON object; ``ValueError`` naming what is wrong
+        (every field is checked for its type: nothing else is ever raised)."""
         if not isinstance(data, Mapping) or data.get("schema") != SCHEMA:
             raise ValueError(f"not a {SCHEMA} object")
         for key in ("runner", "device", "runtime_version", "calbin_sha256"):
@@ -217,20 +262,21 @@ class Evidence:
         if not isinstance(created, int | float) or isinstance(created, bool) \
                 or not math.isfinite(created):
             raise ValueError("'created_unix' must be a finite number")
-        if not isinstance(data.get("complete", True), bool):
-            raise ValueError("'complete' must be a bool")
-        obs = data.get("observations", {})
-        if not isinstance(obs, Mapping):
-            raise ValueError("'observations' must be an object")
         return cls(data["runner"], data["device"], data["runtime_version"],
-                   data["calbin_sha256"], float(created), dict(obs),
-                   _verdicts(data.get("verdicts", {})), data.get("complete", True),
-                   str(data.get("driver", "")), dict(data.get("settings") or {}),
-                   dict(data.get("files") or {}))
+                   data["calbin_sha256"], float(created),
+                   dict(_field(data, "observations", Mapping, "an object", {})),
+                   _verdicts(data.get("verdicts", {})),
+                   _field(data, "complete", bool, "a bool", True),
+                   _field(data, "driver", str, "a string", ""),
+                   dict(_field(data, "settings", Mapping, "an object", {})),
+                   _strings(data, "files"))
 
     @classmethod
     def load(cls, path: str | Path) -> Evidence:
-        return cls.from_dict(json.loads(Path(path).read_text("utf-8")))
+        """The evidence file ``path``: ``ValueError`` when it is not evidence (not a
+        regular file, too large, too deep, malformed), ``OSError`` when it cannot be
+        opened."""
+        return cls.from_dict(load_json(read_regular(path, max_bytes=MAX_FILE_BYTES)))
 
 
 def _jsonable(x: Any) -> Any:
@@ -277,33 +323,38 @@ class Capability:
 
 
 class EvidenceStore:
-    """The evidence files of one directory (``directory``, else ``$CALFSM_EVIDENCE_DIR``).
+    """The evidence files of one directory (:func:`evidence_dir` of ``directory``: the
+    argument, else ``$CALFSM_EVIDENCE_DIR``, else ``./evidence``).
 
     Files are read on every question (there are a handful, and a runner may have just
     written one). A JSON file without the evidence ``schema`` is not evidence and is
-    skipped; one with it that does not parse is reported by :meth:`problems` and never
-    proves anything. No directory at all is a store without evidence, not an error."""
+    skipped; one that claims to be evidence but is not readable, and any ``*.json`` that
+    cannot be read at all (not a regular file, too large, nested too deep, not JSON), is
+    reported by :meth:`problems`, named in the reason of every answer it might have
+    decided, and never proves anything. No directory at all is a store without
+    evidence, not an error."""
 
     def __init__(self, directory: str | os.PathLike | None = None) -> None:
-        if directory is None:
-            directory = os.environ.get(ENV_DIR) or None
-        self.directory = Path(directory) if directory is not None else None
+        self.directory = evidence_dir(directory)
 
     def __repr__(self) -> str:
-        return f"EvidenceStore({str(self.directory) if self.directory else None!r})"
+        return f"EvidenceStore({str(self.directory)!r})"
 
     def load(self) -> tuple[list[tuple[Path, Evidence]], list[str]]:
         """(path, evidence) of every readable evidence file, newest first, and one line
-        per file that claims to be evidence but is not readable."""
+        per file that claims to be evidence (or may: it cannot be read) but is not
+        readable evidence."""
         found: list[tuple[Path, Evidence]] = []
         problems: list[str] = []
-        if self.directory is None or not self.directory.is_dir():
+        if not self.directory.is_dir():
+            if self.directory.exists():
+                problems.append(f"{self.directory}: not a directory")
             return found, problems
         for path in sorted(self.directory.glob("*.json")):
             try:
-                data = json.loads(path.read_text("utf-8"))
-            except (OSError, ValueError) as e:
-                problems.append(f"{path.name}: unreadable: {e}")
+                data = load_json(read_regular(path, max_bytes=MAX_FILE_BYTES))
+            except (OSError, ValueError) as e:      # boundedio.UnreadableFile included
+                problems.append(f"{path.name}: unreadable: {reason(e)}")
                 continue
             if not isinstance(data, Mapping) or "schema" not in data:
                 continue                    # a trace or some other JSON file
@@ -324,7 +375,8 @@ class EvidenceStore:
         ``runtime_version`` (and ``calbin_sha256``, unless None: any calbin). ``declared``
         (a driver's :class:`Capabilities`) turns a missing proof into ``CLAIMED`` when
         the driver declares the feature; ``max_age_s`` makes older evidence stale."""
-        return self._answer(capability_info(name), self.load()[0], device=device,
+        files, problems = self.load()
+        return self._answer(capability_info(name), files, problems, device=device,
                             runtime_version=runtime_version, calbin_sha256=calbin_sha256,
                             declared=declared, max_age_s=max_age_s,
                             now=time.time() if now is None else now)
@@ -334,13 +386,15 @@ class EvidenceStore:
                      max_age_s: float | None = None, now: float | None = None
                      ) -> list[Capability]:
         """:meth:`capability` of every name in :data:`CAPABILITIES`, files read once."""
-        files = self.load()[0]
+        files, problems = self.load()
         now = time.time() if now is None else now
-        return [self._answer(info, files, device=device, runtime_version=runtime_version,
+        return [self._answer(info, files, problems, device=device,
+                             runtime_version=runtime_version,
                              calbin_sha256=calbin_sha256, declared=declared,
                              max_age_s=max_age_s, now=now) for info in CAPABILITIES]
 
-    def _answer(self, info: CapabilityInfo, files: list[tuple[Path, Evidence]], *,
+    def _answer(self, info: CapabilityInfo, files: list[tuple[Path, Evidence]],
+                problems: list[str], *,
                 device: str, runtime_version: str, calbin_sha256: str | None,
                 declared: Capabilities | None, max_age_s: float | None, now: float
                 ) -> Capability:
@@ -366,8 +420,12 @@ class EvidenceStore:
                                   f"proven by {where}: {verdict.reason}", path, age, ev)
             return Capability(info.name, Level.FAILED,
                               f"does not hold ({where}): {verdict.reason}", path, age, ev)
-        missing = stale or (f"no evidence for {device} runtime {runtime_version}: run "
-                            f"{info.script} on this device")
+        missing = stale or (f"no evidence for {device} runtime {runtime_version} in "
+                            f"{self.directory}: run {info.script} on this device")
+        if problems:
+            # a file that cannot be read might have been the one to decide: say so
+            missing += (f"; {len(problems)} unreadable evidence file(s) ignored: "
+                        + "; ".join(problems))
         if declared is not None and info.declared is not None and info.declared(declared):
             return Capability(info.name, Level.CLAIMED,
                               f"claimed by the driver's declared capabilities, not "

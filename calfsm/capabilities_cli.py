@@ -17,7 +17,7 @@ from typing import Any
 
 from calfsm.capabilities import (
     CAPABILITIES,
-    ENV_DIR,
+    DIR_RULE,
     Capability,
     EvidenceStore,
     Level,
@@ -28,15 +28,17 @@ from calfsm.capabilities import (
 from calfsm.drivers import driver_names, load_driver
 from calfsm.drivers.base import Capabilities
 from calfsm.errors import CalfsmError, InvalidArgument
-from calfsm.manifest import Manifest, builtin_manifest, builtin_manifest_names
+from calfsm.manifest import manifest_from_option
 
-__all__ = ["DEFAULT_REQUIRED", "EXIT_UNPROVEN", "add_parser", "main"]
+__all__ = ["DEFAULT_REQUIRED", "EVIDENCE_DIR_HELP", "EXIT_UNPROVEN", "add_parser", "main"]
 
 EXIT_OK = 0
 EXIT_UNPROVEN = 1
 EXIT_USAGE = 2
 #: the capabilities calfsm gates a feature on today (two in flight)
 DEFAULT_REQUIRED = ("parallel_two_in_flight",)
+#: the help of every ``--evidence-dir`` option: one rule for every command
+EVIDENCE_DIR_HELP = f"the vendor runners' evidence files (default: {DIR_RULE})"
 
 _DESCRIPTION = """\
 Print each vendor question (spec section 14), how much is known about it on this device
@@ -56,7 +58,7 @@ def add_parser(sub: Any, formatter: type[argparse.HelpFormatter]) -> argparse.Ar
                        description=_DESCRIPTION, epilog=_EPILOG,
                        formatter_class=formatter)
     p.add_argument("--evidence-dir", default=None, metavar="DIR",
-                   help=f"the runners' evidence files (default: ${ENV_DIR}, else ./evidence)")
+                   help=EVIDENCE_DIR_HELP)
     p.add_argument("--driver", default="sim", choices=driver_names(),
                    help="the driver whose device is asked about (its name, library, runtime "
                         "version and declared capabilities)")
@@ -94,9 +96,7 @@ def _identity(args: argparse.Namespace) -> tuple[str, str, Capabilities | None]:
     """(device, runtime version, declared capabilities or None)."""
     if args.device is not None and args.runtime_version is not None:
         return args.device, args.runtime_version, None
-    spec = args.manifest
-    manifest = builtin_manifest(spec) if spec in builtin_manifest_names() \
-        else Manifest.load(spec)
+    manifest = manifest_from_option(args.manifest)
     driver = load_driver(args.driver, manifest_or_calbin=manifest)
     try:
         return (args.device or device_identity(driver),
@@ -124,9 +124,7 @@ def main(args: argparse.Namespace) -> int:
     except OSError as e:
         print(f"calfsm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
-    store = EvidenceStore(args.evidence_dir or None)
-    if store.directory is None:
-        store = EvidenceStore("evidence")
+    store = EvidenceStore(args.evidence_dir)
     answers = store.capabilities(device=device, runtime_version=version,
                                  calbin_sha256=args.calbin_sha256, declared=declared,
                                  max_age_s=args.max_age_s)

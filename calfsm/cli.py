@@ -1,15 +1,20 @@
 """``calfsm run``: the main job — a seeded workload through the executor, with a summary.
 
 It runs N seeded prompts, each a prefill followed by decodes (greedy, or sampled with a
-seed per prompt), on several sequences at once (one request thread per sequence),
-through a threaded :class:`DeviceExecutor` on the chosen driver (the simulated device by
-default). On the ``streams`` path (the default) each prompt is a
+seed per prompt), on several sequences at once, through a :class:`DeviceExecutor` on the
+chosen driver (the simulated device by default). On a virtual clock (the default) the
+executor runs in step mode and the sequences take turns on one thread, interleaved by a
+:class:`~calfsm.scheduler.StepScheduler` seeded from ``--seed``: a seed is a run, the
+same table every time, faults included. In real time (``--latency real``, a vendor
+device) the executor is threaded and each sequence has a request thread of its own.
+On the ``streams`` path (the default) each prompt is a
 :class:`~calfsm.streams.Stream` on a sequence of its own: the library samples each token
 and enqueues the next step; the ``jobs`` path is the hand-written loop of one enqueue and
 result per step, sampled and stopped alike, to compare with. It shows a progress bar
 (stderr) and ends with a table (stdout): every prompt and job it tried with its outcome —
-refusals at enqueue included — tokens/s, P50/P99 time to first token, time per output
-token (between a prompt's tokens) and decode job time, leased buffers at exit.
+refusals at enqueue included — jobs in flight asked and run (and why not, when fewer),
+tokens/s, P50/P99 time to first token, time per output token (between a prompt's tokens)
+and decode job time, each on the driver's clock, leased buffers at exit.
 
 Errors go to stderr, one line each; a non-zero exit always prints one. Exit status: 0
 the workload ran (individual jobs may have failed under injected faults); 2 bad usage or
@@ -27,7 +32,7 @@ import sys
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Generator, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import attrs
@@ -47,6 +52,7 @@ from calfsm.manifest import (
     manifest_from_option,
 )
 from calfsm.sampling import SamplingParams
+from calfsm.scheduler import StepScheduler
 from calfsm.serve import cli as serve_cli
 
 if TYPE_CHECKING:
@@ -210,6 +216,13 @@ def prompt_params(sampling: SamplingParams, index: int, tokens: int) -> Sampling
     return attrs.evolve(sampling, seed=seed, max_tokens=tokens + 1)
 
 
+#: what a workload's cooperative step waits for: true once it can go on without blocking
+Wait = Callable[[], bool]
+#: one sequence's share of the workload (or one prompt), as a cooperative generator: it
+#: yields a :data:`Wait` before each call that would block, and returns what it returns
+Steps = Generator[Wait, None, T]
+
+
 def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: int,
                  seed: int, max_prompt: int, progress: Any = None, path: str = "streams",
                  sampling: SamplingParams | None = None, resume: bool = False
@@ -218,11 +231,18 @@ def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: 
     summary table: ``jobs`` enqueued, ``refused`` (category -> jobs refused at enqueue),
     ``prompts_completed``, ``errors`` (category -> prompts an error ended), ``tokens``
     (decoded: each prompt's first token comes from its prefill), ``wall_s``,
-    ``tokens_per_s``, ``p50_ms``/``p99_ms`` per decode job, ``ttft_p50_ms``/
+    ``clock_s`` (the same span on the driver's clock) and ``tokens_per_s`` (on the
+    driver's clock), ``p50_ms``/``p99_ms`` per decode job, ``ttft_p50_ms``/
     ``ttft_p99_ms`` (time to first token), ``itl_p50_ms``/``itl_p99_ms`` (time per
     output token), each None without samples, and ``outputs`` (prompt index -> its
     tokens). ``resume`` (streams only): a stream whose KV a reset lost replays and
-    continues."""
+    continues.
+
+    A threaded executor runs each sequence on a thread of its own. A step-mode executor
+    (``threaded=False``: what ``calfsm run`` builds on a virtual clock) runs every
+    sequence on this thread, interleaved by a :class:`~calfsm.scheduler.StepScheduler`
+    seeded with ``seed``: the same seed then gives the same jobs in the same order, the
+    same faults on the same jobs, and the same numbers, every time."""
     if path not in PATHS:
         raise InvalidArgument(f"path must be one of {', '.join(PATHS)}, got {path!r}",
                               stage="cli")
@@ -242,28 +262,32 @@ def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: 
         with tally.lock:
             return queue.pop(0) if queue else None
 
-    def sequence_worker(seq: int) -> None:
+    def sequence_steps(seq: int) -> Steps[None]:
         while (item := next_prompt()) is not None:
             index, prompt = item
             params = prompt_params(sampling, index, tokens)
             if path == "streams":
-                error = _stream_prompt(ex, index, prompt, params, resume, tally)
+                error = yield from _stream_prompt(ex, index, prompt, params, resume, tally)
             else:
-                error = _jobs_prompt(ex, seq, index, prompt, params, contract, tally)
+                error = yield from _jobs_prompt(ex, seq, index, prompt, params, contract,
+                                                tally)
             if isinstance(error, Unavailable) and ex.lifecycle_state != LifecycleState.FAILED:
-                # back off as the error asks before this sequence takes its next prompt
-                time.sleep(min(error.retry_after_s or 0.01, 0.05))
+                yield from _back_off(ex, error)
             if progress is not None:
                 progress()
 
-    threads = [threading.Thread(target=sequence_worker, args=(s,), name=f"seq-{s}")
-               for s in range(sequences)]
-    t0 = time.perf_counter()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    wall = time.perf_counter() - t0
+    workers = [sequence_steps(s) for s in range(sequences)]
+    t0, c0 = time.perf_counter(), ex.clock.now()
+    if ex.config.threaded:
+        threads = [threading.Thread(target=_to_the_end, args=(w,), name=f"seq-{s}")
+                   for s, w in enumerate(workers)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    else:
+        _interleave(workers, StepScheduler(ex, seed))
+    wall, elapsed = time.perf_counter() - t0, ex.clock.now() - c0
     jobs, refused = ex.enqueue_counts()
     refused = {k: n - refused_before.get(k, 0) for k, n in refused.items()
                if n > refused_before.get(k, 0)}
@@ -273,25 +297,71 @@ def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: 
     itl50, itl99 = _percentiles_ms(tally.itl_s)
     return {"jobs": jobs - jobs_before, "refused": refused,
             "prompts_completed": tally.completed, "errors": dict(tally.failed),
-            "tokens": generated, "wall_s": wall,
-            "tokens_per_s": generated / wall if wall > 0 else 0.0,
+            "tokens": generated, "wall_s": wall, "clock_s": elapsed,
+            "tokens_per_s": generated / elapsed if elapsed > 0 else 0.0,
             "p50_ms": p50, "p99_ms": p99, "ttft_p50_ms": ttft50, "ttft_p99_ms": ttft99,
             "itl_p50_ms": itl50, "itl_p99_ms": itl99,
             "outputs": dict(sorted(tally.outputs.items()))}
 
 
+def _to_the_end(steps: Steps[T]) -> T:
+    """Run cooperative ``steps`` on a threaded executor: every call blocks by itself, so
+    what a step waits for needs no driving."""
+    while True:
+        try:
+            next(steps)
+        except StopIteration as end:
+            return end.value
+
+
+def _interleave(workers: list[Steps[None]], scheduler: StepScheduler) -> None:
+    """Run cooperative ``workers`` on one thread over a step-mode executor: the first
+    worker (in slot order) whose wait is over goes on until it waits again; when none
+    can, ``scheduler`` steps the executor until one can."""
+    waits: dict[int, Wait] = {}
+
+    def go_on(slot: int) -> None:
+        try:
+            waits[slot] = next(workers[slot])
+        except StopIteration:
+            del waits[slot]
+
+    for slot in range(len(workers)):
+        waits[slot] = lambda: True
+    while waits:
+        slot = next((s for s, ready in waits.items() if ready()), None)
+        if slot is None:
+            scheduler.run_until(lambda: any(ready() for ready in waits.values()))
+        else:
+            go_on(slot)
+
+
+def _back_off(ex: DeviceExecutor, error: Unavailable) -> Steps[None]:
+    """Before a sequence takes its next prompt after ``error``: back off as it asks (a
+    thread sleeps, at most 50 ms), or in step mode wait until the executor is Ready again
+    (or will never be)."""
+    if ex.config.threaded:
+        time.sleep(min(error.retry_after_s or 0.01, 0.05))
+        return
+    life = ex.lifecycle
+    yield lambda: life.ready or life.closing or life.state == LifecycleState.FAILED
+
+
 def _stream_prompt(ex: DeviceExecutor, index: int, prompt: list[int],
                    params: SamplingParams, resume: bool, tally: _Tally
-                   ) -> CalfsmError | None:
+                   ) -> Steps[CalfsmError | None]:
     """One prompt as a :class:`~calfsm.streams.Stream` on a sequence of its own; the
     error that ended it, or None."""
     try:
         with ex.open_sequence() as seq:
             stream = seq.generate(prompt, params, resume=resume)
+            yield stream.done
             for event in stream:
                 if event.index:             # a decode's token (index 0: the prefill's)
                     tally.decode_job(event.timings.total_ms / 1e3)
             result = stream.result()
+            # a step prepared ahead may still be on the device: closing waits for it
+            yield lambda: seq.last_job is None or seq.last_job.done()
     except CalfsmError as e:                # refused before the stream ran a job
         tally.prompt_ended(index, (), None, (), e)
         return e
@@ -302,7 +372,7 @@ def _stream_prompt(ex: DeviceExecutor, index: int, prompt: list[int],
 
 def _jobs_prompt(ex: DeviceExecutor, seq: int, index: int, prompt: list[int],
                  params: SamplingParams, contract: SubmodelContract, tally: _Tally
-                 ) -> CalfsmError | None:
+                 ) -> Steps[CalfsmError | None]:
     """One prompt by hand on sequence ``seq``: a prefill, then one enqueue and result per
     decode, sampled, stopped and timed as a stream does; the error that ended it, or
     None."""
@@ -314,14 +384,18 @@ def _jobs_prompt(ex: DeviceExecutor, seq: int, index: int, prompt: list[int],
     times: list[float] = []
     t0 = clock.now()
     try:
-        r = ex.enqueue(Request.prefill(seq, prompt)).result()
+        handle = ex.enqueue(Request.prefill(seq, prompt))
+        yield handle.done
+        r = handle.result()
         pos = len(prompt)
         while True:
             out.append(sampler.sample(r.logits))
             times.append(clock.now())
             if len(out) >= params.max_tokens or pos >= max_seq:
                 break
-            r = ex.enqueue(Request.decode(seq, out[-1], pos)).result()
+            handle = ex.enqueue(Request.decode(seq, out[-1], pos))
+            yield handle.done
+            r = handle.result()
             tally.decode_job(r.timings.total_ms / 1e3)
             pos += 1
     except CalfsmError as e:
@@ -372,7 +446,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="none, swarm (a random plan drawn from --seed) or a fault plan "
                           "JSON file")
     run.add_argument("--seed", type=int, default=0, metavar="N",
-                     help="seeds the prompts, the swarm fault plan and the driver")
+                     help="seeds the prompts, the swarm fault plan, the driver and, on a "
+                          "virtual clock, the order the sequences take turns in")
     run.add_argument("--latency", default="virtual",
                      metavar="virtual|real[:decode_ms=N,prefill_token_us=N,"
                              "transfer_share=F]",
@@ -389,14 +464,20 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--prompts", type=int, default=16, metavar="N",
                      help="prompts to run, each a prefill then --tokens decodes")
     run.add_argument("--sequences", type=int, default=4, metavar="N",
-                     help="sequences running prompts at once (one request thread each)")
+                     help="sequences running prompts at once (taking turns on one thread "
+                          "on a virtual clock; one request thread each in real time)")
     run.add_argument("--tokens", type=int, default=16, metavar="N",
                      help="tokens decoded per prompt after the one its prefill gives "
                           "(the table's 'tokens generated' counts these)")
     run.add_argument("--max-prompt", type=int, default=64, metavar="N",
                      help="longest prompt in tokens (lengths are drawn from 1..N)")
     run.add_argument("--max-inflight", type=int, default=1, metavar="N",
-                     help="jobs the executor may keep on the device at once")
+                     help="jobs the executor may keep on the device at once: more than one "
+                          "runs only where the vendor runners' evidence proves two in "
+                          "flight (else it runs one and says why on stderr and in the "
+                          "table)")
+    run.add_argument("--evidence-dir", default=None, metavar="DIR",
+                     help=capabilities_cli.EVIDENCE_DIR_HELP)
     run.add_argument("--temperature", type=float, default=0.0, metavar="T",
                      help="sampling temperature, a finite number >= 0; 0 is greedy (then "
                           "--top-k, --top-p and --sampling-seed do not apply)")
@@ -482,6 +563,12 @@ def main(argv: list[str] | None = None) -> int:
                          lambda spec: _faults(spec, args.seed, args.sequences))
         driver = build_driver(args.driver, manifest, faults=faults, seed=args.seed,
                               latency=args.latency)
+        try:
+            _option("--manifest", args.manifest,
+                    lambda _: manifest.check_runtime(driver.version()))
+        except CalfsmError:
+            driver.close()
+            raise
     except CalfsmError as e:
         _error(f"error: {e.message}")
         return EXIT_USAGE
@@ -496,11 +583,17 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
     from rich.progress import Progress
 
     try:
+        # on a virtual clock nothing needs threads: step mode, with a StepScheduler seeded
+        # from --seed, makes the run (faults, order, numbers) the same every time
         ex = CountingExecutor(driver, manifest,
-                              ExecutorConfig(max_inflight=args.max_inflight))
+                              ExecutorConfig(max_inflight=args.max_inflight,
+                                             threaded=not driver.clock.virtual,
+                                             evidence_dir=args.evidence_dir))
     except CalfsmError as e:
         _error(f"start-up failed: {e}")
         return EXIT_DEVICE_FAILED
+    for note in ex.health().notes:     # configuration not honoured (e.g. --max-inflight)
+        _error(f"note: {note}")
     shutdown_error = None
     with Progress(console=Console(stderr=True), disable=args.quiet, transient=True) as bar:
         task = bar.add_task("prompts", total=args.prompts)
@@ -554,10 +647,15 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     from rich.table import Table
 
     stats = ex.stats()
+    health = ex.health()
     table = Table(title=f"calfsm run — {args.driver} driver, {manifest.name or 'manifest'}")
     table.add_column("metric")
     table.add_column("value", justify="right")
     table.add_row("path", args.path + (", resume" if args.resume else ""))
+    table.add_row("jobs in flight: asked / running",
+                  f"{args.max_inflight} / {health.max_inflight}")
+    for note in health.notes:
+        table.add_row("note", note)
     for metric, value in _sampling_rows(args.sampling):
         table.add_row(metric, value)
     failed = sum(summary["errors"].values())
@@ -572,7 +670,7 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     table.add_row("errors by category", _by_category(stats.errors_by_category))
     table.add_row("tokens generated", str(summary["tokens"]))
     clock = "virtual device time" if driver.clock.virtual else "wall time"
-    table.add_row("tokens/s (wall time)", f"{summary['tokens_per_s']:.1f}")
+    table.add_row(f"tokens/s ({clock})", f"{summary['tokens_per_s']:.1f}")
     for q in ("P50", "P99"):
         table.add_row(f"{q} time to first token ({clock})",
                       _ms(summary[f"ttft_{q.lower()}_ms"]))

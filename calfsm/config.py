@@ -77,8 +77,9 @@ class ExecutorConfig:
         default=None, validator=attrs.validators.optional(_at_least_one))
     #: sequence ids open_sequence() hands out: 0 .. max_sequences-1
     max_sequences: int = attrs.field(default=256, validator=_at_least_one)
-    #: where the vendor runners' evidence files are (None: ``$CALFSM_EVIDENCE_DIR``);
-    #: ``max_inflight=2`` runs two only when they prove it (calfsm/inflight.py)
+    #: where the vendor runners' evidence files are (None: the one rule every command
+    #: follows, calfsm.capabilities.evidence_dir: ``$CALFSM_EVIDENCE_DIR``, else
+    #: ``./evidence``); ``max_inflight=2`` runs two only when they prove it (inflight.py)
     evidence_dir: str | None = None
     #: the dump sink (spec S12): off (None) unless a DumpConfig names its directory
     dump: DumpConfig | None = attrs.field(default=None, validator=_dump_config)

@@ -75,19 +75,31 @@ def _directory(value: Any) -> Path:
     return path
 
 
+def _members(value: Any, field: str, what: str) -> list[Any]:
+    """The members of the set-valued option ``field``: None, a string or anything that
+    is not a collection is a configuration error, never a TypeError."""
+    if isinstance(value, str | bytes):
+        raise _bad(f"DumpConfig.{field} is a set of {what}, got the string {value!r}")
+    if not isinstance(value, Iterable):
+        raise _bad(f"DumpConfig.{field} is a set of {what}, got {value!r}")
+    return list(value)
+
+
 def _job_ids(value: Iterable[int]) -> frozenset[int]:
-    ids = frozenset(value)
+    ids = _members(value, "job_ids", "job ids")
     for i in ids:
         if isinstance(i, bool) or not isinstance(i, int) or i < 1:
             raise _bad(f"DumpConfig.job_ids holds {i!r}: job ids are integers >= 1")
-    return ids
+    return frozenset(ids)
 
 
 def _categories(value: Iterable[str | ErrorCategory]) -> frozenset[str]:
-    if isinstance(value, str):
-        raise _bad(f"DumpConfig.categories is a set of categories, got the string "
-                   f"{value!r}")
-    cats = frozenset(c.value if isinstance(c, ErrorCategory) else c for c in value)
+    items = _members(value, "categories", "categories")
+    for c in items:
+        if not isinstance(c, str | ErrorCategory):
+            raise _bad(f"DumpConfig.categories holds {c!r}: a category is an "
+                       f"ErrorCategory or its name, one of {sorted(_CATEGORIES)}")
+    cats = frozenset(c.value if isinstance(c, ErrorCategory) else c for c in items)
     unknown = sorted(map(str, cats - _CATEGORIES))
     if unknown:
         raise _bad(f"DumpConfig.categories: unknown {unknown}; the categories are "

@@ -70,10 +70,12 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
 
     The manifest is resolved against the calbin's model list *before* the device is
     configured (FI01: a manifest typo fails start-up with nothing configured), and again
-    against what the configured device lists. ``configure=False`` reuses a configuration
-    the device kept (after a CCU-only reset).
+    against what the configured device lists; a manifest for another CalRT version than
+    the driver runs is refused before configuring too (``Incompatible``).
+    ``configure=False`` reuses a configuration the device kept (after a CCU-only reset).
     """
     manifest.resolve(calbin.models)
+    manifest.check_runtime(driver.version())   # before the device hears of it, like FI01
     if configure:
         check(driver.configure(calbin), "configure", generation=generation)
     code, listed = driver.get_all_models()

@@ -4,9 +4,11 @@ Two in flight (one job on Ping, one on Pong) can hide one job's transfers behind
 other's compute, but only the device can say whether that is safe. So the executor runs
 two only when the config asks for it, the driver declares fixed Ping/Pong engine slots
 and a parallel mode, AND an evidence file written by the parallel-mode runner
-(``examples/vendor/parallel_mode.py``) proves ``parallel_two_in_flight`` for this device
-and runtime version. Anything short of that runs one, with the reason in ``health()``
-and once in the log: no code change either way.
+(``examples/vendor/parallel_mode.py``) in the evidence directory (the one rule of
+:func:`calfsm.capabilities.evidence_dir`, which ``calfsm capabilities`` and the runners
+follow too) proves ``parallel_two_in_flight`` for this device and runtime version.
+Anything short of that runs one, with the reason in ``health()`` and once in the log: no
+code change either way.
 """
 
 from __future__ import annotations
@@ -44,7 +46,8 @@ ONE = InflightPlan(1, (EngineSlot.AUTO,))
 def plan_inflight(requested: int, driver: Driver, *,
                   evidence_dir: str | os.PathLike | None = None) -> InflightPlan:
     """The plan for ``requested`` in-flight jobs on ``driver``, judged on the evidence in
-    ``evidence_dir`` (else ``$CALFSM_EVIDENCE_DIR``)."""
+    ``evidence_dir`` (None: the one rule of :func:`calfsm.capabilities.evidence_dir`,
+    ``$CALFSM_EVIDENCE_DIR`` else ``./evidence``)."""
     if requested <= 1:
         return ONE
 

@@ -39,9 +39,11 @@ import cattrs
 from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
 from cattrs.gen import make_dict_structure_fn
 
-from calfsm.errors import InvalidArgument, ManifestError
+from calfsm.boundedio import MAX_DEPTH, check_depth, load_json, read_or_raise
+from calfsm.errors import Incompatible, InvalidArgument, ManifestError
 
 __all__ = [
+    "MAX_FILE_BYTES",
     "REQUIRED_KINDS",
     "DType",
     "Manifest",
@@ -75,6 +77,8 @@ REQUIRED_KINDS = (TaskKind.PREFILL_IDS, TaskKind.DECODE)
 #: the kinds that take tokens (or embeddings) and yield BF16 logits over one vocabulary
 _LOGITS_KINDS = frozenset({TaskKind.PREFILL_IDS, TaskKind.PREFILL_EMBEDS, TaskKind.DECODE})
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+#: the largest manifest file read (the built-in ones are ~4 KiB)
+MAX_FILE_BYTES = 4 << 20
 
 
 class DType(enum.StrEnum):
@@ -260,17 +264,21 @@ class Manifest:
 
     @classmethod
     def load(cls, path: str | Path) -> Manifest:
-        """Read a ``.json`` or ``.toml`` manifest file."""
+        """Read a ``.json`` or ``.toml`` manifest file: a regular file of at most
+        :data:`MAX_FILE_BYTES`, nested at most :data:`~calfsm.boundedio.MAX_DEPTH` deep
+        (anything else, a FIFO included, is a :class:`ManifestError` at once)."""
         path = Path(path)
+        raw = read_or_raise(path, max_bytes=MAX_FILE_BYTES, error=lambda why: ManifestError(
+            f"cannot read manifest {str(path)!r}: {why}", stage="manifest"))
         try:
-            raw = path.read_bytes()
-        except OSError as e:
-            raise ManifestError(f"cannot read manifest {str(path)!r}: {e.strerror}",
-                                stage="manifest") from None
-        try:
-            data = (tomllib.loads(raw.decode("utf-8")) if path.suffix == ".toml"
-                    else json.loads(raw))
-        except (ValueError, UnicodeDecodeError) as e:
+            if path.suffix == ".toml":
+                data = check_depth(tomllib.loads(raw.decode("utf-8")))
+            else:
+                data = load_json(raw)
+        except RecursionError:      # tomllib recurses once per level of nesting
+            raise ManifestError(f"{str(path)!r} does not parse: nested deeper than the "
+                                f"{MAX_DEPTH} allowed", stage="manifest") from None
+        except ValueError as e:     # UnicodeDecodeError and UnreadableFile included
             raise ManifestError(f"{str(path)!r} does not parse: {e}", stage="manifest") from None
         return cls.from_dict(data)
 
@@ -305,6 +313,7 @@ class Manifest:
                                 f"{', '.join(k.value for k in REQUIRED_KINDS)}; the "
                                 "warm-up golden runs both)")
         problems.extend(self._vocabulary_problems())
+        problems.extend(self._context_problems())
         if self.timing is not None:
             for field in ("decode_ms", "prefill_token_us"):
                 value = getattr(self.timing, field)
@@ -326,6 +335,29 @@ class Manifest:
         return [f"submodels[{i}].logits.shape: vocabulary {s.vocab} != "
                 f"{want.vocab} of the {want.kind.value} sub-model (submodels[{j}])"
                 for i, s in lm if s.vocab != want.vocab]
+
+    def _context_problems(self) -> list[str]:
+        """The decode sub-model must reach as far as every prefill: a sequence prefilled
+        to a prefill's ``max_seq`` is decoded next, by the decode graph."""
+        decodes = [(i, s) for i, s in enumerate(self.submodels) if s.kind is TaskKind.DECODE]
+        if len(decodes) != 1 or decodes[0][1].max_seq <= 0:
+            return []               # reported above: no decode, two, or a bad max_seq
+        j, decode = decodes[0]
+        return [f"submodels[{j}].max_seq: {decode.max_seq} is below the max_seq "
+                f"{s.max_seq} of the {s.kind.value} sub-model (submodels[{i}]): a sequence "
+                "it prefills could not be decoded"
+                for i, s in enumerate(self.submodels)
+                if s.kind.is_prefill and s.max_seq > decode.max_seq]
+
+    def check_runtime(self, runtime_version: str) -> None:
+        """Refuse to run this manifest's calbin on a device running CalRT
+        ``runtime_version`` unless it is the ``calrt_version`` the calbin is built for:
+        :class:`~calfsm.errors.Incompatible` (category compatibility: an operator must
+        bring the calbin and the runtime together; no retry or reset helps)."""
+        if self.calrt_version != runtime_version:
+            raise Incompatible(f"calrt_version: the manifest's calbin is built for CalRT "
+                               f"{self.calrt_version}, the device runs CalRT "
+                               f"{runtime_version}", stage="manifest")
 
     def submodel(self, kind: TaskKind) -> SubmodelContract:
         for sub in self.submodels:

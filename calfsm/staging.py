@@ -1,10 +1,15 @@
 """Reading and checking one job's output: the one copy used by the pipeline, the warm-up
 golden and the direct path.
 
-A job's output is trusted only after three checks, in this order: the device's status is
+A job's output is trusted only after these checks, in this order: the device's status is
 ``DONE_OK`` (a CCU exception can come with a successful Wait, FI08), ``output_bytes``
-succeeded, and the logits row is inside what the device produced and finite (FI09,
-FI10). :func:`read_output` makes the two device calls (the pipeline makes them under its
+succeeded and reports exactly the logits tensor's byte size (FI09), and the logits row is
+finite (FI10). Any other size is an output fault of the device, even one that covers
+the row a job reads: a job that ends ``DONE_OK`` writes its whole output tensor
+(docs/driver-protocol.md), so a device that says it wrote less (or more) broke its own
+output contract, and whether the row happened to be covered — which depends only on the
+prompt's length — must not decide whether that is noticed (docs/architecture.md,
+Errors). :func:`read_output` makes the two device calls (the pipeline makes them under its
 device lock, next to ``undo_slice``); :func:`check_output` judges what they returned and
 converts the one needed row into the caller's float32 target.
 """
@@ -16,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from calfsm.drivers.base import Driver, OutputStatus
-from calfsm.errors import ErrorCategory, Unavailable, from_calrt
+from calfsm.errors import CalrtCode, ErrorCategory, Unavailable, from_calrt, output_fault
 from calfsm.logits import extract_logits
 from calfsm.manifest import SubmodelContract
 
@@ -46,10 +51,18 @@ def check_ending(reading: OutputReading, ctx: dict[str, Any]) -> None:
 def check_output(reading: OutputReading, logits_bf16: np.ndarray,
                  contract: SubmodelContract, token_count: int,
                  target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
-    """Raise the classified error of a bad ending; else the float32 logits of the last
-    token, written into ``target`` (allocated when None)."""
+    """Raise the classified error of a bad ending or of an output of any size but the
+    tensor's (an output fault); else the float32 logits of the last token, written into
+    ``target`` (allocated when None)."""
     check_ending(reading, ctx)
     produced = reading[2]
+    expected = contract.logits.byte_size
+    if produced != expected:
+        raise output_fault(f"{'short' if produced < expected else 'oversized'} output: "
+                           f"device reports {produced} bytes for {contract.logits.name!r}, "
+                           f"its byte size is {expected} (a job that ends DONE_OK writes "
+                           "the whole tensor)", calrt_code=CalrtCode.SHAPE_MISMATCH,
+                           stage="output", **ctx)
     if target is None:
         target = np.empty(contract.vocab, dtype=np.float32)
     return extract_logits(logits_bf16, produced, contract, token_count, target)

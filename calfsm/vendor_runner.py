@@ -22,9 +22,10 @@ and writes what it saw. Each is a short script over this module:
   and compares the greedy tokens with the reference model: "the golden after a reset".
 - :func:`run_runner` is a runner's ``main``: parse, build, observe, decide, and write the
   evidence JSON (:class:`~calfsm.capabilities.Evidence`) and a short Markdown summary
-  into ``--out``. Exit status 0 when every observation was made (whatever the answers
-  are), 1 when some could not be (the evidence says which and stays incomplete), 2 on
-  bad usage.
+  into ``--out`` (by default the evidence directory every calfsm command reads:
+  :func:`~calfsm.capabilities.evidence_dir`). Exit status 0 when every observation was
+  made (whatever the answers are), 1 when some could not be (the evidence says which and
+  stays incomplete), 2 on bad usage.
 
 Nothing sleeps to order events: on a virtual clock time moves only through ``wait``
 and :meth:`Bench.settle` (which lets the finish time of a job go by, to see whether it
@@ -46,7 +47,14 @@ import attrs
 import numpy as np
 
 from calfsm import refmodel
-from calfsm.capabilities import Evidence, Verdict, capability_info, device_identity
+from calfsm.capabilities import (
+    DIR_RULE,
+    Evidence,
+    Verdict,
+    capability_info,
+    device_identity,
+    evidence_dir,
+)
 from calfsm.clock import RealClock
 from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.drivers import Driver, driver_class, driver_names
@@ -106,8 +114,9 @@ def runner_parser(name: str, description: str) -> argparse.ArgumentParser:
                         "clock). Default: virtual, 10 ms decode, 0.2 ms per prefill token, "
                         "16 GB/s DMA")
     p.add_argument("--seed", type=int, default=0, metavar="N", help="the driver seed")
-    p.add_argument("--out", default="evidence", metavar="DIR",
-                   help="directory for the evidence JSON and Markdown (default: evidence)")
+    p.add_argument("--out", default=None, metavar="DIR",
+                   help="directory for the evidence JSON and Markdown (default: "
+                        f"{DIR_RULE}: where calfsm capabilities and the executor look)")
     p.add_argument("--device-id", default=None, metavar="ID",
                    help="the device name recorded in the evidence (default: the driver "
                         "name, and the library file name for calrt)")
@@ -473,7 +482,7 @@ def run_runner(name: str, description: str, observe: Callable[[RunContext], Outc
     except CalfsmError as e:
         print(f"{name}: error: {e.message}", file=sys.stderr)
         return EXIT_USAGE
-    out = Path(args.out)
+    out = evidence_dir(args.out)
     try:
         device = args.device_id or device_identity(driver)
         version = driver.version()

@@ -2,7 +2,8 @@
 
 It runs every runner of ``examples/vendor/`` against one driver (``--driver sim`` by
 default; ``--driver calrt`` with ``CALFSM_CALRT_LIB`` naming a vendor shim asks a real
-device), each writing its evidence into ``--out``, then asks
+device), each writing its evidence into ``--out`` (by default the directory every calfsm
+command reads), then asks
 :class:`calfsm.capabilities.EvidenceStore` what is proven on this device — the same
 answer the executor and ``calfsm capabilities --evidence-dir OUT`` give — and prints
 whether two jobs in flight may be enabled.
@@ -17,7 +18,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from calfsm.capabilities import EvidenceStore, Level, device_identity
+from calfsm.capabilities import DIR_RULE, EvidenceStore, Level, device_identity, evidence_dir
 from calfsm.drivers import load_driver
 from calfsm.manifest import builtin_manifest
 
@@ -37,16 +38,17 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--driver", default="sim")
     p.add_argument("--manifest", default="tiny")
-    p.add_argument("--out", default="evidence")
+    p.add_argument("--out", default=None, help=f"the evidence directory (default: {DIR_RULE})")
     p.add_argument("--latency", default="virtual:transfer_share=0.3",
                    help="the simulated devices' latency (a real device has its own)")
     args = p.parse_args(argv)
-    common = ["--driver", args.driver, "--manifest", args.manifest, "--out", args.out,
+    out = evidence_dir(args.out)
+    common = ["--driver", args.driver, "--manifest", args.manifest, "--out", str(out),
               "--latency", args.latency]
     codes = {name: run_one(name, common) for name in RUNNERS}
     with load_driver(args.driver, manifest_or_calbin=builtin_manifest(args.manifest)) as d:
         device, version, declared = device_identity(d), d.version(), d.capabilities()
-    store = EvidenceStore(args.out)
+    store = EvidenceStore(out)
     print(f"\n{device}, runtime {version}:")
     for c in store.capabilities(device=device, runtime_version=version, declared=declared):
         print(f"  {c.name:28} {c.level.value:8} {c.path.name if c.path else '-'}")

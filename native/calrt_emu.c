@@ -1288,7 +1288,7 @@ int32_t calrt_wait(calrt_device_t h, calrt_buf_t out, int64_t timeout_ns) {
     uint64_t id = j->id;
     if (d->clock_mode == CALRT_EMU_CLOCK_VIRTUAL) {
         int64_t deadline = timeout_ns < 0 ? NEVER : sat_add(d->vnow, timeout_ns);
-        if (j->finish_ns <= deadline) {
+        if (j->finish_ns != NEVER && j->finish_ns <= deadline) {   /* a hang never ends */
             d->vnow = max64(d->vnow, j->finish_ns);
             drain_due(d);
             RETURN(CALRT_SUCCESS);

@@ -28,3 +28,13 @@ def _fresh_log_limits() -> None:
 def mode(request: pytest.FixtureRequest) -> str:
     """Each executor-level test runs in step mode and in threaded mode."""
     return request.param
+
+
+@pytest.fixture(autouse=True)
+def _own_evidence_dir(tmp_path_factory: pytest.TempPathFactory,
+                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each test sees an empty evidence directory of its own through
+    ``$CALFSM_EVIDENCE_DIR`` (the default rule would read ``./evidence`` of wherever the
+    suite runs): a runner someone ran in the checkout cannot turn two in flight on in a
+    test. Tests of the default rule unset it."""
+    monkeypatch.setenv("CALFSM_EVIDENCE_DIR", str(tmp_path_factory.mktemp("evidence")))

@@ -4,11 +4,14 @@ missing, stale, failing, incomplete and unreadable evidence."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
-from calfsm import cli
+from calfsm import capabilities, cli
 from calfsm.capabilities import (
     CAPABILITIES,
     Evidence,
@@ -178,3 +181,114 @@ def test_cli_exit_codes_without_a_device(tmp_path: Path, capsys: pytest.CaptureF
     assert "unknown capability" in capsys.readouterr().err
     assert cli.main([*base, "--max-age-s", "-1"]) == 2
     assert cli.main(["capabilities", "--manifest", str(tmp_path / "absent.json")]) == 2
+
+
+# ---- evidence that cannot be read proves nothing, raises nothing, blocks nothing ---------
+
+JSON_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(), inner,
+                                                                 max_size=3),
+    max_leaves=8)
+
+
+@given(field=st.sampled_from(["runner", "device", "driver", "runtime_version",
+                              "calbin_sha256", "created_unix", "complete", "verdicts",
+                              "settings", "files", "observations"]),
+       value=JSON_VALUES)
+def test_any_value_in_any_field_is_evidence_or_a_value_error(field: str, value: object
+                                                             ) -> None:
+    data = json.loads(Evidence("r", "dev", "0.7.6", "c" * 64, NOW, {}, {}).to_json())
+    try:
+        Evidence.from_dict({**data, field: value})
+    except ValueError:
+        pass
+
+
+def _problem(directory: Path, name: str) -> str:
+    """The one problem the store reports about ``name``; the answer names it too."""
+    problems = EvidenceStore(directory).problems()
+    assert len(problems) == 1 and problems[0].startswith(f"{name}: "), problems
+    c = ask(directory)
+    assert c.level is Level.UNKNOWN and problems[0] in c.reason, c.reason
+    return problems[0]
+
+
+@pytest.mark.parametrize(("field", "value", "why"), [
+    ("settings", 5, "'settings' must be an object, got int"),
+    ("files", {"trace": 3}, "'files' must map names to strings"),
+    ("driver", ["sim"], "'driver' must be a string, got list"),
+    ("complete", "yes", "'complete' must be a bool"),
+    ("observations", [1], "'observations' must be an object"),
+    ("verdicts", {CAP: 1}, "needs a bool 'holds'"),
+])
+def test_a_field_of_the_wrong_type_is_reported_not_raised(tmp_path: Path, field: str,
+                                                          value: object, why: str) -> None:
+    data = json.loads(write(tmp_path, "bad").read_text())
+    (tmp_path / "bad.json").write_text(json.dumps({**data, field: value}))
+    problem = _problem(tmp_path, "bad.json")
+    assert "not valid evidence" in problem and why in problem
+
+
+def test_deep_json_is_reported_not_a_recursion_error(tmp_path: Path) -> None:
+    (tmp_path / "deep.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "nested 100000 deep" in _problem(tmp_path, "deep.json")
+    text = write(tmp_path, "deep").read_text()          # deep inside valid evidence
+    deep = '{"x": ' * 5000 + "0" + "}" * 5000
+    (tmp_path / "deep.json").write_text(text.replace('"observations": {',
+                                                     f'"observations": {{"deep": {deep}, ', 1))
+    assert "nested 5002 deep" in _problem(tmp_path, "deep.json")
+
+
+def test_an_oversized_file_is_reported_unread(tmp_path: Path,
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    path = write(tmp_path, "big")
+    size = path.stat().st_size
+    monkeypatch.setattr(capabilities, "MAX_FILE_BYTES", size - 1)
+    assert f"{size} bytes, more than the {size - 1} allowed" in _problem(tmp_path, "big.json")
+    monkeypatch.setattr(capabilities, "MAX_FILE_BYTES", size)
+    assert ask(tmp_path).level is Level.PROVEN
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero", "dangling"])
+def test_a_json_name_that_is_no_regular_file_neither_blocks_nor_raises(
+        tmp_path: Path, kind: str) -> None:
+    """A FIFO blocked the executor's start-up forever (open waits for a writer); a
+    symlink to /dev/zero is a read that never ends."""
+    path = tmp_path / "x.json"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero" if kind == "dev-zero" else tmp_path / "absent")
+    write(tmp_path, "good")
+    problem = {"fifo": "a FIFO, not a regular file",
+               "directory": "a directory, not a regular file",
+               "dev-zero": "a character device, not a regular file",
+               "dangling": "No such file or directory"}[kind]
+    problems = EvidenceStore(tmp_path).problems()
+    assert problems == [f"x.json: unreadable: {problem}"]
+    assert ask(tmp_path).level is Level.PROVEN          # the good file still decides
+
+
+def test_the_executor_starts_beside_broken_evidence_and_says_why(tmp_path: Path) -> None:
+    """A FIFO, and evidence with ``"settings": 5`` (a TypeError in the executor's
+    start-up before): two asked, one run, the note naming both files."""
+    from calfsm.executor import DeviceExecutor, ExecutorConfig
+    from calfsm.manifest import builtin_manifest
+    from tests.executor_helpers import write_evidence
+
+    tiny = builtin_manifest("tiny")
+    drv = SimDriver(tiny)
+    path = write_evidence(tmp_path, drv)
+    path.write_text(json.dumps({**json.loads(path.read_text()), "settings": 5}))
+    os.mkfifo(tmp_path / "pipe.json")
+    with DeviceExecutor(drv, tiny, ExecutorConfig(threaded=False, max_inflight=2,
+                                                  evidence_dir=str(tmp_path))) as ex:
+        h = ex.health()
+    assert h.max_inflight == 1
+    (note,) = h.notes
+    assert "2 unreadable evidence file(s) ignored" in note
+    assert "parallel.json: not valid evidence: 'settings' must be an object" in note
+    assert "pipe.json: unreadable: a FIFO" in note

@@ -7,8 +7,11 @@ driver names come from the one registry."""
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import attrs
@@ -29,7 +32,8 @@ SMALL = ("--manifest", "tiny", "--prompts", "2", "--sequences", "1", "--tokens",
          "--quiet")
 OPTIONS = ("--driver", "--manifest", "--faults", "--seed", "--latency", "--path",
            "--prompts", "--sequences", "--tokens", "--max-prompt", "--max-inflight",
-           "--temperature", "--top-k", "--top-p", "--sampling-seed", "--resume", "--quiet")
+           "--evidence-dir", "--temperature", "--top-k", "--top-p", "--sampling-seed",
+           "--resume", "--quiet")
 SAMPLED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=5)
 
 
@@ -358,3 +362,80 @@ def test_resume_replays_a_stream_whose_kv_a_reset_lost():
     resumed = _workload("streams", faults=plan, resume=True, prompts=2, sequences=1)
     assert resumed["prompts_completed"] == 2 and resumed["errors"] == {}
     assert resumed["outputs"] == clean["outputs"]
+
+
+# ---- what the executor could not honour is said, not silent ------------------------------
+
+def test_max_inflight_two_without_evidence_says_it_runs_one_and_why(capsys, tmp_path):
+    """Before issue 20, ``--max-inflight 2`` silently ran one: the reason was only in
+    ``health().notes`` and a log line below the CLI's level."""
+    rc, out, err = run(capsys, *SMALL, "--max-inflight", "2", "--evidence-dir",
+                       str(tmp_path))
+    assert rc == cli.EXIT_OK
+    notes = [line for line in err.splitlines() if line.startswith("calfsm: note: ")]
+    assert len(notes) == 1, err
+    assert "max_inflight=2 requested, running 1: parallel_two_in_flight is claimed" \
+        in notes[0] and f"no evidence for sim runtime 0.7.6 in {tmp_path}" in notes[0]
+    assert row(out, "jobs in flight: asked / running") == "2 / 1"
+    assert row(out, "note").startswith("max_inflight=2 requested, running 1:")
+    rc, out, err = run(capsys, *SMALL)
+    assert "note" not in err and row(out, "jobs in flight: asked / running") == "1 / 1"
+
+
+# ---- a seed is a run: the same table every time on the virtual clock -----------------------
+
+def _table_of_a_fresh_process(*argv: str, hash_seed: str) -> str:
+    """``calfsm run`` in a process of its own (its own thread timing, its own string
+    hashing: nothing carried over from this one); the table it prints."""
+    env = {**os.environ, "PYTHONHASHSEED": hash_seed, "COLUMNS": "120"}
+    done = subprocess.run([sys.executable, "-m", "calfsm.cli", "run", *argv],
+                          capture_output=True, text=True, env=env, timeout=120, check=False)
+    assert done.returncode == cli.EXIT_OK, done.stderr
+    return done.stdout
+
+
+@pytest.mark.parametrize("path", cli.PATHS)
+def test_the_same_swarm_seed_prints_the_same_table_every_time(path):
+    """Before issue 20 four request threads raced for the device: which job met which
+    fault (rules fire by call ordinal) changed from run to run, and with it every row.
+    On the virtual clock ``calfsm run`` now runs in step mode, interleaved by a
+    StepScheduler seeded from --seed: nothing is left to the OS scheduler."""
+    argv = ("--manifest", "tiny", "--prompts", "8", "--sequences", "4", "--tokens", "8",
+            "--faults", "swarm", "--seed", "3", "--quiet", "--path", path)
+    first = _table_of_a_fresh_process(*argv, hash_seed="1")
+    assert row(first, "errors by category") != "none"      # the faults did fire
+    assert row(first, "tokens/s (virtual device time)")     # no wall-time row left
+    assert _table_of_a_fresh_process(*argv, hash_seed="2") == first
+    assert _table_of_a_fresh_process(*argv, hash_seed="1") == first
+
+
+@pytest.mark.parametrize("driver", ["sim", "calrt"])
+def test_a_manifest_for_another_runtime_version_is_a_usage_error(capsys, tmp_path, driver):
+    data = builtin_manifest("tiny").to_dict() | {"calrt_version": "0.8.0"}
+    path = tmp_path / "m.json"
+    path.write_text(json.dumps(data))
+    rc, out, err = run(capsys, "--manifest", str(path), "--driver", driver, "--quiet")
+    assert_usage_error(rc, out, err, f"--manifest {path}: calrt_version: the manifest's "
+                       "calbin is built for CalRT 0.8.0, the device runs CalRT 0.7.6")
+
+
+# ---- deep JSON in a manifest or a fault plan: exit 2, one line, from every command ---------
+
+@pytest.mark.parametrize("command", [
+    ("run", "--manifest"), ("run", "--faults"), ("capabilities", "--manifest"),
+    ("serve", "--manifest"), ("serve", "--faults"), ("soak", "--manifest"),
+    ("soak", "--faults"), ("parallel_mode.py", "--manifest")])
+def test_deep_json_in_any_loaded_file_exits_2_with_one_line(capsys, tmp_path, command):
+    """Before issue 20: exit 1 and a RecursionError traceback."""
+    deep = tmp_path / "deep.json"
+    deep.write_text("[" * 100_000 + "]" * 100_000)
+    name, option = command
+    if name.endswith(".py"):
+        from tests.test_runners import runner
+        rc = runner(name.removesuffix(".py")).main([option, str(deep)])
+    else:
+        rc = cli.main([name, option, str(deep)])
+    out, err = capsys.readouterr()
+    assert rc == cli.EXIT_USAGE, err
+    assert err.count("\n") == 1 and "nested 100000 deep, more than the 64 allowed" in err, err
+    assert "Traceback" not in out + err

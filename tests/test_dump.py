@@ -79,10 +79,22 @@ def test_no_default_directory():
 @pytest.mark.parametrize("kw", [
     {"categories": {"devices"}}, {"categories": "device"}, {"job_ids": {0}},
     {"job_ids": {True}}, {"max_files": 0}, {"max_bytes": -1}, {"max_files": 1.5},
+    # TypeError before issue 20: not a collection, or a member that cannot be hashed
+    {"job_ids": None}, {"job_ids": 5}, {"job_ids": [[1]]}, {"job_ids": "12"},
+    {"categories": None}, {"categories": 5}, {"categories": [["device"]]},
 ])
 def test_bad_dump_config_values_are_refused(tmp_path, kw):
-    with pytest.raises(InvalidArgument):
+    (field,) = kw
+    with pytest.raises(InvalidArgument, match=f"DumpConfig.{field}"):
         DumpConfig(directory=tmp_path, **kw)
+
+
+def test_watch_refuses_what_is_no_job_id(tmp_path):
+    sink = DumpSink(DumpConfig(directory=tmp_path))
+    for bad in ([1], None, 0, "7"):
+        with pytest.raises(InvalidArgument, match=r"DumpConfig\.job_ids"):
+            sink.watch(bad)
+    sink.watch(7)
 
 
 def test_bad_values_in_the_executor_config_are_refused(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -85,6 +86,26 @@ def test_load_errors_name_entry_and_field(tmp_path, text, where) -> None:
 def test_missing_file() -> None:
     with pytest.raises(InvalidArgument):
         FaultPlan.load("/nonexistent/plan.json")
+
+
+@pytest.mark.parametrize("text", ["[" * 100_000 + "]" * 100_000,
+                                  '{"rules": [' + "[" * 5000 + "]" * 5000 + "]}"])
+def test_deep_json_is_invalid_argument_not_recursion_error(tmp_path, text) -> None:
+    path = tmp_path / "deep.json"
+    path.write_text(text)
+    with pytest.raises(InvalidArgument, match="fault plan does not parse: nested"):
+        FaultPlan.load(path)
+    with pytest.raises(InvalidArgument, match="more than the 64 allowed"):
+        FaultPlan.from_json(text)
+
+
+def test_a_plan_that_is_no_regular_file_is_refused_at_once(tmp_path) -> None:
+    fifo = tmp_path / "plan.json"
+    os.mkfifo(fifo)                     # reading it would block until a writer came
+    with pytest.raises(InvalidArgument, match="a FIFO, not a regular file"):
+        FaultPlan.load(fifo)
+    with pytest.raises(InvalidArgument, match="a directory, not a regular file"):
+        FaultPlan.load(tmp_path)
 
 
 def test_default_codes_cover_code_points() -> None:

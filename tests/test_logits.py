@@ -500,3 +500,25 @@ def test_without_the_kernels_the_numpy_path_is_used_and_asking_for_them_fails(mo
         extract_logits(out, DECODE.logits.byte_size, DECODE, 1, dst)
         np.testing.assert_array_equal(dst, reference(out[0, 0]))
         monkeypatch.undo()
+
+
+@pytest.mark.parametrize("delta", [-2, 2])
+def test_staging_refuses_any_output_size_but_the_tensors(delta):
+    """``check_output`` (the one judge of a finished job's output): one BF16 value
+    short of the tile, or one past it, is the device's output fault, though row 4 (a
+    21-token prefill's) is covered either way; the exact size passes."""
+    from calfsm.drivers.base import OutputStatus
+    from calfsm.staging import check_output
+
+    out = tile(PREFILL)
+    size = PREFILL.logits.byte_size
+    dst = np.full(PREFILL.vocab, SENTINEL, np.float32)
+    with pytest.raises(Internal) as info:
+        check_output((OutputStatus.DONE_OK, 0, size + delta), out, PREFILL, 21, dst,
+                     {"job_id": 3})
+    err = info.value
+    assert err.category is ErrorCategory.UNKNOWN and err.calrt_code == CalrtCode.SHAPE_MISMATCH
+    assert err.job_id == 3 and f"reports {size + delta} bytes" in err.message
+    assert (dst == SENTINEL).all()
+    row = check_output((OutputStatus.DONE_OK, 0, size), out, PREFILL, 21, dst, {})
+    np.testing.assert_array_equal(row, reference(out[0, 4]))

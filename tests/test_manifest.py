@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import pytest
 from calfsm.drivers.base import Calbin
 from calfsm.errors import ManifestError
 from calfsm.manifest import (
+    MAX_FILE_BYTES,
     DType,
     Manifest,
     ModelInfo,
@@ -227,6 +229,10 @@ WRONG_BY_MEANING: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
         setter("submodels", 0, "csr_total_seq", value="cur_seq"),
         ("submodels[0].csr_total_seq: 'cur_seq' is also csr_cur_seq",)),
     "empty calrt_version": (setter("calrt_version", value=""), ("calrt_version: empty",)),
+    "decode max_seq below the prefill's": (
+        setter("submodels", 1, "max_seq", value=4096),
+        ("submodels[1].max_seq: 4096 is below the max_seq 40960 of the prefill_ids "
+         "sub-model (submodels[0])",)),
     "float token ids": (
         setter("submodels", 1, "token_or_embed", "dtype", value="F32"),
         ("submodels[1].token_or_embed.dtype: token ids need an integer type, got F32",)),
@@ -269,6 +275,40 @@ def test_bad_input_names_path_and_value(case: str) -> None:
         assert part in text, f"{part!r} not in {text!r}"
     assert info.value.stage == "manifest"
     assert "\n" not in str(info.value)
+
+
+def test_a_manifest_for_another_runtime_is_incompatible() -> None:
+    from calfsm.errors import ErrorCategory, Incompatible
+    QWEN.check_runtime("0.7.6")
+    with pytest.raises(Incompatible) as info:
+        attrs.evolve(QWEN, calrt_version="0.7.5").check_runtime("0.7.6")
+    assert info.value.category is ErrorCategory.COMPATIBILITY
+    assert info.value.message == ("calrt_version: the manifest's calbin is built for CalRT "
+                                  "0.7.5, the device runs CalRT 0.7.6")
+
+
+@pytest.mark.parametrize("driver", ["sim", "calrt"])
+def test_executor_start_up_refuses_a_manifest_for_another_runtime(driver: str) -> None:
+    """It loaded, and ran, before issue 20. Refused before the device is configured,
+    category compatibility: final at once, no recovery attempt."""
+    from calfsm.drivers import driver_class
+    from calfsm.errors import ErrorCategory, Incompatible
+    from calfsm.executor import DeviceExecutor, ExecutorConfig
+
+    tiny = attrs.evolve(builtin_manifest("tiny"), calrt_version="0.7.5")
+    cls = driver_class(driver)
+    drv = getattr(cls, "virtual", cls)(manifest_or_calbin=tiny)
+    configured = []
+    real_configure = drv.configure
+    drv.configure = lambda calbin: configured.append(calbin) or real_configure(calbin)
+    try:
+        with pytest.raises(Incompatible, match=r"built for CalRT 0\.7\.5, the device runs "
+                                               r"CalRT 0\.7\.6") as info:
+            DeviceExecutor(drv, tiny, ExecutorConfig(threaded=False))
+        assert info.value.category is ErrorCategory.COMPATIBILITY
+        assert configured == []
+    finally:
+        drv.close()
 
 
 @pytest.mark.parametrize("sha", [
@@ -343,6 +383,47 @@ def test_malformed_file(suffix: str, text: str, tmp_path: Path) -> None:
 def test_unreadable_file(tmp_path: Path) -> None:
     with pytest.raises(ManifestError, match="cannot read manifest"):
         Manifest.load(tmp_path / "absent.json")
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize(("suffix", "text"), [
+    (".json", "[" * DEEP + "]" * DEEP),
+    (".json", '{"name": ' + '{"a": ' * DEEP + "1" + "}" * DEEP + "}"),
+    (".toml", "name = " + "[" * DEEP + "]" * DEEP + "\n"),
+    (".toml", "name = " + "{a = " * 5000 + "1" + "}" * 5000 + "\n"),
+    (".toml", "name = " + "[" * 100 + "]" * 100 + "\n"),   # parses, then too deep
+])
+def test_deep_nesting_is_a_manifest_error_not_a_recursion_error(suffix: str, text: str,
+                                                                tmp_path: Path) -> None:
+    path = tmp_path / f"deep{suffix}"
+    path.write_text(text)
+    with pytest.raises(ManifestError, match="does not parse: nested") as info:
+        Manifest.load(path)
+    assert "more than the 64 allowed" in info.value.message \
+        or "nested deeper than the 64 allowed" in info.value.message
+
+
+@pytest.mark.parametrize("kind", ["fifo", "directory", "dev-zero"])
+def test_a_manifest_that_is_no_regular_file_is_refused_at_once(kind: str,
+                                                               tmp_path: Path) -> None:
+    path = tmp_path / "m.json"
+    if kind == "fifo":
+        os.mkfifo(path)                 # a read would wait for a writer forever
+    elif kind == "directory":
+        path.mkdir()
+    else:
+        path.symlink_to("/dev/zero")    # a read that never ends
+    with pytest.raises(ManifestError, match=r"cannot read manifest .*not a regular file"):
+        Manifest.load(path)
+
+
+def test_an_oversized_manifest_is_refused_unread(tmp_path: Path) -> None:
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps(QWEN.to_dict()) + " " * MAX_FILE_BYTES)
+    with pytest.raises(ManifestError, match=f"more than the {MAX_FILE_BYTES} allowed"):
+        Manifest.load(path)
 
 
 # ---- resolve against a device -----------------------------------------------------------
@@ -483,3 +564,13 @@ def test_empty_device() -> None:
 def test_calbin_replace_model_can_rename() -> None:
     calbin = device().replace_model(DECODE, name="qwen3_b1_dec0de")
     assert "qwen3_b1_dec0de" in {m.name for m in calbin.models}
+
+
+def test_a_deep_calbin_description_is_a_manifest_error(tmp_path: Path) -> None:
+    text = "[" * DEEP + "]" * DEEP
+    with pytest.raises(ManifestError, match="nested 100000 deep"):
+        Calbin.from_json(text)
+    fifo = tmp_path / "x.calbin.json"
+    os.mkfifo(fifo)
+    with pytest.raises(ManifestError, match=r"cannot read calbin .* a FIFO"):
+        Calbin.load(fifo)

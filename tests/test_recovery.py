@@ -23,6 +23,7 @@ from calfsm.errors import (
 )
 from calfsm.job import Request
 from calfsm.machines.job import JobState
+from calfsm.manifest import TaskKind
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
 from tests.executor_helpers import TINY, GatedDriver, make_executor, make_sim
@@ -331,6 +332,21 @@ def test_fi09_short_output_written_nowhere_past_target(mode):
         err = outcome(ex, h)
         assert err.calrt_code == CalrtCode.SHAPE_MISMATCH
         assert np.all(target[1024:] == 3.0)
+
+
+def test_a_short_output_that_covers_the_row_is_still_an_output_fault(mode):
+    """A one-token prefill reads row 0 of the 16-row tile: an output of exactly one row
+    covers it, and was accepted before issue 20 (the same fault failed a prompt whose
+    last token fell in row 1). Any size but the tensor's is the device's output fault:
+    quarantined, category unknown, the generation drained and reset."""
+    vocab = TINY.submodel(TaskKind.PREFILL_IDS).vocab
+    plan = FaultPlan.of(FaultRule("infer", "short_output", seq_id=SEQ, n_bytes=vocab * 2))
+    with make_executor(mode, faults=plan) as ex:
+        err = outcome(ex, ex.enqueue(_job(tokens=(7,))))
+        assert err is not None and err.category is ErrorCategory.UNKNOWN
+        assert err.calrt_code == CalrtCode.SHAPE_MISMATCH and err.stage == "output"
+        assert f"short output: device reports {vocab * 2} bytes" in err.message
+        _recovered_and_serving(ex)
 
 
 def test_recovery_policy_is_frozen_data():

@@ -53,6 +53,8 @@ from __future__ import annotations
 import enum
 import hashlib
 import json
+import math
+import numbers
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Protocol, Self, runtime_checkable
@@ -60,11 +62,13 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 import attrs
 import numpy as np
 
+from calfsm.boundedio import load_json, read_or_raise
 from calfsm.clock import Clock
 from calfsm.errors import CalrtCode, ManifestError
-from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
+from calfsm.manifest import MAX_FILE_BYTES, DType, Manifest, ModelInfo, TaskKind, TensorInfo
 
 __all__ = [
+    "MAX_WAIT_S",
     "SEQ_LIMIT",
     "U32_MAX",
     "Calbin",
@@ -78,7 +82,9 @@ __all__ = [
     "OutputStatus",
     "ResetKind",
     "is_int",
+    "runtime_code",
     "tensor_table",
+    "wait_timeout",
 ]
 
 
@@ -194,9 +200,9 @@ class Calbin:
                        for m in self.models]}, indent=1)
 
     @classmethod
-    def from_json(cls, text: str) -> Calbin:
+    def from_json(cls, text: str | bytes) -> Calbin:
         try:
-            data = json.loads(text)
+            data = load_json(text)
             models = tuple(
                 ModelInfo(
                     name=m["name"], kind=TaskKind(m["kind"]) if m["kind"] else None,
@@ -216,10 +222,57 @@ class Calbin:
 
     @classmethod
     def load(cls, path: str | Path) -> Calbin:
-        return cls.from_json(Path(path).read_text("utf-8"))
+        """A calbin description file (a regular file; bounded like a manifest)."""
+        return cls.from_json(read_or_raise(
+            path, max_bytes=MAX_FILE_BYTES, error=lambda why: ManifestError(
+                f"cannot read calbin {str(path)!r}: {why}", stage="calbin")))
 
     def digest(self) -> str:
         return hashlib.sha256(self.to_json().encode()).hexdigest()
+
+
+#: the longest wait the C ABI carries, 2**62 ns (about 146 years): a longer finite
+#: timeout is clamped to it (docs/driver-protocol.md, ``wait``)
+MAX_WAIT_S = 2**62 / 1e9
+
+
+def wait_timeout(timeout_s: Any) -> float | None:
+    """A ``wait`` timeout as every driver reads it: None when it is no number of seconds
+    (not a real number, a bool, NaN: the call returns ``INVALID_VALUE``); otherwise
+    clamped into ``[0, MAX_WAIT_S]`` (a negative timeout counts as 0), an infinite one
+    kept (no limit). ``1e300`` is ``MAX_WAIT_S`` on every driver, never an
+    ``OverflowError``."""
+    if isinstance(timeout_s, bool | np.bool_) or not isinstance(timeout_s, numbers.Real):
+        return None
+    try:
+        t = float(timeout_s)
+    except OverflowError:               # an int or Fraction beyond any float
+        return MAX_WAIT_S if timeout_s > 0 else 0.0
+    if math.isnan(t):
+        return None
+    if math.isinf(t):
+        return t if t > 0 else 0.0
+    return min(max(t, 0.0), MAX_WAIT_S)
+
+
+def runtime_code(calbin_version: str, runtime_version: str) -> int:
+    """What ``configure`` answers for a calbin built for CalRT ``calbin_version`` on a
+    device running ``runtime_version`` (spec 8, compatibility): 0 when they are the same;
+    ``RUNTIME_TOO_OLD`` (9) when the calbin is for a newer runtime; otherwise
+    ``DRIVER_INCOMPATIBLE`` (8): an older one, or a version that is not dotted numbers.
+    A calbin is compiled for one runtime version, so only equal versions run."""
+    if calbin_version == runtime_version:
+        return 0
+    want, have = _version_key(calbin_version), _version_key(runtime_version)
+    if want is not None and have is not None and want > have:
+        return int(CalrtCode.RUNTIME_TOO_OLD)
+    return int(CalrtCode.DRIVER_INCOMPATIBLE)
+
+
+def _version_key(version: str) -> tuple[int, ...] | None:
+    parts = version.split(".") if isinstance(version, str) else []
+    return tuple(int(p) for p in parts) if parts and all(p.isdigit() for p in parts) \
+        else None
 
 
 def _tensor(t: dict) -> TensorInfo:

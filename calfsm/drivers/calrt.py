@@ -75,7 +75,9 @@ from calfsm.drivers.base import (
     JobTag,
     OutputStatus,
     ResetKind,
+    runtime_code,
     tensor_table,
+    wait_timeout,
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan
@@ -552,8 +554,14 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
         with self._lock:
             if self._closed:
                 return _INVALID_STATE
-            text = calbin_text(calbin) if isinstance(calbin, Calbin) and calbin.models \
-                else b"calfsm-calbin 1\nend\n"
+            usable = isinstance(calbin, Calbin) and calbin.models
+            if usable:
+                # a calbin is built for one runtime: refused here, whatever the library
+                # would do with it (the emulator reads the version and ignores it)
+                rc = runtime_code(calbin.calrt_version, self.version())
+                if rc:
+                    return rc
+            text = calbin_text(calbin) if usable else b"calfsm-calbin 1\nend\n"
             rc = self._c("calrt_configure", text, len(text))
             if rc == _OK:
                 self._load_models()
@@ -766,9 +774,8 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
         # a submit or a close from another thread; the library is thread-safe
         if self._closed or not self._buf_ok(out) or out.is_input:
             return _INVALID_STATE
-        try:
-            timeout = max(0.0, float(timeout_s))
-        except (TypeError, ValueError):
+        timeout = wait_timeout(timeout_s)
+        if timeout is None:
             return _INVALID_VALUE
         ns = -1 if math.isinf(timeout) else min(round(timeout * 1e9), 2**62)
         with self._dev.lock:

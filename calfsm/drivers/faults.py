@@ -71,6 +71,7 @@ from typing import Any
 
 import attrs
 
+from calfsm.boundedio import load_json, read_or_raise
 from calfsm.drivers.base import SEQ_LIMIT
 from calfsm.errors import CalrtCode, InvalidArgument
 
@@ -80,6 +81,7 @@ __all__ = [
     "FAULT_POINTS",
     "FILTERS",
     "JOB_EFFECTS",
+    "MAX_FILE_BYTES",
     "NAME_MAX_BYTES",
     "POINTS",
     "SWARM_KINDS",
@@ -91,6 +93,9 @@ __all__ = [
 
 #: job effects, attached at submit (point ``infer``; ``infer_fixed`` counts as ``infer``)
 JOB_EFFECTS = ("ccu_exception", "short_output", "nan", "inf", "hang", "stale")
+
+#: the largest fault plan file read (a plan of a thousand rules is ~150 KiB)
+MAX_FILE_BYTES = 4 << 20
 
 _I32 = (-(2**31), 2**31 - 1)
 _I64_MAX = 2**63 - 1
@@ -370,10 +375,12 @@ class FaultPlan:
         return cls(tuple(_rule_from_dict(i, r) for i, r in enumerate(rules)), name)
 
     @classmethod
-    def from_json(cls, text: str) -> FaultPlan:
+    def from_json(cls, text: str | bytes) -> FaultPlan:
+        """A plan from its JSON text, nested at most
+        :data:`~calfsm.boundedio.MAX_DEPTH` deep (a plan needs 3)."""
         try:
-            data = json.loads(text)
-        except ValueError as e:
+            data = load_json(text)
+        except ValueError as e:     # malformed, not UTF-8, or nested too deep
             raise InvalidArgument(f"fault plan does not parse: {e}", stage="faults") from None
         return cls.from_dict(data)
 
@@ -384,12 +391,11 @@ class FaultPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> FaultPlan:
-        try:
-            text = Path(path).read_text("utf-8")
-        except (OSError, UnicodeDecodeError) as e:
-            raise InvalidArgument(f"cannot read fault plan {str(path)!r}: {e}",
-                                  stage="faults") from None
-        return cls.from_json(text)
+        """The plan in the file ``path``: a regular file (a FIFO or a device is refused
+        at once, never read) of at most :data:`MAX_FILE_BYTES`."""
+        return cls.from_json(read_or_raise(
+            path, max_bytes=MAX_FILE_BYTES, error=lambda why: InvalidArgument(
+                f"cannot read fault plan {str(path)!r}: {why}", stage="faults")))
 
     # ---- random plans -----------------------------------------------------------------
     @classmethod

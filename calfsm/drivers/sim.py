@@ -76,7 +76,9 @@ from calfsm.drivers.base import (
     JobTag,
     OutputStatus,
     ResetKind,
+    runtime_code,
     tensor_table,
+    wait_timeout,
 )
 from calfsm.drivers.base import is_int as _is_int
 from calfsm.drivers.faults import FaultPlan, FaultRule
@@ -467,7 +469,8 @@ class SimDriver(ClosesOnExit, HandleChecks):
             return _ALREADY_CONFIGURED
         if not isinstance(calbin, Calbin) or not calbin.models or not _calbin_usable(calbin):
             return _INVALID_CALBIN
-        rc = self._fault_code("configure")
+        rc = runtime_code(calbin.calrt_version, self.version()) \
+            or self._fault_code("configure")
         if rc:
             return rc
         self._configured = calbin
@@ -891,16 +894,15 @@ class SimDriver(ClosesOnExit, HandleChecks):
     def wait(self, out: _Buf, timeout_s: float) -> int:
         if self._closed or not self._buf_ok(out) or out.is_input:
             return _INVALID_STATE
+        timeout = wait_timeout(timeout_s)
+        if timeout is None:             # checked before the job, as CalrtDriver does
+            return _INVALID_VALUE
         self._pump()
         if not out.submitted:
             return _INVALID_STATE
         job = out.job
         if job is None:
             return _OK
-        try:
-            timeout = max(0.0, float(timeout_s))
-        except (TypeError, ValueError):
-            return _INVALID_VALUE
         rc = self._fault_code("wait", seq=job.seq,
                               job=job.tag.job_id if job.tag is not None else None)
         if rc:
@@ -908,7 +910,7 @@ class SimDriver(ClosesOnExit, HandleChecks):
         clock = self.clock
         if self._virtual:
             deadline = clock.now() + timeout
-            if job.finish <= deadline:
+            if job.finish <= deadline and math.isfinite(job.finish):   # a hang never ends
                 clock.advance_to(job.finish)  # type: ignore[attr-defined]
                 self._pump()
                 return _OK
@@ -927,7 +929,9 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 return _TIMEOUT
             until = min(job.finish, deadline)
             if until - now > lead:
-                self._cond.wait(until - now - lead)   # releases the lock; a reset wakes it
+                # releases the lock; a reset or close wakes it (a hang with no limit:
+                # only they do, and Condition.wait takes no infinite timeout)
+                self._cond.wait(None if math.isinf(until) else until - now - lead)
                 continue
             self._lock.release()        # the last stretch: poll, lock free, GIL yielded
             try:

@@ -30,6 +30,9 @@ from calfsm.errors import InvalidArgument
 __all__ = ["BatchPlan", "LlamaBatch", "Ubatch", "plan_batch"]
 
 _STAGE = "llama_batch"
+_LIST_FIELDS = ("token", "pos", "n_seq_id", "seq_id", "logits")
+_TOKEN_NOT_A_SEQUENCE = "token must be a sequence of token ids, got {}"
+_EMBD_NOT_2D = "embd must be a 2-D (n_tokens, hidden) numpy array"
 
 
 @attrs.define(eq=False)
@@ -48,20 +51,40 @@ class LlamaBatch:
     def get_one(cls, tokens: Seq[int]) -> LlamaBatch:
         """``llama_batch_get_one``: ``tokens`` on sequence 0 after what it holds, logits
         of the last token only."""
+        if not _is_seq(tokens):
+            raise _bad(f"get_one takes a sequence of token ids, got {reprlib.repr(tokens)}",
+                       {})
         return cls(token=list(tokens))
 
     @property
     def n_tokens(self) -> int:
+        """Tokens (or embedding rows) in the batch; a ``token`` that is no sequence or an
+        ``embd`` that is no 2-D array is an InvalidArgument, as :func:`plan_batch` says."""
         if self.token is not None:
+            if not _is_seq(self.token):
+                raise _bad(_TOKEN_NOT_A_SEQUENCE.format(reprlib.repr(self.token)), {})
             return len(self.token)
-        return 0 if self.embd is None else len(self.embd)
+        if self.embd is None:
+            return 0
+        if not _is_embd(self.embd):
+            raise _bad(_EMBD_NOT_2D, {})
+        return len(self.embd)
 
     def add(self, token: int, pos: int, seq_ids: Seq[int], logits: bool) -> None:
-        """``common_batch_add``: append one token."""
+        """``common_batch_add``: append one token (checked first: a refused call changes
+        nothing)."""
         if self.embd is not None:
             raise InvalidArgument("add() appends token ids; this batch holds embeddings",
                                   stage=_STAGE)
-        for name in ("token", "pos", "n_seq_id", "seq_id", "logits"):
+        if not _is_seq(seq_ids):
+            raise _bad(f"add(): seq_ids must be a list of sequence ids, got "
+                       f"{reprlib.repr(seq_ids)}", {})
+        for name in _LIST_FIELDS:
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, list):
+                raise _bad(f"add() appends to list fields; {name} is a "
+                           f"{type(value).__name__}", {})
+        for name in _LIST_FIELDS:
             if getattr(self, name) is None:
                 setattr(self, name, [])
         self.token.append(token)
@@ -110,6 +133,10 @@ def _is_seq(value: Any) -> bool:
     if isinstance(value, np.ndarray):
         return value.ndim in (1, 2)
     return isinstance(value, Seq) and not isinstance(value, str | bytes)
+
+
+def _is_embd(value: Any) -> bool:
+    return isinstance(value, np.ndarray) and value.ndim == 2
 
 
 def _ints(values: Any, field: str, n: int, ctx: Mapping[str, Any], *,
@@ -181,12 +208,10 @@ def plan_batch(batch: LlamaBatch, *, seq_ids: Seq[int], n_ubatch: int, n_outputs
     ctx = dict(context)
     if not isinstance(batch, LlamaBatch):
         raise _bad(f"decode takes a LlamaBatch, got {type(batch).__name__}", ctx)
-    if batch.embd is not None and (not isinstance(batch.embd, np.ndarray)
-                                   or batch.embd.ndim != 2):
-        raise _bad("embd must be a 2-D (n_tokens, hidden) numpy array", ctx)
+    if batch.embd is not None and not _is_embd(batch.embd):
+        raise _bad(_EMBD_NOT_2D, ctx)
     if batch.token is not None and not _is_seq(batch.token):
-        raise _bad(f"token must be a sequence of token ids, got "
-                   f"{reprlib.repr(batch.token)}", ctx)
+        raise _bad(_TOKEN_NOT_A_SEQUENCE.format(reprlib.repr(batch.token)), ctx)
     has_tok = batch.token is not None and len(batch.token) > 0
     has_embd = batch.embd is not None and len(batch.embd) > 0
     if has_tok and has_embd:

@@ -29,6 +29,8 @@ import codecs
 import re
 from collections.abc import Iterable, Sequence
 
+import numpy as np
+
 from calfsm.errors import InvalidArgument
 from calfsm.sampling import MAX_VOCAB
 
@@ -58,6 +60,10 @@ def _fix(text: str) -> str:
     return text
 
 
+def _is_int(x: object) -> bool:
+    return isinstance(x, int | np.integer) and not isinstance(x, bool)
+
+
 def _token_text(token: int) -> str:
     return chr(_HIGH + (token >> 12)) + chr(_LOW + (token & 0xFFF))
 
@@ -66,11 +72,11 @@ class ByteTokenizer:
     """Text <-> token ids for a vocabulary of ``vocab`` ids (see the module docstring)."""
 
     def __init__(self, vocab: int) -> None:
-        if not BYTE_IDS <= vocab <= MAX_VOCAB:
+        if not (_is_int(vocab) and BYTE_IDS <= vocab <= MAX_VOCAB):
             raise InvalidArgument(f"the byte-level tokenizer needs a vocabulary of "
-                                  f"{BYTE_IDS}..{MAX_VOCAB} ids, got {vocab}",
+                                  f"{BYTE_IDS}..{MAX_VOCAB} ids, got {vocab!r}",
                                   stage="tokenizer")
-        self.vocab = vocab
+        self.vocab = int(vocab)
 
     def encode(self, text: str, *, field: str = "prompt") -> list[int]:
         """Token ids of ``text``; a reserved code point that is not a well-formed escape
@@ -117,19 +123,29 @@ class ByteTokenizer:
         return out
 
     def decode(self, tokens: Iterable[int]) -> str:
-        """The text of ``tokens`` (every id in ``[0, vocab)``)."""
-        dec = IncrementalDecoder()
+        """The text of ``tokens``; an id outside ``[0, vocab)`` is an InvalidArgument."""
+        dec = IncrementalDecoder(self.vocab)
         return "".join(dec.push(t) for t in tokens) + dec.flush()
 
 
 class IncrementalDecoder:
     """:meth:`ByteTokenizer.decode` one token at a time: ``push(token)`` returns the text
-    that token completes (maybe ``""``), ``flush()`` what is held at the end."""
+    that token completes (maybe ``""``), ``flush()`` what is held at the end. Token ids
+    are integers in ``[0, vocab)`` (by default every id the escapes can carry); anything
+    else is an :class:`~calfsm.errors.InvalidArgument`, and the decoder is unchanged."""
 
-    def __init__(self) -> None:
+    def __init__(self, vocab: int = MAX_VOCAB) -> None:
+        if not (_is_int(vocab) and 1 <= vocab <= MAX_VOCAB):
+            raise InvalidArgument(f"IncrementalDecoder: vocab must be an integer in "
+                                  f"1..{MAX_VOCAB}, got {vocab!r}", stage="tokenizer")
+        self.vocab = int(vocab)
         self._utf8 = codecs.getincrementaldecoder("utf-8")("surrogateescape")
 
     def push(self, token: int) -> str:
+        if not (_is_int(token) and 0 <= token < self.vocab):
+            raise InvalidArgument(f"token {token!r} is not a token id: an integer in "
+                                  f"0..{self.vocab - 1}", stage="tokenizer")
+        token = int(token)
         if token < BYTE_IDS:
             return _fix(self._utf8.decode(bytes((token,))))
         return self.flush() + _token_text(token)

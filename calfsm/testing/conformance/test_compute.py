@@ -139,11 +139,19 @@ def test_reads_host_memory_at_execution_not_submit(make_driver) -> None:
     cb = small_calbin(vocab=vocab, max_seq=64)
     d.configure(cb)
     dec = setup(d, cb, TaskKind.DECODE)
-    from calfsm.testing.conformance.util import prepare
+    from calfsm.testing.conformance.util import pending, prepare
     prepare(d, dec, 0, [1], 0)
     assert d.infer(dec.model, dec.inp, dec.out) == 0
+    ended_first = not pending(d, dec)
+    assert not (ended_first and d.clock.virtual), "a job ended on a virtual clock too early"
     dec.tok[...] = 2           # the host changes its buffer after submit
     assert d.wait(dec.out, 1e6) == 0
     assert d.status(dec.out) == DONE_OK
-    assert dec.logits.reshape(-1).tolist() == pure.logits_bf16(pure.step(pure.H_INIT, 2, 0),
-                                                               vocab)
+    got = dec.logits.reshape(-1).tolist()
+    old, new = (pure.logits_bf16(pure.step(pure.H_INIT, t, 0), vocab) for t in (1, 2))
+    if ended_first:            # a fast device ran it before the change: the old token
+        assert got == old
+    elif d.clock.virtual:      # it runs later, and reads what the host holds then
+        assert got == new
+    else:                      # when a real device reads its inputs is spec 14's question
+        assert got in (old, new)

@@ -12,7 +12,15 @@ from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalrtCode as C
 from calfsm.manifest import TaskKind
 from calfsm.testing import refmodel_pure as pure
-from calfsm.testing.conformance.util import prepare, run, setup, small_calbin
+from calfsm.testing.conformance.util import (
+    aborted,
+    answer,
+    pending,
+    prepare,
+    run,
+    setup,
+    small_calbin,
+)
 
 CB = small_calbin(vocab=64, max_seq=64)
 OK, EXC = OutputStatus.DONE_OK, OutputStatus.DONE_CCU_EXCEPTION
@@ -115,12 +123,18 @@ def test_serial_queue_holds_one_job(make_driver) -> None:
     prepare(d, a, 0, [1], 0)
     prepare(d, b, 1, [1], 0)
     assert d.infer(a.model, a.inp, a.out) == 0
-    assert d.infer(a.model, a.inp, a.out) == C.DEVICE_BUSY     # out pending
-    assert d.infer(b.model, b.inp, b.out) == C.DEVICE_BUSY     # queue full
-    assert d.status(b.out) == OutputStatus.IDLE
-    assert d.wait(a.out, 1e6) == 0
-    assert d.infer(b.model, b.inp, b.out) == 0
-    assert d.wait(b.out, 1e6) == 0
+    a_runs = lambda: pending(d, a)     # noqa: E731
+    # out pending: refused (once a's job ended, the same buffer takes the next)
+    answer(d, lambda: d.infer(a.model, a.inp, a.out), refused=C.DEVICE_BUSY, accepted=0,
+           while_=a_runs, resubmits=True)
+    queued = answer(d, lambda: d.infer(b.model, b.inp, b.out), refused=C.DEVICE_BUSY,
+                    accepted=0, while_=a_runs)                  # queue full
+    if queued == C.DEVICE_BUSY:
+        assert d.status(b.out) == OutputStatus.IDLE             # refused, not queued
+        assert d.wait(a.out, 1e6) == 0
+        assert d.infer(b.model, b.inp, b.out) == 0
+    assert d.wait(a.out, 1e6) == 0 and d.wait(b.out, 1e6) == 0
+    assert d.status(a.out) == d.status(b.out) == OK
 
 
 def test_pending_buffer_cannot_be_changed(make_driver) -> None:
@@ -129,12 +143,18 @@ def test_pending_buffer_cannot_be_changed(make_driver) -> None:
     a = setup(d, CB, TaskKind.DECODE)
     prepare(d, a, 0, [1], 0)
     assert d.infer(a.model, a.inp, a.out) == 0
-    assert d.set_csr(a.inp, "cur_seq", 1) == C.DEVICE_BUSY
-    assert d.set_kv_seq(a.inp, 3) == C.DEVICE_BUSY
-    assert d.map_buffer(a.inp, "input_ids", a.tok) == C.DEVICE_BUSY
-    assert d.map_buffer(a.out, "logits", a.logits) == C.DEVICE_BUSY
-    assert d.enable_parallel_mode(True) == C.DEVICE_BUSY
-    assert d.wait(a.out, 1e6) == 0
+    a_runs = lambda: pending(d, a)     # noqa: E731
+    for change in (lambda: d.set_csr(a.inp, "cur_seq", 1), lambda: d.set_kv_seq(a.inp, 3),
+                   lambda: d.map_buffer(a.inp, "input_ids", a.tok),
+                   lambda: d.enable_parallel_mode(True)):
+        answer(d, change, refused=C.DEVICE_BUSY, accepted=0, while_=a_runs)
+    # mapping the output of an ended job consumes its result (status IDLE)
+    mapped = answer(d, lambda: d.map_buffer(a.out, "logits", a.logits),
+                    refused=C.DEVICE_BUSY, accepted=0, while_=a_runs)
+    if mapped == C.DEVICE_BUSY:
+        assert d.wait(a.out, 1e6) == 0 and d.status(a.out) == OK
+    else:
+        assert d.status(a.out) == OutputStatus.IDLE
 
 
 def test_wait_timeout_keeps_job_pending(make_driver) -> None:
@@ -143,11 +163,17 @@ def test_wait_timeout_keeps_job_pending(make_driver) -> None:
     a = setup(d, CB, TaskKind.DECODE)
     prepare(d, a, 0, [1], 0)
     assert d.infer(a.model, a.inp, a.out) == 0
-    assert d.wait(a.out, 0.0) == C.TIMEOUT
-    assert d.status(a.out) == OutputStatus.PENDING
-    assert d.output_bytes(a.out, "logits") == (C.INVALID_STATE, None)
+    a_runs = lambda: pending(d, a)     # noqa: E731
+    answer(d, lambda: d.wait(a.out, 0.0), refused=C.TIMEOUT, accepted=0, while_=a_runs)
+    answer(d, lambda: d.status(a.out), refused=OutputStatus.PENDING, accepted=OK,
+           while_=a_runs)
+    got: list[tuple] = []
+    code = answer(d, lambda: got.append(d.output_bytes(a.out, "logits")) or got[-1][0],
+                  refused=C.INVALID_STATE, accepted=0, while_=a_runs)
+    assert got[-1] == ((0, 128) if code == 0 else (C.INVALID_STATE, None))
     assert d.wait(a.out, 1e6) == 0
     assert d.status(a.out) == OK
+    assert d.output_bytes(a.out, "logits") == (0, 128)
 
 
 def test_virtual_time_wait_advances_to_finish(make_driver) -> None:
@@ -180,13 +206,18 @@ def test_parallel_mode_two_in_flight_and_overlap(make_driver) -> None:
     t0 = d.clock.now()
     assert d.infer(bufs[0].model, bufs[0].inp, bufs[0].out) == 0
     assert d.infer(bufs[1].model, bufs[1].inp, bufs[1].out) == 0
-    assert d.infer(bufs[2].model, bufs[2].inp, bufs[2].out) == C.DEVICE_BUSY
+    third = answer(d, lambda: d.infer(bufs[2].model, bufs[2].inp, bufs[2].out),
+                   refused=C.DEVICE_BUSY, accepted=0,
+                   while_=lambda: pending(d, bufs[0], bufs[1]))   # two in flight at most
     assert d.wait(bufs[1].out, 1e6) == 0
     assert d.status(bufs[0].out) == OK          # execution in submission order
     if d.clock.virtual:
         # job 2's H2D overlapped job 1's compute: 0.1 + 1 + 1 + 0.1, not 2 * 1.2
         assert d.clock.now() - t0 == pytest.approx(2.2)
-    for i in (0, 1):
+    ran = (0, 1) if third == C.DEVICE_BUSY else (0, 1, 2)
+    if third == 0:
+        assert d.wait(bufs[2].out, 1e6) == 0
+    for i in ran:
         assert bufs[i].logits.reshape(-1).tolist() == pure.logits_bf16(
             pure.step(pure.H_INIT, i, 0), 64)
 
@@ -220,9 +251,12 @@ def test_infer_fixed_same_engine_busy(make_driver) -> None:
     prepare(d, a, 0, [1], 0)
     prepare(d, b, 1, [1], 0)
     assert d.infer_fixed(a.model, a.inp, a.out, EngineSlot.PING) == 0
-    assert d.infer_fixed(b.model, b.inp, b.out, EngineSlot.PING) == C.DEVICE_BUSY
+    if answer(d, lambda: d.infer_fixed(b.model, b.inp, b.out, EngineSlot.PING),
+              refused=C.DEVICE_BUSY, accepted=0, while_=lambda: pending(d, a)) == 0:
+        assert d.wait(b.out, 1e6) == 0          # PING was free again: b ran there
     assert d.infer_fixed(b.model, b.inp, b.out, EngineSlot.PONG) == 0
-    assert d.wait(b.out, 1e6) == 0
+    assert d.wait(b.out, 1e6) == 0 and d.wait(a.out, 1e6) == 0
+    assert d.status(a.out) == d.status(b.out) == OK
 
 
 # ---- resets ----------------------------------------------------------------------------
@@ -238,12 +272,14 @@ def test_reset_aborts_pending(make_driver, kind) -> None:
     dec.logits[...] = 3
     prepare(d, dec, 0, [2], 1)
     assert d.infer(dec.model, dec.inp, dec.out) == 0
-    assert d.reset(kind) == 0
-    assert d.status(dec.out) == OutputStatus.DONE_ABORTED
-    assert (dec.logits == 3).all()                          # unwritten
+    (was_aborted,) = aborted(d, lambda: d.reset(kind), dec)
+    if was_aborted:
+        assert (dec.logits == 3).all()                      # unwritten
+    else:                                                   # it had ended: written
+        assert dec.logits.reshape(-1).tolist() == pure.logits_bf16(pure.hashes([1, 2])[-1], 64)
     if kind is ResetKind.CCU:
         assert d.wait(dec.out, 0.0) == 0                   # ended: wait reports it
-        assert d.output_bytes(dec.out, "logits") == (0, 0)
+        assert d.output_bytes(dec.out, "logits") == (0, 0 if was_aborted else 128)
         assert run(d, dec, 0, [2], 1) == OK                # configuration and KV stay
         h = pure.hashes([1, 2])[-1]
         assert dec.logits.reshape(-1).tolist() == pure.logits_bf16(h, 64)
@@ -272,8 +308,11 @@ def test_full_reset_turns_parallel_mode_off(make_driver) -> None:
     prepare(d, a, 0, [1], 0)
     prepare(d, b, 1, [1], 0)
     assert d.infer(a.model, a.inp, a.out) == 0
-    assert d.infer(b.model, b.inp, b.out) == C.DEVICE_BUSY   # serial again
+    if answer(d, lambda: d.infer(b.model, b.inp, b.out), refused=C.DEVICE_BUSY,
+              accepted=0, while_=lambda: pending(d, a)) == 0:   # serial again: one in all
+        assert d.wait(b.out, 1e6) == 0
     assert d.infer_fixed(b.model, b.inp, b.out, EngineSlot.PONG) == C.UNSUPPORTED
+    assert d.wait(a.out, 1e6) == 0
 
 
 def test_wait_infinite_timeout_on_finite_job(driver) -> None:
@@ -282,6 +321,20 @@ def test_wait_infinite_timeout_on_finite_job(driver) -> None:
     prepare(driver, dec, 0, [1], 0)
     assert driver.infer(dec.model, dec.inp, dec.out) == 0
     assert driver.wait(dec.out, math.inf) == 0
+    assert driver.status(dec.out) == OK
+
+
+@pytest.mark.parametrize("timeout", [math.nan, True, "1", None, [1.0]])
+def test_wait_refuses_a_timeout_that_is_no_number(driver, timeout) -> None:
+    """INVALID_VALUE, checked right after the buffer (before whether the job ended), on
+    every driver; the job is not touched."""
+    driver.configure(CB)
+    dec = setup(driver, CB, TaskKind.DECODE)
+    prepare(driver, dec, 0, [1], 0)
+    assert driver.infer(dec.model, dec.inp, dec.out) == 0
+    assert driver.wait(dec.out, timeout) == C.INVALID_VALUE
+    assert driver.wait(dec.out, math.inf) == 0
+    assert driver.wait(dec.out, timeout) == C.INVALID_VALUE      # finished: still refused
     assert driver.status(dec.out) == OK
 
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
-from calfsm.drivers.base import JobTag, OutputStatus, ResetKind
+from calfsm.drivers.base import MAX_WAIT_S, JobTag, OutputStatus, ResetKind
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalrtCode as C
@@ -175,6 +177,24 @@ def test_hung_job_until_reset(make_driver) -> None:
     assert d.status(dec.out) == OutputStatus.DONE_ABORTED
     assert (dec.logits == 4).all()
     assert run(d, dec, 0, [1], 0) == OK                       # the device works again
+
+
+@pytest.mark.parametrize("huge", [1e300, 2**70])
+def test_a_hung_job_never_ends_by_waiting_however_long(make_driver, huge) -> None:
+    """An infinite timeout returned 0 (the hang "finished" at the end of time, the clock
+    went to infinity) on both shipped drivers; 1e300 raised OverflowError on one."""
+    d, dec = _dev(make_driver, FaultRule("infer", "hang"))
+    prepare(d, dec, 0, [1], 0)
+    assert d.infer(dec.model, dec.inp, dec.out) == 0
+    t0 = d.clock.now()
+    assert d.wait(dec.out, math.inf) == C.TIMEOUT             # at once: time stays
+    assert d.clock.now() == t0 and d.status(dec.out) == OutputStatus.PENDING
+    assert d.wait(dec.out, huge) == C.TIMEOUT                 # clamped, not refused
+    assert d.status(dec.out) == OutputStatus.PENDING
+    if d.clock.virtual:                                       # moved by the clamp
+        assert d.clock.now() == pytest.approx(t0 + MAX_WAIT_S)
+    assert d.reset(ResetKind.CCU) == 0
+    assert d.status(dec.out) == OutputStatus.DONE_ABORTED
 
 
 def test_stale_completion_after_configuration_reset(make_driver) -> None:

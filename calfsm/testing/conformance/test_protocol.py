@@ -46,6 +46,20 @@ def test_empty_calbin_invalid(driver) -> None:
     assert driver.get_all_models() == (C.MISSING_CONFIG, None)
 
 
+@pytest.mark.parametrize(("version", "code"), [
+    (lambda v: v + ".1", C.RUNTIME_TOO_OLD),        # built for a newer runtime
+    (lambda v: "0.0.1", C.DRIVER_INCOMPATIBLE),     # for an older one
+    (lambda v: "not-a-version", C.DRIVER_INCOMPATIBLE),
+])
+def test_a_calbin_for_another_runtime_version_is_refused(driver, version, code) -> None:
+    """A calbin is built for one CalRT version: configure refuses any other (spec 8,
+    compatibility) and configures nothing; the right one still configures."""
+    other = attrs.evolve(CB, calrt_version=version(driver.version()))
+    assert driver.configure(other) == code
+    assert driver.get_all_models() == (C.MISSING_CONFIG, None)
+    assert driver.configure(attrs.evolve(CB, calrt_version=driver.version())) == 0
+
+
 def test_model_lookup_is_exact(driver) -> None:
     driver.configure(CB)
     code, h = driver.model(DEC.name)

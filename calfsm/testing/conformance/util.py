@@ -1,9 +1,17 @@
 """Helpers of the driver conformance suite: small calbins and a raw job runner that
-uses only the public Driver protocol (so the suite runs unchanged on every driver)."""
+uses only the public Driver protocol (so the suite runs unchanged on every driver), and
+:func:`answer`, for checks whose right answer depends on whether a job already ended.
+
+A job submitted is pending until it ends. On a virtual clock it ends only when a call
+moves device time (``wait``), so a test knows it is pending; a real device (or a fast
+shim) may have finished it before ``infer`` returned. A check about a pending job — a
+busy queue, a refused change, a reset that aborts it — is therefore made with
+:func:`answer`: the same call, judged by what the protocol says for the state the job
+was in, never only under the assumption that it is still running."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import attrs
 import numpy as np
@@ -11,8 +19,8 @@ import numpy as np
 from calfsm.drivers.base import Calbin, Driver, OutputStatus
 from calfsm.manifest import DType, ModelInfo, TaskKind, TensorInfo, builtin_manifest
 
-__all__ = ["OK", "Bufs", "configure", "generate", "greedy", "last_row", "prepare",
-           "qwen3_calbin", "run", "setup", "small_calbin"]
+__all__ = ["OK", "Bufs", "aborted", "answer", "configure", "generate", "greedy", "last_row",
+           "pending", "prepare", "qwen3_calbin", "run", "setup", "small_calbin"]
 
 OK = 0
 
@@ -34,6 +42,61 @@ def small_calbin(vocab: int = 1024, max_seq: int = 8192, tile_d0: int = 16,
         outputs=(t("logits", (1, 1, vocab), DType.BF16),),
         csr_names=("cur_seq", "total_seq"))
     return Calbin((prefill, decode), sha256=f"{prefix}-{vocab}-{max_seq}")
+
+
+def pending(d: Driver, *bufs: Bufs) -> bool:
+    """Whether the job last submitted on every one of ``bufs`` is still pending."""
+    return all(d.status(b.out) == OutputStatus.PENDING for b in bufs)
+
+
+def answer(d: Driver, call: Callable[[], int], *, refused: int, accepted: int,
+           while_: Callable[[], bool], resubmits: bool = False) -> int:
+    """``call()``'s code, checked: ``refused`` while ``while_()`` holds (a condition on
+    jobs still pending, e.g. :func:`pending`), ``accepted`` once it no longer does.
+
+    Such a condition only ever stops holding (jobs end; they never start again by
+    themselves). On a virtual clock a job ends only when a call moves device time past
+    its finish, and the tests call this where their jobs (which all take device time)
+    cannot have ended yet: the condition must hold, and ``refused`` is the only right
+    answer — exactly the check made before, assuming the job still runs. In real time a
+    job may end at any moment, also while ``call`` runs: holding before and after means
+    ``refused``, not holding before means ``accepted``, and ending in between allows
+    either (``resubmits``: an accepted ``call`` submits a new job that the condition
+    reads, so "after" says nothing)."""
+    before = while_()
+    assert before or not d.clock.virtual, "a job ended on a virtual clock too early"
+    code = call()
+    if not before:
+        expected: tuple[int, ...] = (accepted,)
+    elif d.clock.virtual or (not resubmits and while_()):
+        expected = (refused,)
+    else:
+        expected = (refused, accepted)
+    assert code in expected, (f"code {code}, expected one of {expected} (the condition "
+                              f"held before the call: {before})")
+    return code
+
+
+def aborted(d: Driver, action: Callable[[], int | None], *bufs: Bufs) -> list[bool]:
+    """Run ``action`` (a reset or close, which must succeed: 0 or None) and say for each
+    of ``bufs`` whether its job was aborted by it.
+
+    A job pending at a reset or close ends ``DONE_ABORTED``; one that had ended keeps
+    ``DONE_OK``. On a virtual clock every job of ``bufs`` was pending (nothing ended
+    without a wait), so each must be aborted; in real time a job pending just before may
+    have ended first (``DONE_OK``), one that had ended before must keep ``DONE_OK``."""
+    before = [pending(d, b) for b in bufs]
+    assert all(before) or not d.clock.virtual, "a job ended on a virtual clock too early"
+    assert action() in (0, None)
+    out = []
+    for b, was in zip(bufs, before, strict=True):
+        status = d.status(b.out)
+        allowed = ({OutputStatus.DONE_ABORTED} if d.clock.virtual else
+                   {OutputStatus.DONE_ABORTED, OutputStatus.DONE_OK}) if was \
+            else {OutputStatus.DONE_OK}
+        assert status in allowed, f"{status!r} after the reset or close, expected {allowed}"
+        out.append(status == OutputStatus.DONE_ABORTED)
+    return out
 
 
 def qwen3_calbin() -> Calbin:
