@@ -609,9 +609,25 @@ class Pipeline:
             if job not in self._staged:
                 return False
             self._staged.remove(job)
-        job.request = request
         job.timings.released = self.clock.now()
         try:
+            # the real request is checked as any request is, and must be the step that
+            # was staged (its sequence, kind and position): a caller's bad argument never
+            # reaches the device, let alone resets it
+            ctx = _ctx(job, "stage")
+            if not isinstance(request, Request):
+                raise InvalidArgument(f"release_staged takes a Request, got "
+                                      f"{type(request).__name__}", **ctx)
+            staged = job.request
+            if (request.seq_id, request.kind, request.past_len, request.token_count) != (
+                    staged.seq_id, staged.kind, staged.past_len, staged.token_count):
+                raise InvalidArgument(
+                    f"the released request (sequence {request.seq_id}, {request.kind.value} "
+                    f"at {request.past_len}) is not the staged step (sequence "
+                    f"{staged.seq_id}, {staged.kind.value} at {staged.past_len})", **ctx)
+            check_request(request, job.epoch.contract(job.kind), seq_limit=WARMUP_SEQ,
+                          context=ctx)
+            job.request = request
             job.lease.write_inputs(request.tokens, request.positions)
             if self.life.state != _READY or job.epoch is not self.life.epoch:
                 raise Unavailable(f"device is {self.life.state}",
