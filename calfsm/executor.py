@@ -76,8 +76,9 @@ class DeviceExecutor:
         self.service = ServiceModel(manifest.timing,
                                     execution_timeout_s=cfg.execution_timeout_s)
         #: the live streams and the admission estimate for a new one
-        self.live_streams = LiveStreams(self.service, self.clock, slack=cfg.admission_slack,
-                                   enabled=cfg.admission_estimate)
+        self.live_streams = LiveStreams(self.service, self.clock,
+                                        slack=cfg.admission_slack,
+                                        enabled=cfg.admission_estimate)
         self._pipeline = Pipeline(
             driver, life, self.faults, max_inflight=plan.max_inflight, engines=engines,
             timeouts=PipelineTimeouts(

@@ -453,7 +453,7 @@ class Stream:
                                 target=self._row(), deadline_s=self._left())
         # refused now (429) if it, or a stream it would slow down, cannot end in time
         ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
-                         deadline=self._deadline, seq_id=sequence.seq_id)
+                              deadline=self._deadline, seq_id=sequence.seq_id)
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
