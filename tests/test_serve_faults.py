@@ -167,7 +167,8 @@ def test_a_burst_over_capacity_gets_one_answer_each():
     n = 48
     ex = DeviceExecutor(realtime_sim(TINY, decode_ms=1), TINY,
                         ExecutorConfig(max_sequences=6, max_waiting=4))
-    srv = serve(ex, request_timeout_s=0.3)
+    # one client (127.0.0.1) sends all: its own limits are off, the executor's are tested
+    srv = serve(ex, request_timeout_s=0.3, max_client_streams=n, max_client_waiting=n)
 
     async def burst() -> list[tuple[int, Any]]:
         limits = httpx.Limits(max_connections=n, max_keepalive_connections=n)
