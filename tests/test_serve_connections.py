@@ -10,6 +10,7 @@ has nothing to do with the timer)."""
 
 from __future__ import annotations
 
+import logging
 import select
 import socket
 import time
@@ -124,6 +125,26 @@ def test_headers_over_the_limit_are_a_431(live):
         got = until_closed(s, MARGIN)
     assert got.startswith(b"HTTP/1.1 431 "), got[:80]
     assert b"request_header_fields_too_large" in got
+
+
+def test_a_pipelined_request_with_headers_over_the_limit_is_a_431(live):
+    """The second request arrives with the first: h11 holds it already when the first
+    answer is done, so its head is checked there, not when bytes come."""
+    with connect(live) as s:
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+                  + HEAD + b"x-big: " + b"a" * 8192 + b"\r\n\r\n")
+        got = until_closed(s, MARGIN)
+    first, _, second = got.partition(b"HTTP/1.1 431 ")
+    assert first.startswith(b"HTTP/1.1 200 ") and second, got[:200]
+
+
+def test_a_malformed_request_is_a_400_and_no_warning(live, logs):
+    with connect(live) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        got = until_closed(s, MARGIN)
+    assert got.startswith(b"HTTP/1.1 400 "), got[:80]
+    assert not [r for r in logs.records if r.levelno >= logging.WARNING], \
+        [r.getMessage() for r in logs.records]
 
 
 def test_an_8_mib_header_is_refused_and_the_server_goes_on(live):

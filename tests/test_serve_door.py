@@ -252,6 +252,16 @@ def test_a_client_at_its_waiting_limit_gets_429_before_its_body_is_read(served, 
     logs.assert_no_traceback()
 
 
+def test_a_client_leaving_mid_upload_is_one_info_line_without_a_traceback(served, logs):
+    _upload_in_progress(served.live.port, "none").close()
+    poll(lambda: logs.matching("left during its upload"), 10, "no log of the upload")
+    poll(served.settled, 10, "the books are not empty after the upload")
+    [line] = logs.matching("left during its upload")
+    assert line.levelno == logging.INFO and not line.exc_info
+    assert "of 1000 body bytes" in line.getMessage()     # 0 or 20 came before the close
+    logs.assert_no_traceback()
+
+
 @pytest.mark.parametrize("served", [{"decode_ms": 1, "prefill_token_us": 100,
                                      "max_sequences": 2, "max_client_streams": 8,
                                      "request_timeout_s": 1.0}], indirect=True)

@@ -132,29 +132,33 @@ class LimitedH11Protocol(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE:
-            size = self._head_size(data)
-            if size > self.limits.max_header_bytes:
-                log.debug("431 to %s: %s bytes of request line and headers", self._peer(),
-                          size)
-                self._close_with(_raw_answer(
-                    431, "Request Header Fields Too Large",
-                    f"the request headers are over {self.limits.max_header_bytes} bytes"))
-                return
+        if self.conn.their_state is h11.IDLE and self._head_too_big(data):
+            return
         super().data_received(data)
         self._follow()
 
-    def _head_size(self, data: bytes) -> int:
-        """Bytes of request line and headers with ``data`` added to what h11 holds:
-        up to the blank line that ends them, or all of it if it has not come yet."""
-        held = self.conn.trailing_data[0]
-        tail = held[-2:]
-        end = _HEAD_END.search(tail + data)
-        return len(held) + (len(data) if end is None else end.end() - len(tail))
-
     def on_response_complete(self) -> None:
+        # a pipelined request h11 holds already is parsed in super(): check its head first
+        if self.conn.their_state is h11.DONE and not self.transport.is_closing() \
+                and self._head_too_big(b""):
+            return
         super().on_response_complete()
         self._follow()
+
+    def _head_too_big(self, data: bytes) -> bool:
+        """The next request's line and headers — what h11 holds of it plus ``data``, up
+        to the blank line that ends them, or all of it if that has not come — are over
+        the limit: then 431 and close."""
+        held = self.conn.trailing_data[0]
+        end = _HEAD_END.search(held + data if held else data)
+        size = len(held) + len(data) if end is None else end.end()
+        if size <= self.limits.max_header_bytes:
+            return False
+        log.debug("431 to %s: %s bytes of request line and headers", self._peer(), size)
+        self._close_with(_raw_answer(
+            431, "Request Header Fields Too Large",
+            f"the request headers are over {self.limits.max_header_bytes} bytes"))
+        return True
 
     # ---- which deadline applies ------------------------------------------------------
     def _follow(self) -> None:
