@@ -60,6 +60,7 @@ from calfsm.metrics import ExecutorMetrics
 from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
 from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
+from calfsm.serve.fields import count, count_or_none, positive, positive_or_none
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, clip, from_calfsm
 from calfsm.serve.probes import Liveness, LivenessMonitor, readiness
@@ -72,30 +73,6 @@ __all__ = ["ServerConfig", "client_usage", "create_app", "liveness"]
 log = logging.getLogger("calfsm.serve")
 
 ExecutorFactory = Callable[[], Awaitable[DeviceExecutor]]
-
-
-def _positive_or_none(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or not value > 0):
-        raise InvalidArgument(f"ServerConfig.{attr.name} must be > 0, got {value!r}",
-                              stage="config")
-
-
-def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        raise InvalidArgument(f"ServerConfig.{attr.name} must be given", stage="config")
-    _positive_or_none(inst, attr, value)
-
-
-def _count(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"ServerConfig.{attr.name} must be an integer >= 1, got "
-                              f"{value!r}", stage="config")
-
-
-def _count_or_none(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if value is not None:
-        _count(inst, attr, value)
 
 
 def _keys(value: Any) -> tuple[str, ...]:
@@ -114,29 +91,29 @@ class ServerConfig:
     #: the name clients give as ``model``; None: the manifest's name
     model_name: str | None = None
     #: tokens per choice when a request gives no max_tokens (OpenAI's is 16)
-    default_max_tokens: int = attrs.field(default=16, validator=_count)
+    default_max_tokens: int = attrs.field(default=16, validator=count)
     #: choices per request at most (prompts times n)
-    max_choices: int = attrs.field(default=16, validator=_count)
+    max_choices: int = attrs.field(default=16, validator=count)
     #: each choice's deadline (its stream's), then 504; None: the executor's own
     request_timeout_s: float | None = attrs.field(default=60.0,
-                                                  validator=_positive_or_none)
+                                                  validator=positive_or_none)
     #: liveness: a job on the device this long means no progress (probes.py)
-    hang_after_s: float = attrs.field(default=5.0, validator=_positive)
+    hang_after_s: float = attrs.field(default=5.0, validator=positive)
     #: request bodies above this are refused (413)
-    max_body_bytes: int = attrs.field(default=8 << 20, validator=_count)
+    max_body_bytes: int = attrs.field(default=8 << 20, validator=count)
     #: arrays and objects of a body nested deeper than this are refused (400)
-    max_json_depth: int = attrs.field(default=64, validator=_count)
+    max_json_depth: int = attrs.field(default=64, validator=count)
     #: a client's max_tokens (chat: max_completion_tokens) above this is a 400
-    max_tokens_cap: int = attrs.field(default=4096, validator=_count)
+    max_tokens_cap: int = attrs.field(default=4096, validator=count)
     #: accepted Bearer keys; empty: no authentication (calfsm.serve.auth)
     api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys,
                                             repr=lambda keys: f"<{len(keys)} keys>")
     #: streams (choices) one client may hold at once; None: half the executor's
     #: max_sequences, at least 1 (calfsm.serve.fairuse)
-    max_client_streams: int | None = attrs.field(default=None, validator=_count_or_none)
+    max_client_streams: int | None = attrs.field(default=None, validator=count_or_none)
     #: requests of one client that may wait to start (being read or parsed) at once;
     #: None: as max_client_streams' default
-    max_client_waiting: int | None = attrs.field(default=None, validator=_count_or_none)
+    max_client_waiting: int | None = attrs.field(default=None, validator=count_or_none)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:

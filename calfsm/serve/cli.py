@@ -58,35 +58,24 @@ def _host(value: str) -> str:
     raise argparse.ArgumentTypeError(f"not an IP address or a host name: {value!r}")
 
 
-def _port(value: str) -> int:
-    try:
-        port = int(value)
-    except ValueError:
-        port = -1
-    if not 0 <= port <= 65535:
-        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535 (0: any free "
-                                         f"port), got {value!r}")
-    return port
+def _number(convert: Callable[[str], float], ok: Callable[[float], bool],
+            what: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert(value)`` if ``ok`` of it, else a usage error."""
+    def parse(value: str) -> Any:
+        try:
+            number = convert(value)
+        except ValueError:
+            number = None
+        if number is None or not ok(number):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
+        return number
+    return parse
 
 
-def _at_least_one(value: str) -> int:
-    try:
-        n = int(value)
-    except ValueError:
-        n = 0
-    if n < 1:
-        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value!r}")
-    return n
-
-
-def _seconds(value: str) -> float:
-    try:
-        s = float(value)
-    except ValueError:
-        s = 0.0
-    if not 0 < s < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {value!r}")
-    return s
+_port = _number(int, lambda n: 0 <= n <= 65535, "a port number in 0..65535 (0: any free "
+                                                 "port)")
+_at_least_one = _number(int, lambda n: n >= 1, "an integer >= 1")
+_seconds = _number(float, lambda s: 0 < s < float("inf"), "a number of seconds > 0")
 
 
 def _one_line_error(prog: str) -> Callable[[str], NoReturn]:

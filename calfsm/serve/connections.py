@@ -49,7 +49,7 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from calfsm.errors import InvalidArgument
+from calfsm.serve.fields import count, positive
 from calfsm.serve.httperrors import error_body
 
 __all__ = ["ClientErrorsAtDebug", "ConnectionLimits", "LimitedH11Protocol",
@@ -64,28 +64,16 @@ _H11_SLACK = 1 << 20
 _HEAD_END = re.compile(rb"\n\r?\n")
 
 
-def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise InvalidArgument(f"ConnectionLimits.{attr.name} must be > 0, got {value!r}",
-                              stage="config")
-
-
-def _count(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"ConnectionLimits.{attr.name} must be an integer >= 1, "
-                              f"got {value!r}", stage="config")
-
-
 @attrs.frozen
 class ConnectionLimits:
     """Per-connection limits of the HTTP server (wall seconds, bytes); see the module
     docstring for each."""
 
-    header_timeout_s: float = attrs.field(default=10.0, validator=_positive)
-    body_timeout_s: float = attrs.field(default=30.0, validator=_positive)
-    keep_alive_s: float = attrs.field(default=75.0, validator=_positive)
-    max_header_bytes: int = attrs.field(default=16 << 10, validator=_count)
-    max_connections: int = attrs.field(default=1000, validator=_count)
+    header_timeout_s: float = attrs.field(default=10.0, validator=positive)
+    body_timeout_s: float = attrs.field(default=30.0, validator=positive)
+    keep_alive_s: float = attrs.field(default=75.0, validator=positive)
+    max_header_bytes: int = attrs.field(default=16 << 10, validator=count)
+    max_connections: int = attrs.field(default=1000, validator=count)
 
 
 def _error_json(status: int, message: str) -> bytes:
