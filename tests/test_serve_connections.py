@@ -220,7 +220,8 @@ def test_connections_past_the_limit_are_closed_at_once(executor):
              "the server did not see 3 connections")
         with connect(srv) as extra:
             assert until_closed(extra, MARGIN) == b""
-        assert len(srv.server.server_state.connections) == 3
+        poll(lambda: len(srv.server.server_state.connections) == 3, 10,
+             "the refused connection stayed counted")
         held.pop().close()
         poll(lambda: len(srv.server.server_state.connections) == 2, 10,
              "a closed connection stayed counted")
