@@ -153,7 +153,7 @@ class _Server:
         self.books = ClientBooks(cfg.max_client_streams or share,
                                  cfg.max_client_waiting or share)
         executor.add_observer(self.books)
-        self.monitor = LivenessMonitor(executor, hang_after_s=self.config.hang_after_s)
+        self.monitor = LivenessMonitor(executor, hang_after_s=cfg.hang_after_s)
         self.metrics = ExecutorMetrics(executor, registry=self.registry)
         self.executor = executor
 

@@ -88,7 +88,7 @@ def _one_line_error(prog: str) -> Callable[[str], NoReturn]:
 
 def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to ``calfsm``'s subcommands."""
-    from calfsm.serve.connections import ConnectionLimits
+    from calfsm.serve.connection_limits import ConnectionLimits
     limits = ConnectionLimits()
     p = sub.add_parser("serve", help="run the OpenAI-compatible reference server",
                        description=_DESCRIPTION, **kw)
@@ -204,7 +204,7 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
     """The executor's, the app's and the connections' configuration from the options."""
     from calfsm.serve.app import ServerConfig
     from calfsm.serve.auth import ENV_VAR, ApiKeys, keys_from_env
-    from calfsm.serve.connections import ConnectionLimits
+    from calfsm.serve.connection_limits import ConnectionLimits
     if args.api_key is not None:
         keys, source = args.api_key, "--api-key"
     else:

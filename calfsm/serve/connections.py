@@ -44,12 +44,11 @@ import logging
 import re
 from typing import Any, ClassVar
 
-import attrs
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from calfsm.serve.fields import count, positive
+from calfsm.serve.connection_limits import ConnectionLimits
 from calfsm.serve.httperrors import error_body
 
 __all__ = ["ClientErrorsAtDebug", "ConnectionLimits", "LimitedH11Protocol",
@@ -62,18 +61,6 @@ log = logging.getLogger("calfsm.serve.connections")
 _H11_SLACK = 1 << 20
 #: the blank line after the headers (h11 accepts a bare LF as a line end too)
 _HEAD_END = re.compile(rb"\n\r?\n")
-
-
-@attrs.frozen
-class ConnectionLimits:
-    """Per-connection limits of the HTTP server (wall seconds, bytes); see the module
-    docstring for each."""
-
-    header_timeout_s: float = attrs.field(default=10.0, validator=positive)
-    body_timeout_s: float = attrs.field(default=30.0, validator=positive)
-    keep_alive_s: float = attrs.field(default=75.0, validator=positive)
-    max_header_bytes: int = attrs.field(default=16 << 10, validator=count)
-    max_connections: int = attrs.field(default=1000, validator=count)
 
 
 def _error_json(status: int, message: str) -> bytes:
