@@ -68,8 +68,10 @@ def until_closed(s: socket.socket, within: float) -> bytes:
         s.settimeout(max(0.01, deadline - time.monotonic()))
         try:
             chunk = s.recv(65536)
-        except (ConnectionResetError, TimeoutError):
+        except ConnectionResetError:
             return got
+        except TimeoutError:
+            continue                    # the deadline: the loop ends and says so
         if not chunk:
             return got
         got += chunk
