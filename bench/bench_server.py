@@ -120,7 +120,9 @@ def start_server(decode_ms: float, max_sequences: int) -> tuple[subprocess.Popen
     proc = subprocess.Popen(
         [sys.executable, "-m", "calfsm.cli", "serve", "--manifest", MANIFEST, "--port",
          str(port), "--decode-ms", str(decode_ms), "--max-sequences", str(max_sequences),
-         "--request-timeout", "600"], stdout=subprocess.DEVNULL,
+         # every client is 127.0.0.1, one client to the server: lift its per-client limits
+         "--max-client-streams", str(max_sequences), "--max-client-waiting",
+         str(max_sequences), "--request-timeout", "600"], stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60

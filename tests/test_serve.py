@@ -32,6 +32,7 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.sampling import SamplingParams
 from calfsm.serve import ByteTokenizer, ServerConfig, create_app, realtime_sim
+from calfsm.serve.connections import ConnectionLimits, uvicorn_config
 from calfsm.serve.tokenizer import IncrementalDecoder, chat_prompt
 from tests.executor_helpers import reference_stream
 
@@ -47,14 +48,15 @@ pytestmark = pytest.mark.timeout(60)
 # ---- harness ----------------------------------------------------------------------------
 
 class LiveServer:
-    """uvicorn serving ``app`` in a thread on a socket bound to 127.0.0.1:0."""
+    """uvicorn serving ``app`` in a thread on a socket bound to 127.0.0.1:0, configured
+    as ``calfsm serve`` configures it (``uvicorn_config``, with ``limits``)."""
 
-    def __init__(self, app: Any) -> None:
+    def __init__(self, app: Any, limits: ConnectionLimits | None = None) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
+        self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning",
                                                     timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run,
                                        kwargs={"sockets": [self.sock]}, daemon=True)
@@ -80,8 +82,9 @@ def poll(predicate: Any, timeout: float, what: str, every: float = 0.01) -> Any:
         time.sleep(every)
 
 
-def serve(executor: DeviceExecutor, **config: Any) -> LiveServer:
-    return LiveServer(create_app(executor, ServerConfig(**config)))
+def serve(executor: DeviceExecutor, limits: ConnectionLimits | None = None,
+          **config: Any) -> LiveServer:
+    return LiveServer(create_app(executor, ServerConfig(**config)), limits)
 
 
 def reference(prompt: list[int], params: SamplingParams) -> list[int]:

@@ -4,7 +4,10 @@
 ``".[ray]"`` for the Ray Serve deployment. Names are imported on first use, so
 ``calfsm.serve.realtime`` and ``calfsm serve --help`` work without the extras:
 
-- :func:`create_app`, :class:`ServerConfig` (:mod:`calfsm.serve.app`): the ASGI app;
+- :func:`create_app`, :class:`ServerConfig` (:mod:`calfsm.serve.app`): the ASGI app, with
+  API keys and per-client limits;
+- :func:`uvicorn_config`, :class:`ConnectionLimits` (:mod:`calfsm.serve.connections`):
+  uvicorn as ``calfsm serve`` runs it, with the slow- and idle-client limits;
 - :class:`ByteTokenizer` (:mod:`calfsm.serve.tokenizer`): text <-> token ids;
 - :class:`LivenessMonitor` (:mod:`calfsm.serve.probes`): progress in wall time;
 - :func:`realtime_sim` (:mod:`calfsm.serve.realtime`): the simulated device in real time;
@@ -18,10 +21,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ByteTokenizer", "LivenessMonitor", "ServerConfig", "create_app",
-           "ray_deployment", "realtime_sim"]
+__all__ = ["ByteTokenizer", "ConnectionLimits", "LivenessMonitor", "ServerConfig",
+           "create_app", "ray_deployment", "realtime_sim", "uvicorn_config"]
 
 _WHERE = {"create_app": "app", "ServerConfig": "app", "ByteTokenizer": "tokenizer",
+          "ConnectionLimits": "connection_limits", "uvicorn_config": "connections",
           "LivenessMonitor": "probes", "realtime_sim": "realtime",
           "ray_deployment": "ray_serve"}
 

@@ -18,6 +18,18 @@ queue, a device that is recovering, a deadline — is a proper 429/503/504, not 
 an error inside. An error after that is sent as a last ``data: {"error": ...}`` event.
 A client that disconnects, streaming or not, cancels its own streams and no others.
 
+The door: with API keys configured (``ServerConfig.api_keys``) every route but the
+probes needs ``Authorization: Bearer KEY`` (:mod:`calfsm.serve.auth`); each client (its
+key, else its address) holds at most its share of the streams and of the requests
+waiting to start (:mod:`calfsm.serve.fairuse`); a body is read within
+``max_body_bytes`` and parsed within ``max_json_depth`` (:mod:`calfsm.serve.bodies`).
+Slow and idle connections are the HTTP server's to cut: ``calfsm serve`` runs uvicorn
+with the limits of :mod:`calfsm.serve.connections`.
+
+Logs: a client's mistake (4xx) at DEBUG; a client that leaves mid-upload, mid-stream or
+while waiting for its answer, one INFO line; 5xx at WARNING; only a bug of ours (500
+``internal``) with a traceback, at ERROR.
+
 Starlette, not FastAPI: the app is six routes whose bodies :mod:`calfsm.serve.protocol`
 checks into our own error hierarchy (FastAPI's pydantic layer would answer 422 in its
 own format, which OpenAI clients do not expect), and each streamed token costs less
@@ -28,7 +40,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -37,6 +48,7 @@ from typing import Any
 import attrs
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -45,37 +57,31 @@ from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.manifest import TaskKind
 from calfsm.metrics import ExecutorMetrics
+from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
+from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
+from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
+from calfsm.serve.fields import count, count_or_none, positive, positive_or_none
 from calfsm.serve.generation import Choice, Piece, merged
-from calfsm.serve.httperrors import ApiError, from_calfsm
+from calfsm.serve.httperrors import ApiError, clip, from_calfsm
 from calfsm.serve.probes import Liveness, LivenessMonitor, readiness
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
 
-__all__ = ["ServerConfig", "create_app", "liveness"]
+__all__ = ["ServerConfig", "client_usage", "create_app", "liveness"]
 
 log = logging.getLogger("calfsm.serve")
 
 ExecutorFactory = Callable[[], Awaitable[DeviceExecutor]]
 
 
-def _positive_or_none(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
-                              or not value > 0):
-        raise InvalidArgument(f"ServerConfig.{attr.name} must be > 0, got {value!r}",
-                              stage="config")
-
-
-def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if value is None:
-        raise InvalidArgument(f"ServerConfig.{attr.name} must be given", stage="config")
-    _positive_or_none(inst, attr, value)
-
-
-def _count(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise InvalidArgument(f"ServerConfig.{attr.name} must be an integer >= 1, got "
-                              f"{value!r}", stage="config")
+def _keys(value: Any) -> tuple[str, ...]:
+    if isinstance(value, str | bytes):
+        raise InvalidArgument("ServerConfig.api_keys must be a sequence of keys (one key: "
+                              "[key])", stage="config")
+    keys = tuple(value)
+    ApiKeys(keys, source="ServerConfig.api_keys")          # each key is checked
+    return keys
 
 
 @attrs.frozen
@@ -85,16 +91,35 @@ class ServerConfig:
     #: the name clients give as ``model``; None: the manifest's name
     model_name: str | None = None
     #: tokens per choice when a request gives no max_tokens (OpenAI's is 16)
-    default_max_tokens: int = attrs.field(default=16, validator=_count)
+    default_max_tokens: int = attrs.field(default=16, validator=count)
     #: choices per request at most (prompts times n)
-    max_choices: int = attrs.field(default=16, validator=_count)
+    max_choices: int = attrs.field(default=16, validator=count)
     #: each choice's deadline (its stream's), then 504; None: the executor's own
     request_timeout_s: float | None = attrs.field(default=60.0,
-                                                  validator=_positive_or_none)
+                                                  validator=positive_or_none)
     #: liveness: a job on the device this long means no progress (probes.py)
-    hang_after_s: float = attrs.field(default=5.0, validator=_positive)
+    hang_after_s: float = attrs.field(default=5.0, validator=positive)
     #: request bodies above this are refused (413)
-    max_body_bytes: int = attrs.field(default=8 << 20, validator=_count)
+    max_body_bytes: int = attrs.field(default=8 << 20, validator=count)
+    #: arrays and objects of a body nested deeper than this are refused (400)
+    max_json_depth: int = attrs.field(default=64, validator=count)
+    #: a client's max_tokens (chat: max_completion_tokens) above this is a 400
+    max_tokens_cap: int = attrs.field(default=4096, validator=count)
+    #: accepted Bearer keys; empty: no authentication (calfsm.serve.auth)
+    api_keys: tuple[str, ...] = attrs.field(default=(), converter=_keys,
+                                            repr=lambda keys: f"<{len(keys)} keys>")
+    #: streams (choices) one client may hold at once; None: half the executor's
+    #: max_sequences, at least 1 (calfsm.serve.fairuse)
+    max_client_streams: int | None = attrs.field(default=None, validator=count_or_none)
+    #: requests of one client that may wait to start (being read or parsed) at once;
+    #: None: as max_client_streams' default
+    max_client_waiting: int | None = attrs.field(default=None, validator=count_or_none)
+
+    def __attrs_post_init__(self) -> None:
+        if self.default_max_tokens > self.max_tokens_cap:
+            raise InvalidArgument(f"ServerConfig.default_max_tokens ({self.default_max_tokens}"
+                                  f") must be <= max_tokens_cap ({self.max_tokens_cap})",
+                                  stage="config")
 
 
 class _Server:
@@ -109,6 +134,7 @@ class _Server:
         self.metrics: ExecutorMetrics | None = None
         self.tokenizer: ByteTokenizer | None = None
         self.limits: Limits | None = None
+        self.books: ClientBooks | None = None
         self.start_error: str | None = None
         self.closing = False
         self.started = time.time()
@@ -120,9 +146,14 @@ class _Server:
         contract = epoch.contract(TaskKind.DECODE)
         self.tokenizer = ByteTokenizer(contract.vocab)
         name = self.config.model_name or epoch.manifest.name or "calfsm"
+        cfg = self.config
         self.limits = Limits(name, contract.vocab, contract.max_seq,
-                             self.config.default_max_tokens, self.config.max_choices)
-        self.monitor = LivenessMonitor(executor, hang_after_s=self.config.hang_after_s)
+                             cfg.default_max_tokens, cfg.max_choices, cfg.max_tokens_cap)
+        share = default_client_limit(executor.config.max_sequences)
+        self.books = ClientBooks(cfg.max_client_streams or share,
+                                 cfg.max_client_waiting or share)
+        executor.add_observer(self.books)
+        self.monitor = LivenessMonitor(executor, hang_after_s=cfg.hang_after_s)
         self.metrics = ExecutorMetrics(executor, registry=self.registry)
         self.executor = executor
 
@@ -181,55 +212,52 @@ class _Server:
     async def chat(self, request: Request) -> Response:
         return await self._generate(request, parse_chat, CHAT)
 
-    async def _body(self, request: Request) -> Any:
-        limit = self.config.max_body_bytes
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ApiError(413, f"the request body is over {limit} bytes")
-        chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"the request body is over {limit} bytes")
-            chunks.append(chunk)
-        try:
-            return json.loads(b"".join(chunks))
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ApiError(400, f"the request body is not JSON: {e}",
-                           code="invalid_argument") from None
-
     async def _generate(self, request: Request, parse: Callable[..., GenerationPlan],
                         shape: Shape) -> Response:
+        client = client_of(request.scope)
         try:
-            body = await self._body(request)
             ex = self.running()
             assert self.limits is not None and self.tokenizer is not None
-            plan = parse(body, self.limits, self.tokenizer)
-            choices = self._start(ex, plan)
+            assert self.books is not None
+            with self.books.waiting(client):
+                body = parse_json(await read_body(request, self.config.max_body_bytes),
+                                  self.config.max_json_depth)
+                plan = parse(body, self.limits, self.tokenizer)
+                choices = self._start(ex, plan, client)
         except ApiError as e:
-            return _error_response(e)
+            return _error_response(e, client)
         except CalfsmError as e:
-            return _error_response(from_calfsm(e))
+            return _error_response(from_calfsm(e), client)
+        except UploadAbandoned as e:
+            if request.scope.get("calfsm.body_timeout"):
+                log.info("%s did not send its body to %s in time (%s)", client,
+                         request.url.path, e)
+            else:
+                log.info("%s left during its upload to %s (%s)", client, request.url.path, e)
+            return Response(status_code=499)     # nobody reads it
         except Exception as e:          # a bug of ours: the traceback goes to the log
             return _internal(request, e)
         try:
             if plan.stream:
-                return await self._stream(request, plan, choices, shape)
-            return await self._collect(request, plan, choices, shape)
+                return await self._stream(request, plan, choices, shape, client)
+            return await self._collect(request, plan, choices, shape, client)
         except Exception as e:
             return _internal(request, e)
 
-    def _start(self, ex: DeviceExecutor, plan: GenerationPlan) -> list[Choice]:
-        """A stream per choice; if one cannot start, those started are cancelled."""
-        choices: list[Choice] = []
-        try:
-            for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params)):
-                choices.append(Choice(ex, i, prompt, params, plan.stops,
-                                      deadline_s=self.config.request_timeout_s))
-        except BaseException:
-            for c in choices:
-                c.stream.cancel()
-            raise
+    def _start(self, ex: DeviceExecutor, plan: GenerationPlan, client: str) -> list[Choice]:
+        """A stream per choice, booked to ``client``; if one cannot start, those started
+        are cancelled (a stream whose start failed half-way too)."""
+        assert self.books is not None
+        with self.books.opening(client, len(plan.prompts)) as started:
+            choices: list[Choice] = []
+            try:
+                for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params)):
+                    choices.append(Choice(ex, i, prompt, params, plan.stops,
+                                          deadline_s=self.config.request_timeout_s))
+            except BaseException:
+                for stream in started:
+                    stream.cancel()
+                raise
         return choices
 
     def _usage(self, plan: GenerationPlan, ends: list[Piece]) -> dict[str, int]:
@@ -237,7 +265,7 @@ class _Server:
         return usage(prompt, sum(p.completion_tokens for p in ends))
 
     async def _collect(self, request: Request, plan: GenerationPlan, choices: list[Choice],
-                       shape: Shape) -> Response:
+                       shape: Shape, client: str) -> Response:
         """The whole answer at once; a client that leaves first cancels it."""
         texts = [[] for _ in choices]
         ends: list[Piece | None] = [None] * len(choices)
@@ -261,11 +289,13 @@ class _Server:
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
         if task.cancelled():
+            log.info("%s left while waiting for the answer to %s", client,
+                     request.url.path)
             return Response(status_code=499)     # nobody reads it
         task.result()
         failed = next((p for p in ends if p is not None and p.error), None)
         if failed is not None:
-            return _error_response(from_calfsm(failed.error))
+            return _error_response(from_calfsm(failed.error), client)
         done = [p for p in ends if p is not None]
         assert self.limits is not None
         return JSONResponse(shape.body(
@@ -273,7 +303,7 @@ class _Server:
             [p.finish_reason for p in done], self._usage(plan, done)))
 
     async def _stream(self, request: Request, plan: GenerationPlan, choices: list[Choice],
-                      shape: Shape) -> Response:
+                      shape: Shape, client: str) -> Response:
         pieces = merged(choices)
         first_piece = asyncio.ensure_future(anext(pieces))
         gone = asyncio.ensure_future(_disconnected(request))
@@ -290,13 +320,17 @@ class _Server:
         except BaseException:
             await pieces.aclose()
             if first_piece.cancelled():
+                log.info("%s left before the first token of %s", client, request.url.path)
                 return Response(status_code=499)     # nobody reads it
             raise
         if first.error is not None:
             await pieces.aclose()
-            return _error_response(from_calfsm(first.error))
+            return _error_response(from_calfsm(first.error), client)
         assert self.limits is not None
-        return EventStream(self._events(plan, shape, first, pieces))
+        return EventStream(self._events(plan, shape, first, pieces), close=pieces.aclose,
+                           on_disconnect=lambda: log.info(
+                               "%s left in the middle of the stream of %s", client,
+                               request.url.path))
 
     async def _events(self, plan: GenerationPlan, shape: Shape, first: Piece,
                       pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
@@ -340,9 +374,11 @@ def _internal(request: Request, exc: Exception) -> Response:
                                     code="internal"))
 
 
-def _error_response(err: ApiError) -> Response:
+def _error_response(err: ApiError, client: str | None = None) -> Response:
     if err.status >= 500:
         log.warning("answering %s: %s", err.status, err.message)
+    else:
+        log.debug("answering %s to %s: %s", err.status, client or "a client", err.message)
     return Response(err.json(), status_code=err.status, media_type="application/json",
                     headers=err.headers())
 
@@ -355,7 +391,8 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
     app starts it in its lifespan and closes it on shutdown). The executor's metrics
     (:class:`~calfsm.metrics.ExecutorMetrics`) go to ``registry`` (default: one of the
     app's own) and ``GET /metrics`` serves that registry."""
-    server = _Server(config or ServerConfig(), registry)
+    config = config or ServerConfig()
+    server = _Server(config, registry)
     owned = not isinstance(executor, DeviceExecutor)
     if not owned:
         server.attach(executor)          # type: ignore[arg-type]
@@ -375,6 +412,8 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
                 server.monitor.close()
             if server.metrics is not None:
                 server.metrics.close()
+            if server.books is not None and server.executor is not None:
+                server.executor.remove_observer(server.books)
             if owned and server.executor is not None:
                 try:
                     await server.executor.aclose()
@@ -389,11 +428,21 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
         Route("/ready", server.ready, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan,
+    middleware = [Middleware(BearerAuth, keys=ApiKeys(config.api_keys))] \
+        if config.api_keys else []
+    app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: _api_error, 404: _not_found,
                                         405: _not_allowed})
     app.state.calfsm = server
     return app
+
+
+def client_usage(app: Starlette) -> dict[str, ClientUsage]:
+    """What each client of ``app`` holds now (streams, requests waiting to start); a
+    client that holds nothing is not listed. Clients are named as in
+    :func:`calfsm.serve.auth.client_of` (a key's fingerprint, never the key)."""
+    books: ClientBooks | None = app.state.calfsm.books
+    return {} if books is None else books.usage()
 
 
 def liveness(app: Starlette) -> Liveness:
@@ -419,9 +468,9 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return _error_response(ApiError(404, f"no route {request.url.path}"))
+    return _error_response(ApiError(404, f"no route {clip(request.url.path)}"))
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:
-    return _error_response(ApiError(405, f"{request.method} is not allowed on "
-                                         f"{request.url.path}"))
+    return _error_response(ApiError(405, f"{clip(request.method)} is not allowed on "
+                                         f"{clip(request.url.path)}"))

@@ -5,46 +5,114 @@ nothing here imports the server's dependencies until it runs, so ``calfsm --help
 without the ``server`` extra. The executor is built inside the app's lifespan: the port
 answers at once, ``/health`` and ``/ready`` say 503 while the device warms up (what a
 startup probe waits for), and a start-up that fails stops the server with exit status 3.
+
+The socket is bound here, before uvicorn starts: a bad ``--host``/``--port``, or an
+address in use, is a usage error (exit 2, one line), and ``calfsm: listening on
+http://HOST:PORT`` on stderr gives the port really bound (``--port 0``: any free one)
+once uvicorn accepts connections. Every bad option is exit 2 with one line on stderr.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ipaddress
 import logging
+import re
 import signal
+import socket
 import sys
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NoReturn
 
 from calfsm.drivers import driver_names, load_driver
-from calfsm.errors import CalfsmError
+from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.manifest import Manifest, builtin_manifest_names, manifest_from_option
 
-__all__ = ["add_parser", "run"]
+__all__ = ["add_parser", "configs", "run", "warn_if_open"]
 
 EXIT_OK, EXIT_USAGE, EXIT_DEVICE_FAILED = 0, 2, 3
 
+log = logging.getLogger("calfsm.serve")
+
 _DESCRIPTION = """\
 Serve the OpenAI-compatible API (completions, chat, SSE streaming), /health, /ready and
-/metrics over one executor, by default on the simulated device in real time. Needs the
-server extra: pip install -e ".[server]". See docs/serving.md."""
+/metrics over one executor, by default on the simulated device in real time. It binds
+127.0.0.1 (this machine only) unless --host says otherwise; to serve a network, give it
+an API key (--api-key or CALFSM_API_KEY). Needs the server extra: pip install -e
+".[server]". See docs/serving.md."""
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _host(value: str) -> str:
+    """An IP address or a host name (syntax only; it is resolved when bound)."""
+    with contextlib.suppress(ValueError):
+        return str(ipaddress.ip_address(value))
+    labels = value.rstrip(".").split(".")
+    if len(value) <= 253 and all(_LABEL.fullmatch(label) for label in labels) \
+            and not labels[-1].isdigit():
+        return value
+    raise argparse.ArgumentTypeError(f"not an IP address or a host name: {value!r}")
+
+
+def _number(convert: Callable[[str], float], ok: Callable[[float], bool],
+            what: str) -> Callable[[str], Any]:
+    """An argparse type: ``convert(value)`` if ``ok`` of it, else a usage error."""
+    def parse(value: str) -> Any:
+        try:
+            number = convert(value)
+        except ValueError:
+            number = None
+        if number is None or not ok(number):
+            raise argparse.ArgumentTypeError(f"must be {what}, got {value!r}")
+        return number
+    return parse
+
+
+_port = _number(int, lambda n: 0 <= n <= 65535, "a port number in 0..65535 (0: any free "
+                                                 "port)")
+_at_least_one = _number(int, lambda n: n >= 1, "an integer >= 1")
+_seconds = _number(float, lambda s: 0 < s < float("inf"), "a number of seconds > 0")
+
+
+def _one_line_error(prog: str) -> Callable[[str], NoReturn]:
+    """argparse's usage error as one line (exit 2), not the usage text and the error."""
+    def error(message: str) -> NoReturn:
+        print(f"calfsm: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+    return error
 
 
 def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     """Add ``serve`` to ``calfsm``'s subcommands."""
+    from calfsm.serve.connection_limits import ConnectionLimits
+    limits = ConnectionLimits()
     p = sub.add_parser("serve", help="run the OpenAI-compatible reference server",
                        description=_DESCRIPTION, **kw)
-    p.add_argument("--host", default="127.0.0.1", help="address to bind")
-    p.add_argument("--port", type=int, default=8000, help="port to bind")
+    p.error = _one_line_error(p.prog)      # type: ignore[method-assign]
+    p.add_argument("--host", type=_host, default="127.0.0.1",
+                   help="address to bind (default 127.0.0.1: this machine only); an "
+                        "address others can reach needs --api-key, else the server "
+                        "warns at start that anyone who reaches it can use it")
+    p.add_argument("--port", type=_port, default=8000,
+                   help="port to bind, 0..65535 (0: any free port; the 'listening on' "
+                        "line on stderr says which)")
+    p.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="accept requests with 'Authorization: Bearer KEY' only (every "
+                        "route but /health and /ready); repeat for several keys. "
+                        "Default: the comma-separated keys of $CALFSM_API_KEY, else none")
     p.add_argument("--driver", default="sim", choices=driver_names(),
                    help="sim: the simulated device in real time (--decode-ms, "
                         "--prefill-token-us); calrt: the C ABI through cffi")
     p.add_argument("--manifest", default="qwen3-b1", metavar="NAME|PATH",
                    help=f"a built-in name ({', '.join(builtin_manifest_names())}) or a "
                         "manifest file")
+    p.add_argument("--evidence-dir", default=None, metavar="DIR",
+                   help="where the vendor runners' evidence files are (default: the "
+                        "executor's own default)")
     p.add_argument("--model-name", default=None,
                    help="the name clients send as 'model' (default: the manifest's name)")
     p.add_argument("--decode-ms", type=float, default=10.0,
@@ -54,24 +122,49 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--faults", default="none", metavar="none|swarm|PLAN.json",
                    help="sim: a fault plan (swarm: a random one drawn from --seed)")
     p.add_argument("--seed", type=int, default=0, help="seeds the driver and swarm plan")
-    p.add_argument("--max-sequences", type=int, default=64,
+    p.add_argument("--max-sequences", type=_at_least_one, default=64,
                    help="choices (streams) at once; a request past them is answered 429")
-    p.add_argument("--max-waiting", type=int, default=None,
+    p.add_argument("--max-waiting", type=_at_least_one, default=None,
                    help="jobs that may wait for the device, else 429 (default: twice "
                         "--max-sequences: a stream has at most one step queued and one "
                         "prepared ahead, so a running stream's next step is never refused)")
-    p.add_argument("--request-timeout", type=float, default=60.0,
+    p.add_argument("--max-client-streams", type=_at_least_one, default=None,
+                   help="streams one client (its API key, else its address) may hold at "
+                        "once, else 429 (default: half of --max-sequences, at least 1)")
+    p.add_argument("--max-client-waiting", type=_at_least_one, default=None,
+                   help="requests of one client that may wait to start (being uploaded "
+                        "or parsed) at once, else 429 (default: as --max-client-streams' "
+                        "default)")
+    p.add_argument("--request-timeout", type=_seconds, default=60.0,
                    help="seconds a choice may take, then 504")
-    p.add_argument("--hang-after", type=float, default=5.0,
+    p.add_argument("--hang-after", type=_seconds, default=5.0,
                    help="liveness: seconds a job may stay on the device before /health "
                         "answers 503 (longer than the longest prefill)")
-    p.add_argument("--default-max-tokens", type=int, default=16,
-                   help="tokens per choice when a request gives no max_tokens")
+    p.add_argument("--default-max-tokens", type=_at_least_one, default=16,
+                   help="tokens per choice when a request gives no max_tokens (clipped to "
+                        "what the context leaves after the prompt)")
+    p.add_argument("--max-tokens-cap", type=_at_least_one, default=4096,
+                   help="a request's max_tokens (chat: max_completion_tokens) above this "
+                        "is a 400, and so is one that does not fit the context after the "
+                        "prompt")
+    p.add_argument("--header-timeout", type=_seconds, default=limits.header_timeout_s,
+                   help="seconds a connection has to send complete request headers, from "
+                        "its start or a request's first byte, else 408 and close")
+    p.add_argument("--body-timeout", type=_seconds, default=limits.body_timeout_s,
+                   help="seconds a request body has to arrive after its headers, else 408 "
+                        "and close")
+    p.add_argument("--keep-alive", type=_seconds, default=limits.keep_alive_s,
+                   help="seconds an idle connection stays open between requests (longer "
+                        "than the clients' pool expiry, 5 s for httpx and openai)")
+    p.add_argument("--max-header-bytes", type=_at_least_one,
+                   default=limits.max_header_bytes,
+                   help="request line and headers larger than this are a 431")
+    p.add_argument("--max-connections", type=_at_least_one,
+                   default=limits.max_connections,
+                   help="open connections at most; a new one past them is closed at once")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
     return p
-
-
 
 
 def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
@@ -107,12 +200,83 @@ def _stop_signals_handled() -> Iterator[None]:
             signal.signal(sig, handler)
 
 
+def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
+    """The executor's, the app's and the connections' configuration from the options."""
+    from calfsm.serve.app import ServerConfig
+    from calfsm.serve.auth import ENV_VAR, ApiKeys, keys_from_env
+    from calfsm.serve.connection_limits import ConnectionLimits
+    if args.api_key is not None:
+        keys, source = args.api_key, "--api-key"
+    else:
+        keys, source = keys_from_env(), ENV_VAR
+    ApiKeys(keys, source=source)
+    if args.default_max_tokens > args.max_tokens_cap:
+        raise InvalidArgument(f"--default-max-tokens {args.default_max_tokens} is over "
+                              f"--max-tokens-cap {args.max_tokens_cap}", stage="cli")
+    exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
+                              max_sequences=args.max_sequences,
+                              evidence_dir=args.evidence_dir)
+    config = ServerConfig(model_name=args.model_name,
+                          request_timeout_s=args.request_timeout,
+                          hang_after_s=args.hang_after,
+                          default_max_tokens=args.default_max_tokens,
+                          max_tokens_cap=args.max_tokens_cap,
+                          api_keys=tuple(keys),
+                          max_client_streams=args.max_client_streams,
+                          max_client_waiting=args.max_client_waiting)
+    limits = ConnectionLimits(header_timeout_s=args.header_timeout,
+                              body_timeout_s=args.body_timeout,
+                              keep_alive_s=args.keep_alive,
+                              max_header_bytes=args.max_header_bytes,
+                              max_connections=args.max_connections)
+    return exconfig, config, limits
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host``:``port`` (uvicorn listens on it); OSError says why not."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise OSError(f"--host {host}: cannot resolve it ({e.strerror})") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise OSError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") \
+            from None
+    return sock
+
+
+def _url(sock: socket.socket) -> str:
+    host, port = sock.getsockname()[:2]
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
+def warn_if_open(sock: socket.socket, keys: tuple[str, ...]) -> str | None:
+    """The warning for a socket others can reach and no key: one log line at WARNING
+    (on stderr with ``calfsm serve``'s logging), or one line on stderr if the log level
+    hides warnings. Returns the warning (None: nothing to warn about)."""
+    if keys or ipaddress.ip_address(sock.getsockname()[0]).is_loopback:
+        return None
+    message = (f"serving {_url(sock)} with no API key: anyone who can reach this address "
+               "can use the server; give --api-key KEY (or CALFSM_API_KEY)")
+    if log.isEnabledFor(logging.WARNING):
+        log.warning("%s", message)
+    else:
+        print(f"calfsm: warning: {message}", file=sys.stderr)
+    return message
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; the exit status."""
     try:
         import uvicorn
 
-        from calfsm.serve.app import ServerConfig, create_app
+        from calfsm.serve.app import create_app
+        from calfsm.serve.connections import uvicorn_config
     except ImportError as e:
         print(f"calfsm: error: calfsm serve needs the server extra "
               f"(pip install -e \".[server]\"): {e}", file=sys.stderr)
@@ -120,16 +284,15 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
+        exconfig, config, limits = configs(args)
         manifest = manifest_from_option(args.manifest)
         driver = _driver(args, manifest)
-        exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
-                                  max_sequences=args.max_sequences)
-        config = ServerConfig(model_name=args.model_name,
-                              request_timeout_s=args.request_timeout,
-                              hang_after_s=args.hang_after,
-                              default_max_tokens=args.default_max_tokens)
-    except (CalfsmError, OSError) as e:
-        print(f"calfsm: error: {getattr(e, 'message', e)}", file=sys.stderr)
+        sock = _listen(args.host, args.port)
+    except CalfsmError as e:
+        print(f"calfsm: error: {e.message}", file=sys.stderr)
+        return EXIT_USAGE
+    except OSError as e:
+        print(f"calfsm: error: {e}", file=sys.stderr)
         return EXIT_USAGE
     failed: list[str] = []
 
@@ -141,11 +304,19 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
             raise
 
-    server = uvicorn.Server(uvicorn.Config(
-        create_app(start, config), host=args.host, port=args.port,
-        log_level=args.log_level, timeout_graceful_shutdown=10))
-    with _stop_signals_handled():
-        server.run()
+    class Server(uvicorn.Server):
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets)
+            if self.started:
+                print(f"calfsm: listening on {_url(sock)}", file=sys.stderr, flush=True)
+
+    with contextlib.closing(sock):
+        warn_if_open(sock, config.api_keys)
+        server = Server(uvicorn_config(
+            create_app(start, config), limits, host=args.host, port=args.port,
+            log_level=args.log_level, timeout_graceful_shutdown=10))
+        with _stop_signals_handled():
+            server.run(sockets=[sock])
     if failed:
         print(f"calfsm: start-up failed: {failed[0]}", file=sys.stderr)
         return EXIT_DEVICE_FAILED

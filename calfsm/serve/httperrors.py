@@ -12,6 +12,11 @@ The body is ``{"error": {"message", "type", "param", "code"}}`` as OpenAI sends 
 the gRPC name of the error in lower case (``resource_exhausted``, ``unavailable`` ...).
 A retry-after hint becomes ``Retry-After`` (whole seconds, rounded up, at least 1) and
 ``retry-after-ms`` (which the official OpenAI client prefers). Only 429 and 503 carry it.
+
+An error body never echoes much of what a client sent: a message that quotes client
+input quotes it through :func:`clip` (a bounded ``repr``), and every message and
+``param`` is cut at :data:`MAX_MESSAGE` / :data:`MAX_PARAM` characters whatever built it,
+so a megabyte field value or model name costs the answer a few dozen bytes.
 """
 
 from __future__ import annotations
@@ -22,14 +27,70 @@ from typing import Any
 
 from calfsm.errors import CalfsmError, Cancelled
 
-__all__ = ["ERROR_TYPES", "ApiError", "error_body", "from_calfsm"]
+__all__ = ["ERROR_TYPES", "MAX_MESSAGE", "MAX_PARAM", "ApiError", "clip", "error_body",
+           "from_calfsm"]
 
 #: status -> OpenAI error type
-ERROR_TYPES = {400: "invalid_request_error", 404: "invalid_request_error",
-               405: "invalid_request_error", 413: "invalid_request_error",
-               429: "rate_limit_error", 500: "server_error", 501: "server_error",
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
+               404: "invalid_request_error", 405: "invalid_request_error",
+               408: "invalid_request_error", 413: "invalid_request_error",
+               431: "invalid_request_error", 429: "rate_limit_error",
+               500: "server_error", 501: "server_error",
                503: "service_unavailable_error", 504: "timeout_error"}
 _RETRY_STATUSES = (429, 503)
+#: longest message and ``param`` an error body carries (characters)
+MAX_MESSAGE = 1024
+MAX_PARAM = 64
+#: longest quotation of client input in a message (characters of its repr)
+CLIP = 48
+
+
+def clip(value: object, limit: int = CLIP) -> str:
+    """``repr(value)``, cut to ``limit`` characters (an ellipsis marks the cut): how a
+    message quotes what a client sent. It stops building once ``limit`` is reached, so a
+    huge string, a long list or a deep one costs O(limit) here, not O(its size)."""
+    out: list[str] = []
+    _emit(value, out, [limit + 1])
+    return _cut("".join(out), limit)
+
+
+def _emit(value: object, out: list[str], budget: list[int]) -> None:
+    """Append a repr of ``value`` to ``out`` while ``budget[0]`` characters are left."""
+    if budget[0] <= 0:
+        return
+    if isinstance(value, list | tuple | dict):
+        is_dict = isinstance(value, dict)
+        out.append("{" if is_dict else "[")
+        budget[0] -= 1
+        for i, item in enumerate(value.items() if is_dict else value):
+            if budget[0] <= 0:
+                return
+            if i:
+                out.append(", ")
+                budget[0] -= 2
+            if is_dict:
+                _emit(item[0], out, budget)
+                out.append(": ")
+                budget[0] -= 2
+                _emit(item[1], out, budget)
+            else:
+                _emit(item, out, budget)
+        out.append("}" if is_dict else "]")
+        budget[0] -= 1
+        return
+    if isinstance(value, str | bytes):
+        text = repr(value[:budget[0]])
+    elif isinstance(value, int) and not isinstance(value, bool) \
+            and value.bit_length() > 3 * budget[0]:
+        text = f"<an integer of {value.bit_length()} bits>"
+    else:
+        text = repr(value)
+    out.append(text[:budget[0]])
+    budget[0] -= len(text)
+
+
+def _cut(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[:limit - 1] + "\u2026"
 
 
 class ApiError(Exception):
@@ -38,11 +99,12 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, *, code: str | None = None,
                  param: str | None = None, retry_after_s: float | None = None) -> None:
+        message = _cut(message, MAX_MESSAGE)
         super().__init__(message)
         self.status = status
         self.message = message
         self.code = code
-        self.param = param
+        self.param = None if param is None else _cut(param, MAX_PARAM)
         self.retry_after_s = retry_after_s if status in _RETRY_STATUSES else None
 
     def body(self) -> dict[str, Any]:

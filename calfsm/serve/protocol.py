@@ -10,13 +10,16 @@ What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a str
 list of strings, a list of token ids or a list of such lists) or ``messages`` (roles
 ``system``, ``developer``, ``user``, ``assistant``; content a string or a list of
 ``{"type": "text", "text": ...}`` parts), ``max_tokens`` (chat: also
-``max_completion_tokens``), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
+``max_completion_tokens``; at most the server's cap and what the context leaves after
+the prompt, else a 400 naming the field; without it, the server's default clipped to what
+the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
 (0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``, ``stream``,
 ``stream_options.include_usage``, and ``user``. Choice ``i`` of a request (prompt-major,
 then ``n``) draws from ``seed + i``. Features the simulated model cannot give
 (``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, tools) are
 refused unless they carry their default; unknown fields are refused too, so a typo is
-never silently ignored.
+never silently ignored. A message that quotes a client's value quotes it through
+:func:`~calfsm.serve.httperrors.clip` (bounded).
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import attrs
 
 from calfsm.errors import CalfsmError
 from calfsm.sampling import SamplingParams
-from calfsm.serve.httperrors import ApiError
+from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
 
 __all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
@@ -52,14 +55,16 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
 @attrs.frozen
 class Limits:
-    """What the server allows: the model's name and vocabulary, tokens per choice by
-    default and at most, and choices per request."""
+    """What the server allows: the model's name, vocabulary and context (``max_seq``:
+    prompt and generated tokens together), tokens per choice by default and at most
+    (``max_tokens_cap``), and choices per request."""
 
     model: str
     vocab: int
     max_seq: int
     default_max_tokens: int = 16
     max_choices: int = 16
+    max_tokens_cap: int = 4096
 
 
 @attrs.frozen
@@ -85,7 +90,7 @@ def _int(body: Mapping[str, Any], key: str, low: int, default: int | None) -> in
     if isinstance(value, bool) or not isinstance(value, int):
         raise _bad(f"{key} must be an integer, got {type(value).__name__}", key)
     if value < low:
-        raise _bad(f"{key} must be >= {low}, got {value}", key)
+        raise _bad(f"{key} must be >= {low}, got {clip(value)}", key)
     return value
 
 
@@ -95,7 +100,7 @@ def _float(body: Mapping[str, Any], key: str, default: float) -> float:
         return default
     if isinstance(value, bool) or not isinstance(value, int | float) \
             or not math.isfinite(value):
-        raise _bad(f"{key} must be a finite number, got {value!r}", key)
+        raise _bad(f"{key} must be a finite number, got {clip(value)}", key)
     return float(value)
 
 
@@ -113,7 +118,9 @@ def _check_fields(body: Any, allowed: frozenset[str], limits: Limits) -> None:
         raise _bad("the request body must be a JSON object", None)
     unknown = sorted(set(body) - allowed)
     if unknown:
-        raise _bad(f"unrecognized request argument(s): {', '.join(unknown)}", unknown[0])
+        shown = ", ".join(clip(k) for k in unknown[:4]) + (
+            f" and {len(unknown) - 4} more" if len(unknown) > 4 else "")
+        raise _bad(f"unrecognized request argument(s): {shown}", unknown[0])
     for key, defaults in _DEFAULTS_ONLY.items():
         if key in body and not any(body[key] == d and type(body[key]) is type(d)
                                    for d in defaults):
@@ -122,14 +129,15 @@ def _check_fields(body: Any, allowed: frozenset[str], limits: Limits) -> None:
     if not isinstance(model, str):
         raise _bad("model must be given, as a string", "model")
     if model != limits.model:
-        raise ApiError(404, f"the model {model!r} does not exist; this server serves "
+        raise ApiError(404, f"the model {clip(model)} does not exist; this server serves "
                             f"{limits.model!r}", code="model_not_found", param="model")
 
 
 def _ids(value: list[Any], param: str, vocab: int) -> tuple[int, ...]:
     for i, t in enumerate(value):
         if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-            raise _bad(f"{param}[{i}] must be a token id in [0, {vocab}), got {t!r}", param)
+            raise _bad(f"{param}[{i}] must be a token id in [0, {vocab}), got {clip(t)}",
+                       param)
     return tuple(value)
 
 
@@ -214,9 +222,11 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
         if len(p) >= limits.max_seq:
             raise _bad(f"a prompt of {len(p)} tokens leaves no room to generate "
                        f"(the model holds {limits.max_seq})", "prompt")
-    max_tokens = _int(body, max_key, 1, None)
+    max_tokens, max_field = _int(body, max_key, 1, None), max_key
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", 1, limits.default_max_tokens)
+        max_tokens, max_field = _int(body, "max_tokens", 1, None), "max_tokens"
+    if max_tokens is not None:
+        _check_max_tokens(max_tokens, max_field, max(map(len, prompts)), limits)
     temperature = _float(body, "temperature", 1.0)
     top_p = _float(body, "top_p", 1.0)
     top_k = _int(body, "top_k", -1, 0)
@@ -233,14 +243,28 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     params = []
     try:
         for i in range(len(prompts) * n):
+            room = limits.max_seq - len(prompts[i // n])
             params.append(SamplingParams(
                 temperature=temperature, top_k=max(0, top_k or 0), top_p=top_p,
                 seed=None if seed is None or temperature == 0 else seed + i,
-                stop_token_ids=tuple(single), max_tokens=max_tokens))
+                stop_token_ids=tuple(single),
+                max_tokens=max_tokens or min(limits.default_max_tokens, room)))
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
                           tuple(longer), stream, include_usage, n)
+
+
+def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits) -> None:
+    """A client's ``max_tokens`` (or chat's ``max_completion_tokens``): at most the
+    server's cap, and prompt plus it at most the model's context (as OpenAI answers)."""
+    if value > limits.max_tokens_cap:
+        raise _bad(f"{field} must be <= {limits.max_tokens_cap} (this server's cap), got "
+                   f"{clip(value)}", field)
+    if prompt_tokens + value > limits.max_seq:
+        raise _bad(f"this model's context holds {limits.max_seq} tokens: a prompt of "
+                   f"{prompt_tokens} leaves room for {limits.max_seq - prompt_tokens}, but "
+                   f"{field} asks for {value}", field)
 
 
 def parse_completion(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -93,26 +93,44 @@ CHAT = Shape(chat=True)
 
 class EventStream(StreamingResponse):
     """``text/event-stream`` from an async iterator of bytes; the iterator is cancelled
-    and closed when the client disconnects (and closed when it ends any other way)."""
+    and closed when the client disconnects (and closed when it ends any other way).
+    ``close`` is awaited last in every case, even if the iterator never started (the
+    server passes the choices' own iterator, so their streams are cancelled whatever
+    happened); ``on_disconnect`` is called once if the client leaves before the end."""
 
-    def __init__(self, content: AsyncIterator[bytes], status_code: int = 200) -> None:
+    def __init__(self, content: AsyncIterator[bytes], status_code: int = 200, *,
+                 close: Callable[[], Awaitable[None]] | None = None,
+                 on_disconnect: Callable[[], None] | None = None) -> None:
         super().__init__(content, status_code=status_code, media_type="text/event-stream",
                          headers={"cache-control": "no-cache", "x-accel-buffering": "no"})
         self._events = content
+        self._close = close
+        self._on_disconnect = on_disconnect
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        finished = False
+
+        def left() -> None:
+            nonlocal finished
+            if not finished and self._on_disconnect is not None:
+                self._on_disconnect()
+            finished = True
+
         try:
             async with anyio.create_task_group() as tg:
                 async def listen() -> None:
                     while (await receive())["type"] != "http.disconnect":
                         pass
+                    left()
                     tg.cancel_scope.cancel()
 
                 async def stream() -> None:
+                    nonlocal finished
                     try:
                         await self.stream_response(send)
+                        finished = True
                     except OSError:          # an ASGI 2.4 server: the client went away
-                        pass
+                        left()
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(listen)
@@ -121,3 +139,5 @@ class EventStream(StreamingResponse):
             aclose = getattr(self._events, "aclose", None)
             if aclose is not None:
                 await aclose()
+            if self._close is not None:
+                await self._close()
