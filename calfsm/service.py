@@ -94,11 +94,19 @@ class ServiceModel:
 
     def calibrate(self, warmup: WarmupTiming) -> None:
         """Raise the expectation to what the warm-up measured, if the device is slower
-        than the manifest says (never lower it: one fast warm-up proves little)."""
+        than the manifest says (never lower it: one fast warm-up proves little), and
+        start the measured decode mean from it when nothing was measured yet (the first
+        admission estimates then use the device's own speed, not the manifest's; a
+        three-token prefill says too little about the cost per token to start that
+        one)."""
         if warmup.decode_s:
-            self._decode_s = max(self._decode_s, max(warmup.decode_s))
+            step = max(warmup.decode_s)
+            self._decode_s = max(self._decode_s, step)
+            if self._measured_decode is None:
+                self._measured_decode = step
         if warmup.prefill_tokens > 0:
-            per_token = max(0.0, warmup.prefill_s - self._decode_s) / warmup.prefill_tokens
+            step = max(warmup.decode_s, default=self._decode_s)
+            per_token = max(0.0, warmup.prefill_s - step) / warmup.prefill_tokens
             self._token_s = max(self._token_s, per_token)
 
     def execution_timeout_s(self, kind: TaskKind, tokens: int) -> float:

@@ -150,7 +150,9 @@ def test_server_config_does_not_show_its_keys():
 
 # ---- per-client fair use -----------------------------------------------------------------
 
-LONG = {"temperature": 0, "max_tokens": 4000}     # 4000 decodes of 5 ms: 20 s at least
+#: 4000 decodes of 5 ms: 20 s at least (the tests that hold these give them a request
+#: timeout long enough for the admission estimate to take four at once)
+LONG = {"temperature": 0, "max_tokens": 4000}
 
 
 async def _hold(c: httpx.AsyncClient, headers: dict[str, str], n: int,
@@ -164,7 +166,8 @@ async def _hold(c: httpx.AsyncClient, headers: dict[str, str], n: int,
 
 
 @pytest.mark.parametrize("served", [{"api_keys": KEYS, "decode_ms": 5,
-                                     "max_sequences": 8}], indirect=True)
+                                     "max_sequences": 8, "request_timeout_s": 600.0}],
+                         indirect=True)
 def test_one_client_at_its_stream_limit_gets_429_while_another_is_served(served):
     """max_sequences 8: each client may hold 4 (half). Alice holds 4 streams she never
     reads; her next request is a 429 with Retry-After, Bob's is served."""
@@ -198,7 +201,8 @@ def test_one_client_at_its_stream_limit_gets_429_while_another_is_served(served)
     poll(served.settled, 10, "the books are not empty after the clients left")
 
 
-@pytest.mark.parametrize("served", [{"decode_ms": 5, "max_sequences": 4}], indirect=True)
+@pytest.mark.parametrize("served", [{"decode_ms": 5, "max_sequences": 4,
+                                     "request_timeout_s": 600.0}], indirect=True)
 def test_without_keys_a_client_is_its_address(served):
     """127.0.0.1 holds its 2 streams (half of 4); 127.0.0.2 is another client."""
     from contextlib import AsyncExitStack
