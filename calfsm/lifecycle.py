@@ -31,7 +31,7 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
 
@@ -53,9 +53,6 @@ from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.service import ServiceModel
-
-if TYPE_CHECKING:
-    from calfsm.pipeline import Pipeline
 
 __all__ = ["DeviceLifecycle", "Lifecycle", "LifecycleRecord"]
 
@@ -326,6 +323,31 @@ class Lifecycle:
             return self._rec.state
 
 
+class PipelineControl(Protocol):
+    """What the lifecycle's procedures use of the job pipeline
+    (:class:`~calfsm.pipeline.Pipeline` is it; the pipeline sits above this module, so
+    it is named by what it offers, not imported)."""
+
+    max_inflight: int
+
+    @property
+    def inflight(self) -> int: ...
+
+    def fail_waiting(self, err: CalfsmError) -> None: ...
+
+    def hold_waiting(self, err: CalfsmError) -> None: ...
+
+    def wake_waiters(self) -> None: ...
+
+    def device_barrier(self) -> None: ...
+
+    def idle_on_device(self) -> bool: ...
+
+    def completion_idle_s(self) -> float | None: ...
+
+    def count(self, name: str) -> None: ...
+
+
 class _ShuttingDown(Exception):
     """Raised inside a procedure when ``close()`` began: close owns the lifecycle now."""
 
@@ -335,7 +357,7 @@ class DeviceLifecycle:
     policy's decisions. Sans-thread: waits are the runtime's, through the pipeline."""
 
     def __init__(self, driver: Driver, life: Lifecycle, policy: FaultPolicy,
-                 pipeline: Pipeline, *, build: Callable[..., Epoch],
+                 pipeline: PipelineControl, *, build: Callable[..., Epoch],
                  warmup: bool, service: ServiceModel) -> None:
         self.driver = driver
         self.life = life

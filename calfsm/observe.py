@@ -31,9 +31,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import attrs
+import numpy as np
 
 from calfsm.errors import (
     CalfsmError,
@@ -43,17 +44,27 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
-
-if TYPE_CHECKING:
-    import numpy as np
-
-    from calfsm.job import InferenceResult, JobTimings
-    from calfsm.manifest import TaskKind
-    from calfsm.request import Request
-    from calfsm.streams import GenerationResult, Stream
+from calfsm.job import InferenceResult, JobTimings
+from calfsm.manifest import TaskKind
+from calfsm.request import Request
+from calfsm.results import GenerationResult
 
 __all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "JobEnded", "Observer",
-           "Observers", "rejection_reason"]
+           "Observers", "StreamView", "rejection_reason"]
+
+
+class StreamView(Protocol):
+    """What an observer is handed of a stream (:class:`calfsm.streams.Stream` is one;
+    the streams sit above this module, so they are named by what they offer)."""
+
+    prompt: tuple[int, ...]
+    params: Any                         # calfsm.sampling.SamplingParams
+    sequence: Any                       # calfsm.streams.Sequence
+
+    @property
+    def started(self) -> float: ...
+
+    def cancel(self) -> bool: ...
 
 log = logging.getLogger("calfsm.observe")
 
@@ -118,13 +129,13 @@ class Observer:
     def job_ended(self, event: JobEnded) -> None:
         """A job ended (every accepted job, once, before its handle resolves)."""
 
-    def stream_started(self, stream: Stream) -> None:
+    def stream_started(self, stream: StreamView) -> None:
         """A generation stream was created (its prefill is on its way)."""
 
-    def stream_resumed(self, stream: Stream) -> None:
+    def stream_resumed(self, stream: StreamView) -> None:
         """A stream replays its prompt and tokens after a reset lost its KV."""
 
-    def stream_ended(self, stream: Stream, result: GenerationResult) -> None:
+    def stream_ended(self, stream: StreamView, result: GenerationResult) -> None:
         """A stream finished; ``result`` is what ``stream.result()`` returns."""
 
     def request_rejected(self, error: CalfsmError, reason: str) -> None:
@@ -188,15 +199,15 @@ class Observers:
     def job_ended(self, event: JobEnded) -> None:
         self._call("job_ended", event)
 
-    def stream_started(self, stream: Stream) -> None:
+    def stream_started(self, stream: StreamView) -> None:
         if self._fns["stream_started"]:
             self._call("stream_started", stream)
 
-    def stream_resumed(self, stream: Stream) -> None:
+    def stream_resumed(self, stream: StreamView) -> None:
         if self._fns["stream_resumed"]:
             self._call("stream_resumed", stream)
 
-    def stream_ended(self, stream: Stream, result: GenerationResult) -> None:
+    def stream_ended(self, stream: StreamView, result: GenerationResult) -> None:
         if self._fns["stream_ended"]:
             self._call("stream_ended", stream, result)
 

@@ -35,16 +35,15 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 from __future__ import annotations
 
 import asyncio
-import enum
 import itertools
 import logging
 import math
 import threading
 from collections import deque
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
-import attrs
 import numpy as np
 
 from calfsm.errors import (
@@ -57,16 +56,15 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from calfsm.job import InferenceResult, JobHandle, JobTimings, drop_tracebacks
+from calfsm.job import InferenceResult, JobHandle, drop_tracebacks
+from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.job import JobState
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
+from calfsm.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.sampling import Sampler, SamplingParams
-
-if TYPE_CHECKING:
-    from calfsm.executor import DeviceExecutor
 
 __all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
            "TokenEvent", "Usage"]
@@ -77,6 +75,35 @@ _limited = RateLimitedLog(log)
 
 _fire = SEQUENCE_MACHINE.fire
 _fire_if = SEQUENCE_MACHINE.fire_if_declared
+
+
+class ExecutorFace(Protocol):
+    """What a sequence and its streams use of their executor
+    (:class:`~calfsm.executor.DeviceExecutor` is one; the executor sits above this
+    module, so it is named by what it offers, not imported)."""
+
+    clock: Any
+    live_streams: Any                   # calfsm.capacity.LiveStreams
+    observers: Any                      # calfsm.observe.Observers
+
+    @property
+    def epoch(self) -> Any: ...
+
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+
+    def enqueue_nowait(self, request: Request, *, continuing: bool = False
+                       ) -> JobHandle: ...
+
+    def stage(self, request: Request) -> JobHandle | None: ...
+
+    def release_staged(self, handle: JobHandle, request: Request) -> bool: ...
+
+    def discard_staged(self, handle: JobHandle) -> None: ...
+
+    def defer(self, fn: Callable[[], None]) -> None: ...
+
+    def reset_sequence(self, seq_id: int) -> None: ...
 
 
 class SequenceAllocator:
@@ -113,7 +140,7 @@ class Sequence:
 
     Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
 
-    def __init__(self, executor: DeviceExecutor, seq_id: int,
+    def __init__(self, executor: ExecutorFace, seq_id: int,
                  allocator: SequenceAllocator) -> None:
         self.executor = executor
         self.seq_id = seq_id
@@ -336,49 +363,6 @@ class Sequence:
 
     def __repr__(self) -> str:
         return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
-
-
-class FinishReason(enum.StrEnum):
-    LENGTH = "length"
-    STOP = "stop"
-    CANCELLED = "cancelled"
-    DEADLINE = "deadline"
-    ERROR = "error"
-
-
-@attrs.frozen
-class TokenEvent:
-    """One generated token: its id, its position in the sequence, its index in the
-    stream, and the timings of the job that produced it."""
-
-    token: int
-    position: int
-    index: int
-    timings: JobTimings = attrs.field(repr=False)
-
-
-@attrs.frozen
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-
-    @property
-    def total_tokens(self) -> int:
-        return self.prompt_tokens + self.completion_tokens
-
-
-@attrs.frozen
-class GenerationResult:
-    """A finished stream: tokens, why it ended, usage, time to first token and the
-    inter-token times (seconds, on the driver's clock)."""
-
-    tokens: tuple[int, ...]
-    finish_reason: FinishReason
-    usage: Usage
-    ttft_s: float | None
-    inter_token_s: tuple[float, ...]
-    error: CalfsmError | None = None
-    resumes: int = 0
 
 
 class Stream:
