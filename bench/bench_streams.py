@@ -51,6 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_executor import PROMPT, DirectPath, ExecutorPath, _pct, _sim, interleaved_blocks
+from cpuload import add_load_option, cpu_load
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.manifest import TaskKind, builtin_manifest
@@ -269,14 +270,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=6, help="A/B blocks per latency (even)")
     ap.add_argument("--runs", type=int, default=1, help="whole runs; ranges over them")
     ap.add_argument("--quick", action="store_true", help="a quarter of the steps")
+    add_load_option(ap)
     args = ap.parse_args(argv)
-    if args.runs < 1 or args.blocks < 1:
-        ap.error("--runs and --blocks must be >= 1")
+    if args.runs < 1 or args.blocks < 1 or args.load < 0:
+        ap.error("--runs and --blocks must be >= 1, --load >= 0")
+    with cpu_load(args.load):
+        return _runs(args)
+
+
+def _runs(args: argparse.Namespace) -> int:
     manifest = builtin_manifest(args.manifest)
     vocab = manifest.submodel(TaskKind.DECODE).vocab
     print(f"bench_streams: {manifest.name} (V={vocab}), SimDriver real time, "
           f"{args.blocks} interleaved blocks per row, medians over blocks, {args.runs} "
-          f"run(s){', quick' if args.quick else ''}; python {sys.version.split()[0]}")
+          f"run(s){', quick' if args.quick else ''}, {args.load} CPU-bound process(es) "
+          f"beside; python {sys.version.split()[0]}")
     runs = []
     for i in range(args.runs):
         if args.runs > 1:
