@@ -614,8 +614,9 @@ class StreamMachine(RuleBasedStateMachine):
             self._check_rest()
 
 
-# 600 examples pass in about 13 s with CI set on the 2-core VM (the ci profile is
-# derandomized: the same examples every run), so it runs by default; when it fails,
+# 600 examples pass in about 30 s on the 2-core VM (100 s with two busy loops beside it;
+# the suite's profile is derandomized: the same examples every run, see
+# tests/conftest.py), so it runs by default; when it fails,
 # shrinking may take hypothesis's full five minutes, so the timeout leaves room for it
 # to report the minimal example.
 TestStreamMachine = pytest.mark.timeout(600)(StreamMachine.TestCase)
