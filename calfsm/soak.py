@@ -655,8 +655,9 @@ def _markdown(result: SoakResult, config: SoakConfig, about: dict[str, Any]) -> 
              f"- device time covered: {_span(result.device_s)} ({result.clock}"
              + (f", {result.device_s / result.wall_s:.1f} x the wall time"
                 if result.wall_s > 0 and result.clock != "wall time" else "")
-             + f"); jobs were on the device for {_span(t.device_busy_s)} of it, the rest "
-             "is the waits the executor sat out (timeouts, back-offs, recoveries)",
+             + f"); jobs were on the device for {_span(t.device_busy_s)} of it"
+             + (", the rest is the waits the executor sat out (timeouts, back-offs, "
+                "recoveries)" if t.device_busy_s < 0.99 * result.device_s else ""),
              "", "| gate | result | detail |", "| --- | --- | --- |",
              *(f"| {g.name} | {'pass' if g.passed else 'FAIL'} | {g.detail} |"
                for g in result.gates),
