@@ -51,12 +51,17 @@ def _gates(report: dict) -> dict[str, bool]:
     return {g["name"]: g["passed"] for g in report["gates"]}
 
 
+def _cli_soak(out, *argv: str) -> tuple[int, dict]:
+    """``calfsm soak ARGV --manifest tiny --quiet --out OUT`` in this process: its exit
+    status and its report.json."""
+    rc = main(["soak", *argv, "--manifest", "tiny", "--quiet", "--out", str(out)])
+    return rc, json.loads((out / "report.json").read_text())
+
+
 def test_short_soak_passes_its_gates_and_writes_report_and_plots(tmp_path, caplog):
     caplog.set_level(logging.CRITICAL)
     out = tmp_path / "soak"
-    rc = main(["soak", "--duration", SHORT, "--seed", "3", "--manifest", "tiny",
-               "--quiet", "--out", str(out)])
-    report = json.loads((out / "report.json").read_text())
+    rc, report = _cli_soak(out, "--duration", SHORT, "--seed", "3")
     assert rc == 0, report["gates"]
     assert report["passed"] and all(_gates(report).values())
     assert set(_gates(report)) == {"rss", "leased", "device", "stuck", "once"}
@@ -87,10 +92,8 @@ def test_short_soak_passes_its_gates_and_writes_report_and_plots(tmp_path, caplo
 def test_soak_on_the_native_emulator(tmp_path, caplog):
     caplog.set_level(logging.CRITICAL)
     out = tmp_path / "calrt"
-    rc = main(["soak", "--driver", "calrt", "--duration", "4s", "--warmup", "1s",
-               "--seed", "5", "--manifest", "tiny", "--quiet", "--no-plots",
-               "--out", str(out)])
-    report = json.loads((out / "report.json").read_text())
+    rc, report = _cli_soak(out, "--driver", "calrt", "--duration", "4s", "--warmup", "1s",
+                           "--seed", "5", "--no-plots")
     assert rc == 0, report["gates"]
     assert report["tally"]["fired"] is None         # the emulator does not count faults
     assert report["tally"]["jobs"] > 100
@@ -170,10 +173,8 @@ def test_device_duration_runs_until_the_device_time_is_covered(tmp_path, caplog)
     clock covered 30 minutes, in a few seconds of wall time, and says so."""
     caplog.set_level(logging.CRITICAL)
     out = tmp_path / "device"
-    rc = main(["soak", "--device-duration", "30m", "--seed", "3", "--manifest", "tiny",
-               "--sample-every", "0.1s", "--warmup", "0.5s", "--quiet", "--no-plots",
-               "--out", str(out)])
-    report = json.loads((out / "report.json").read_text())
+    rc, report = _cli_soak(out, "--device-duration", "30m", "--seed", "3", "--sample-every",
+                           "0.1s", "--warmup", "0.5s", "--no-plots")
     assert rc == 0, report["gates"]
     assert report["device_s"] >= 1800 and report["wall_s"] < 600, report
     assert report["config"]["device_duration_s"] == 1800
