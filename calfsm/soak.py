@@ -3,7 +3,8 @@ stability gates of spec 13.2.
 
 Theory of operation
 -------------------
-``--clients`` threads each loop until the duration is up, drawing their next request from
+``--clients`` threads each loop until the duration is up (``--duration`` of wall time, or
+``--device-duration`` of the driver's clock: device time), drawing their next request from
 their own seeded RNG: a stream on a sequence of its own (``executor.open_sequence()``,
 ``sequence.generate(...)``, sometimes a second turn on the same sequence), a one-shot
 ``executor.generate(...)``, either of them cancelled after a few tokens, or a bad request
@@ -17,11 +18,12 @@ once (a refusal at the call, or a stream's result), every job the executor accep
 end once (:class:`SoakExecutor` hooks the executor's three entries, as ``calfsm run``
 does). A sampler thread records a :class:`~calfsm.soak_gates.Sample` every
 ``--sample-every`` seconds: RSS, leased and quarantined buffers, generation, lifecycle,
-recoveries, faults fired, open requests and jobs, and the latency percentiles of the
-window. When the time is up the clients finish what they hold, the workload drains, the
-executor closes, and :func:`calfsm.soak_gates.evaluate` judges the records. The report
-(``report.md``, ``report.json``, ``samples.csv``) and the plots (:mod:`calfsm.soak_plots`)
-go to ``--out``.
+recoveries, faults fired, open requests and jobs, the latency percentiles of the
+window, and the device time covered so far. When the time is up the clients finish what
+they hold, the workload drains, the executor closes, and
+:func:`calfsm.soak_gates.evaluate` judges the records. The report (``report.md``,
+``report.json``, ``samples.csv``) and the plots (:mod:`calfsm.soak_plots`) go to
+``--out``.
 
 Exit status: 0 every gate passed; 1 a gate failed; 2 bad usage or input; 3 the executor
 did not start.
@@ -66,6 +68,8 @@ from calfsm.manifest import (
 from calfsm.sampling import SamplingParams
 from calfsm.soak_gates import (
     DEVICE_CATEGORIES,
+    RSS_FLOOR_MIB,
+    RSS_SLOPE_MIB_PER_H,
     Gate,
     GateLimits,
     RssTrend,
@@ -139,36 +143,49 @@ def soak_plan(spec: str, seed: int, sequences: int, *, rate: float = 0.005,
 
 @attrs.frozen
 class SoakConfig:
-    """One soak: how long, what traffic, where the gates draw their lines."""
+    """One soak: how long, what traffic, where the gates draw their lines.
 
-    duration_s: float
+    How long is either ``duration_s`` of wall time or ``device_duration_s`` of the
+    driver's clock (device time: on a virtual clock far more than the wall time it
+    takes), exactly one of them."""
+
+    duration_s: float | None
     seed: int = 0
     clients: int = 4
     max_tokens: int = 32
     max_prompt: int = 64
-    warmup_s: float | None = None       # None: 20% of the duration, at most 60 s
-    sample_s: float | None = None       # None: duration / 240, within [0.1, 5] s
+    warmup_s: float | None = None       # None: 20% of the wall time, at most 60 s
+    sample_s: float | None = None       # None: duration / 240 within [0.1, 5] s, or 1 s
     stuck_s: float = 30.0
     drain_s: float = 30.0
-    rss_tolerance_mib: float = 16.0
-    rss_tolerance_pct: float = 5.0
+    rss_slope_mib_per_h: float = RSS_SLOPE_MIB_PER_H
+    rss_floor_mib: float = RSS_FLOOR_MIB
     executor: ExecutorConfig = attrs.field(factory=lambda: ExecutorConfig(
         execution_timeout_s=1.0))
+    device_duration_s: float | None = None
 
-    @property
-    def warmup(self) -> float:
-        return min(60.0, 0.2 * self.duration_s) if self.warmup_s is None else self.warmup_s
+    def __attrs_post_init__(self) -> None:
+        if (self.duration_s is None) == (self.device_duration_s is None):
+            raise InvalidArgument("a soak runs for a wall-clock duration or a device-time "
+                                  "duration: give exactly one", stage="soak")
+
+    def warmup_for(self, wall_s: float) -> float:
+        """The warm-up of a soak that took ``wall_s`` seconds (its duration if known)."""
+        if self.warmup_s is not None:
+            return self.warmup_s
+        return min(60.0, 0.2 * (self.duration_s if self.duration_s is not None else wall_s))
 
     @property
     def sample_every(self) -> float:
         if self.sample_s is not None:
             return self.sample_s
+        if self.duration_s is None:     # the wall time is not known before the end
+            return 1.0
         return min(5.0, max(0.1, self.duration_s / 240))
 
-    @property
-    def limits(self) -> GateLimits:
-        return GateLimits(self.warmup, self.stuck_s, self.rss_tolerance_mib,
-                          self.rss_tolerance_pct)
+    def limits_for(self, wall_s: float) -> GateLimits:
+        return GateLimits(self.warmup_for(wall_s), self.stuck_s, self.rss_slope_mib_per_h,
+                          self.rss_floor_mib)
 
 
 @attrs.frozen
@@ -179,6 +196,8 @@ class SoakResult:
     trend: RssTrend
     wall_s: float
     clock: str                  # what the latencies are measured in
+    device_s: float             # how far the driver's clock moved: the device time covered
+    warmup_s: float             # the warm-up the gates used
 
     @property
     def passed(self) -> bool:
@@ -230,6 +249,9 @@ class SoakExecutor(DeviceExecutor):
                 t.double_answers += 1
                 return
             t.jobs_answered += 1
+            timings = handle.context.timings
+            if timings.submitted and timings.completed >= timings.submitted:
+                t.device_busy_s += timings.completed - timings.submitted
             if err is None or why in ("other", "refusal"):
                 return
             if err.category in DEVICE_CATEGORIES:
@@ -449,6 +471,8 @@ class _Soak:
         self.crashes = 0
         self.samples: list[Sample] = []
         self.t0 = time.perf_counter()
+        self.clock = ex.driver.clock
+        self.d0 = self.clock.now()
         fired = getattr(ex.driver, "faults_fired", None)
         self._fired = fired if callable(fired) else None
 
@@ -466,9 +490,14 @@ class _Soak:
             faults=sum(self._fired()) if self._fired else None,
             answered=sum(self.tally.outcomes.values()), open_requests=open_requests,
             oldest_open_s=oldest, open_jobs=ex.open_jobs,
-            **_percentiles("ttft", ttft), **_percentiles("tpot", tpot))
+            **_percentiles("ttft", ttft), **_percentiles("tpot", tpot),
+            device_t=self.device_elapsed())
         self.samples.append(s)
         return s
+
+    def device_elapsed(self) -> float:
+        """Seconds the driver's clock moved since the soak began."""
+        return self.clock.now() - self.d0
 
     def fired_by_point(self) -> dict[str, int] | None:
         if self._fired is None:
@@ -502,12 +531,7 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     soak.sample()
     for c in clients:
         c.start()
-    end = soak.t0 + config.duration_s
-    while (left := end - time.perf_counter()) > 0:
-        soak.stop.wait(min(left, config.sample_every))
-        latest = soak.sample()
-        if progress is not None:
-            progress(min(latest.t, config.duration_s), latest)
+    _hold(soak, clients, progress)
     soak.stop.set()
     drain_end = time.perf_counter() + config.drain_s
     for c in clients:
@@ -537,12 +561,57 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
         tally.unexplained.append(f"{soak.crashes} soak client request(s) raised")
     wall = time.perf_counter() - soak.t0
     samples = tuple(soak.samples)
-    limits = config.limits
+    limits = config.limits_for(wall)
     return SoakResult(samples, tally, tuple(evaluate(samples, tally, limits)),
                       rss_trend(samples, limits.warmup_s,
-                                tolerance_mib=limits.rss_tolerance_mib,
-                                tolerance_pct=limits.rss_tolerance_pct),
-                      wall, "virtual device time" if driver.clock.virtual else "wall time")
+                                slope_mib_per_h=limits.rss_slope_mib_per_h,
+                                floor_mib=limits.rss_floor_mib),
+                      wall, "virtual device time" if driver.clock.virtual else "wall time",
+                      soak.device_elapsed(), limits.warmup_s)
+
+
+def _hold(soak: _Soak, clients: list[threading.Thread],
+          progress: Callable[[float, Sample], None] | None) -> None:
+    """Sample while the clients send traffic: for the wall-clock duration, or until the
+    driver's clock covered the device duration. The latter also ends when no client is
+    left to move it (the executor ended Failed) or it stood still for ``stuck_s`` (then
+    the ``stuck`` gate says so)."""
+    config = soak.config
+    if config.duration_s is not None:
+        end = soak.t0 + config.duration_s
+        while (left := end - time.perf_counter()) > 0:
+            soak.stop.wait(min(left, config.sample_every))
+            latest = soak.sample()
+            if progress is not None:
+                progress(min(latest.t, config.duration_s), latest)
+        return
+    goal = config.device_duration_s
+    moved_at, last = time.perf_counter(), soak.device_elapsed()
+    while (covered := soak.device_elapsed()) < goal:
+        if not any(c.is_alive() for c in clients):
+            soak.tally.short_of_goal = (f"no client left at {_span(covered)} of the "
+                                        f"{_span(goal)} of device time asked")
+            return
+        now = time.perf_counter()
+        if covered > last:
+            moved_at, last = now, covered
+        elif now - moved_at > config.stuck_s:
+            soak.tally.short_of_goal = (f"device time stood still for {config.stuck_s:g} s "
+                                        f"at {_span(covered)} of {_span(goal)}")
+            return
+        soak.stop.wait(config.sample_every)
+        latest = soak.sample()
+        if progress is not None:
+            progress(min(latest.device_t, goal), latest)
+
+
+def _span(seconds: float) -> str:
+    """``seconds`` for a reader: 45.2 s, 12.5 min, 24.03 h."""
+    if seconds < 120:
+        return f"{seconds:.1f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.2f} h"
 
 
 # ---- the report ------------------------------------------------------------------------
@@ -559,9 +628,9 @@ def write_report(result: SoakResult, out: Path, *, config: SoakConfig, about: di
         for s in result.samples:
             w.writerow(attrs.astuple(s))
     data = {"passed": result.passed, "about": about, "wall_s": result.wall_s,
-            "latency_clock": result.clock,
+            "device_s": result.device_s, "latency_clock": result.clock,
             "config": {k: v for k, v in attrs.asdict(config, recurse=False).items()
-                       if k != "executor"} | {"warmup_s": config.warmup,
+                       if k != "executor"} | {"warmup_s": result.warmup_s,
                                               "sample_s": config.sample_every},
             "gates": [attrs.asdict(g) for g in result.gates],
             "rss_trend": attrs.asdict(result.trend), "tally": result.tally.to_dict()}
@@ -571,7 +640,8 @@ def write_report(result: SoakResult, out: Path, *, config: SoakConfig, about: di
     if plots:
         paths += write_plots(result.samples, result.trend, out, clock=result.clock,
                              title=f"calfsm soak ({about.get('driver', '?')}, "
-                                   f"seed {config.seed})")
+                                   f"seed {config.seed}, {_span(result.device_s)} of "
+                                   "device time)")
     return paths
 
 
@@ -580,8 +650,14 @@ def _markdown(result: SoakResult, config: SoakConfig, about: dict[str, Any]) -> 
     last = result.samples[-1]
     lines = [f"# calfsm soak: {'PASS' if result.passed else 'FAIL'}", "",
              *(f"- {k}: {v}" for k, v in about.items()),
-             f"- duration {config.duration_s:g} s (wall {result.wall_s:.1f} s), warm-up "
-             f"{config.warmup:g} s, {len(result.samples)} samples",
+             f"- {_asked(config)}; wall time {_span(result.wall_s)}, warm-up "
+             f"{result.warmup_s:.1f} s, {len(result.samples)} samples",
+             f"- device time covered: {_span(result.device_s)} ({result.clock}"
+             + (f", {result.device_s / result.wall_s:.1f} x the wall time"
+                if result.wall_s > 0 and result.clock != "wall time" else "")
+             + f"); jobs were on the device for {_span(t.device_busy_s)} of it"
+             + (", the rest is the waits the executor sat out (timeouts, back-offs, "
+                "recoveries)" if t.device_busy_s < 0.99 * result.device_s else ""),
              "", "| gate | result | detail |", "| --- | --- | --- |",
              *(f"| {g.name} | {'pass' if g.passed else 'FAIL'} | {g.detail} |"
                for g in result.gates),
@@ -599,6 +675,12 @@ def _markdown(result: SoakResult, config: SoakConfig, about: dict[str, Any]) -> 
     return "\n".join(lines)
 
 
+def _asked(config: SoakConfig) -> str:
+    if config.duration_s is not None:
+        return f"duration {_span(config.duration_s)} of wall time"
+    return f"duration {_span(config.device_duration_s or 0.0)} of device time"
+
+
 def _kv(counts: dict[str, int] | None) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted((counts or {}).items())) or "none"
 
@@ -606,10 +688,13 @@ def _kv(counts: dict[str, int] | None) -> str:
 # ---- the command -------------------------------------------------------------------------
 _DESCRIPTION = """\
 Hold a seeded mixed workload (streams, one-shot generations, cancels, bad requests) on the
-executor under a fault plan for a duration; sample RSS, leased buffers, generation,
-lifecycle and latency; judge the stability gates of spec 13.2 (RSS flat after warm-up,
-leased 0 at the end, no unexplained device exception, nothing stuck, every request
-answered once); write report.md, report.json, samples.csv and PNG plots to --out."""
+executor under a fault plan for a wall-clock duration (--duration) or until the driver's
+clock covered an amount of device time (--device-duration); sample RSS, leased buffers,
+generation, lifecycle, latency and device time; judge the stability gates of spec 13.2
+(RSS slope after warm-up within --rss-slope MiB/h, leased 0 at the end, no unexplained
+device exception, nothing stuck, every request answered once); write report.md,
+report.json, samples.csv and PNG plots to --out. The report states the device time the
+soak covered: on the simulated device's virtual clock far more than the wall time."""
 _EPILOG = """\
 exit status:
   0  every gate passed
@@ -625,8 +710,14 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
     p = sub.add_parser("soak", help="hold a fault-injected workload and judge the stability "
                        "gates", description=_DESCRIPTION, epilog=_EPILOG,
                        formatter_class=formatter_class)
-    p.add_argument("--duration", default="60s", metavar="TIME",
-                   help="how long to send traffic: 90s, 10m, 1h, or seconds")
+    how_long = p.add_mutually_exclusive_group()
+    how_long.add_argument("--duration", default=None, metavar="TIME",
+                          help="how long to send traffic, in wall time: 90s, 10m, 1h, or "
+                               "seconds (default 60s)")
+    how_long.add_argument("--device-duration", default=None, metavar="TIME",
+                          help="instead: send traffic until the driver's clock covered this "
+                               "much device time (e.g. 24h; on the simulated device's "
+                               "virtual clock far more than the wall time it takes)")
     p.add_argument("--faults", default="swarm", metavar="none|swarm|PLAN.json",
                    help="none, swarm (a seeded random mix of --kinds) or a fault plan file")
     p.add_argument("--seed", type=int, default=0, metavar="N",
@@ -650,15 +741,19 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
                    help="a prompt's length is drawn from 1..N")
     p.add_argument("--warmup", default=None, metavar="TIME",
                    help="samples before this are not judged for RSS growth (default: 20%% "
-                        "of --duration, at most 60s)")
+                        "of the wall time, at most 60s)")
     p.add_argument("--sample-every", default=None, metavar="TIME",
-                   help="sampling period (default: --duration / 240, within 0.1s..5s)")
+                   help="sampling period in wall time (default: --duration / 240, within "
+                        "0.1s..5s; 1s with --device-duration)")
     p.add_argument("--stuck", default="30s", metavar="TIME",
                    help="a request open longer than this is stuck")
-    p.add_argument("--rss-tolerance-mib", type=float, default=16.0, metavar="MIB",
-                   help="RSS growth allowed after warm-up (or --rss-tolerance-pct of the "
-                        "median RSS, whichever is larger)")
-    p.add_argument("--rss-tolerance-pct", type=float, default=5.0, metavar="PCT")
+    p.add_argument("--rss-slope", type=float, default=RSS_SLOPE_MIB_PER_H, metavar="MIB/H",
+                   help="the RSS gate's bound on the Theil-Sen slope of RSS after warm-up, "
+                        "in MiB per hour, whatever the process's size")
+    p.add_argument("--rss-floor", type=float, default=RSS_FLOOR_MIB, metavar="MIB",
+                   help="the RSS gate's resolution: a trend explaining at most this much "
+                        "growth over the judged window passes whatever its slope (clean "
+                        "soaks swing by up to 25 MiB; docs/soak.md)")
     p.add_argument("--execution-timeout", default="1s", metavar="TIME",
                    help="the executor's execution deadline: how soon a hung job is given "
                         "up and the device reset")
@@ -676,19 +771,21 @@ def _config(args: argparse.Namespace) -> SoakConfig:
         if getattr(args, name) < 1:
             raise InvalidArgument(f"--{name.replace('_', '-')}: must be >= 1, got "
                                   f"{getattr(args, name)}", stage="soak")
-    for name in ("rss_tolerance_mib", "rss_tolerance_pct"):
-        if not getattr(args, name) >= 0:
-            raise InvalidArgument(f"--{name.replace('_', '-')}: must be >= 0", stage="soak")
-    duration = parse_duration(args.duration)
+    for name in ("rss_slope", "rss_floor"):
+        if not 0 <= getattr(args, name) < float("inf"):
+            raise InvalidArgument(f"--{name.replace('_', '-')}: must be a number >= 0",
+                                  stage="soak")
+    device = None if args.device_duration is None else parse_duration(args.device_duration)
+    duration = None if device is not None else parse_duration(args.duration or "60s")
     warmup = None if args.warmup is None else parse_duration(args.warmup)
-    if warmup is not None and warmup >= duration:
+    if warmup is not None and duration is not None and warmup >= duration:
         raise InvalidArgument("--warmup must be shorter than --duration", stage="soak")
     return SoakConfig(
-        duration_s=duration, seed=args.seed, clients=args.clients,
+        duration_s=duration, device_duration_s=device, seed=args.seed, clients=args.clients,
         max_tokens=args.max_tokens, max_prompt=args.max_prompt, warmup_s=warmup,
         sample_s=None if args.sample_every is None else parse_duration(args.sample_every),
-        stuck_s=parse_duration(args.stuck), rss_tolerance_mib=args.rss_tolerance_mib,
-        rss_tolerance_pct=args.rss_tolerance_pct,
+        stuck_s=parse_duration(args.stuck), rss_slope_mib_per_h=args.rss_slope,
+        rss_floor_mib=args.rss_floor,
         executor=ExecutorConfig(execution_timeout_s=parse_duration(args.execution_timeout)))
 
 
@@ -748,12 +845,13 @@ def _run(config: SoakConfig, driver: Driver, manifest: Manifest, *, quiet: bool
                TimeRemainingColumn())
     with Progress(*columns, console=Console(stderr=True), disable=quiet,
                   transient=True) as bar:
-        task = bar.add_task("starting", total=config.duration_s)
+        task = bar.add_task("starting", total=config.duration_s or config.device_duration_s)
 
         def progress(elapsed: float, s: Sample) -> None:
             bar.update(task, completed=elapsed, description=(
                 f"{s.answered} answered, {s.recoveries} recoveries, gen {s.generation}, "
-                f"RSS {s.rss / 2**20:.0f} MiB, leased {s.leased}"))
+                f"RSS {s.rss / 2**20:.0f} MiB, leased {s.leased}, device time "
+                f"{_span(s.device_t)}"))
         try:
             return run_soak(config, driver, manifest, progress=progress)
         except CalfsmError as e:
@@ -773,4 +871,6 @@ def _print(result: SoakResult, paths: list[Path]) -> None:
         table.add_row(g.name, "pass" if g.passed else "[red]FAIL[/red]", g.detail)
     console = Console()
     console.print(table)
+    console.print(f"device time covered: {_span(result.device_s)} ({result.clock}) in "
+                  f"{_span(result.wall_s)} of wall time")
     console.print("wrote " + ", ".join(str(p) for p in paths))

@@ -49,8 +49,9 @@ def write_plots(samples: Sequence[Sample], trend: RssTrend, out: Path, *, title:
         mid = trend.median / _MIB
         half = trend.slope_bps * trend.window_s / 2 / _MIB
         ax.plot([t0, t1], [mid - half, mid + half], "--", color="tab:red",
-                label=f"Theil-Sen trend: {trend.growth / _MIB:+.1f} MiB "
-                      f"(tolerance {trend.tolerance / _MIB:.1f})")
+                label=f"Theil-Sen trend: {trend.slope_mib_per_h:+.0f} MiB/h, "
+                      f"{trend.growth / _MIB:+.1f} MiB (bound here "
+                      f"{trend.bound_bps * 3600 / _MIB:.0f} MiB/h)")
     ax.axvspan(0, trend.start_t, color="0.9", label="warm-up")
     ax.set_xlabel("wall time (s)")
     ax.set_ylabel("RSS (MiB)")

@@ -1,21 +1,40 @@
-"""Test-wide settings: the hypothesis ``ci`` profile loads when ``CI`` is set (as in CI):
-derandomized, so a CI run is repeatable, with no example database and no deadline (a
-2-core VM shared with other work must not turn slow examples into failures)."""
+"""Test-wide settings. The hypothesis profile is the same whether ``CI`` is set or not,
+so the README's command and ``.ci/run`` run the same suite:
+
+- ``repeatable`` (the default): derandomized, so every run tries the same examples and
+  a failure replays; no example database (nothing a run leaves behind changes the next
+  one); no deadline and no ``too_slow`` health check (wall-clock limits per example or
+  per draw fail slow examples on a loaded machine, which says nothing about the code).
+- ``explore`` (opt-in: ``HYPOTHESIS_PROFILE=explore``): a random search, new examples
+  each run, failures kept in ``.hypothesis/`` and replayed first next time; no wall-clock
+  limits either. What it finds becomes a deterministic regression test.
+"""
 
 from __future__ import annotations
 
 import os
 
 import pytest
-from hypothesis import settings
+from hypothesis import HealthCheck, settings
 
 from calfsm import lograte
 from tests.executor_helpers import MODES
 
-settings.register_profile("ci", derandomize=True, database=None, deadline=None,
-                          print_blob=True)
-if os.environ.get("CI"):
-    settings.load_profile("ci")
+# Both are built on hypothesis's own "default" profile, not on the current one:
+# hypothesis itself loads its "ci" profile when it sees CI (set to anything) or another
+# CI's variable, which would otherwise leak into what is not set here.
+_BASE = settings(settings.get_profile("default"), deadline=None, print_blob=True,
+                 suppress_health_check=[HealthCheck.too_slow])
+#: the profiles tests/conftest.py registers, by name
+PROFILES = {
+    "repeatable": settings(_BASE, derandomize=True, database=None),
+    "explore": settings(_BASE, derandomize=False),
+}
+DEFAULT_PROFILE = "repeatable"
+
+for _name, _profile in PROFILES.items():
+    settings.register_profile(_name, _profile)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE)
 
 
 @pytest.fixture(autouse=True)

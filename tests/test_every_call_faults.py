@@ -25,7 +25,6 @@ smaller threaded variant, and a minimal reproduction of each defect found (``KNO
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -37,7 +36,6 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
-from hypothesis.errors import InvalidArgument as HypothesisInvalidArgument
 
 from calfsm.drivers.base import Capabilities, ResetKind
 from calfsm.drivers.faults import (
@@ -56,8 +54,6 @@ from calfsm.lifecycle import Lifecycle
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
 from tests.executor_helpers import TINY, make_sim
-
-CI = bool(os.environ.get("CI"))
 
 POINT_OF_CALL = {call: p.name for p in FAULT_POINTS for call in p.calls}
 FAIL_EFFECT = {p.name: p.fail_effect for p in FAULT_POINTS}
@@ -80,17 +76,6 @@ CODES_BY_CATEGORY: dict[ErrorCategory, tuple[int, ...]] = {
     cat: tuple(int(c) for c, (k, _) in CODE_TABLE.items() if k is cat)
     for cat in ErrorCategory if any(k is cat for k, _ in CODE_TABLE.values())}
 UNDEFINED_CODE = 4321
-
-
-def _profile() -> settings:
-    """The ``ci`` profile when CI is set (registered here when no conftest did)."""
-    if not CI:
-        return settings.default
-    try:
-        return settings.get_profile("ci")
-    except HypothesisInvalidArgument:
-        settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
-        return settings.get_profile("ci")
 
 
 def _reached(result: Any) -> bool:
@@ -627,7 +612,8 @@ def rule_for(point: str, nth: int, f: Failure, *, forever: bool = True) -> Fault
     return rule_at(point, nth, code=code, effect=effect, repeat=repeat)
 
 
-HYPOTHESIS = settings(_profile(), max_examples=500 if CI else 200, deadline=None,
+# the examples of the suite's hypothesis profile (tests/conftest.py), CI or not
+HYPOTHESIS = settings(max_examples=500, deadline=None,
                       suppress_health_check=[HealthCheck.too_slow,
                                              HealthCheck.data_too_large])
 
@@ -722,7 +708,7 @@ threaded_scenarios = st.builds(
     max_requeues=st.integers(0, 2))
 
 
-@settings(_profile(), max_examples=100 if CI else 40, deadline=None,
+@settings(max_examples=100, deadline=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(sc=threaded_scenarios, data=st.data())
 def test_any_call_fails_on_threads(sc: Scenario, data: st.DataObject) -> None:

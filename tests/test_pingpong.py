@@ -37,7 +37,11 @@ N_TOKENS = 500      # two streams: 1000 tokens in all
 
 
 class InflightProbe:
-    """Proxy driver that records how many jobs are on the device at once, per engine."""
+    """Proxy driver that records how many jobs are on the device at once, per engine.
+
+    :meth:`hold_until_both` makes the next ``wait`` (of the completion side) block until
+    two jobs are on the device at once, so that they are, once, whatever the scheduler
+    does; later waits pass straight through."""
 
     def __init__(self, inner: Any) -> None:
         self._inner = self.inner = inner
@@ -46,9 +50,14 @@ class InflightProbe:
         self.most = 0
         self.most_per_engine = 0
         self.engines: set[EngineSlot] = set()
+        self._both = threading.Event()
+        self._both.set()
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
+
+    def hold_until_both(self) -> None:
+        self._both.clear()
 
     def infer_fixed(self, model: Any, inp: Any, out: Any, engine: EngineSlot,
                     **kw: Any) -> int:
@@ -60,9 +69,13 @@ class InflightProbe:
                 self.most = max(self.most, len(self._on))
                 per = sum(1 for e in self._on.values() if e is engine)
                 self.most_per_engine = max(self.most_per_engine, per)
+                if len(self._on) == 2:
+                    self._both.set()
         return rc
 
     def wait(self, out: Any, timeout_s: float) -> int:
+        if not self._both.wait(30):
+            raise AssertionError("the second job never reached the device")
         rc = self._inner.wait(out, timeout_s)
         if rc != CalrtCode.TIMEOUT:
             with self._lock:
@@ -108,10 +121,20 @@ def _streams(ex: Any, prompts: list[list[int]], n: int) -> list[Any]:
 
 
 def test_two_streams_on_ping_pong_for_1000_tokens_show_no_cross_talk(mode, tmp_path, runner):
-    probe = InflightProbe(_driver(mode))
+    """Threaded: a device of zero latency, so the 1000 steps cost the executor's own
+    work and no real-time sleep or poll (at 1 ms a step the test was seen not to finish
+    within 60 s on a loaded machine); the completion side's first wait is held until
+    both streams have a job on the device, so they do at least once whatever the
+    scheduler does. About 700 of the 1000 steps still land while the other stream's
+    step is on the device, as at 1 ms a step."""
+    threaded = mode == "threaded"
+    probe = InflightProbe(_driver(mode, latency=LatencyModel.zero()) if threaded
+                          else _driver(mode))
     prompts = [[5, 9, 2], [7, 1, 3, 3]]
     with _two(mode, tmp_path, probe) as ex:
         assert ex.health().max_inflight == 2 and ex.health().notes == ()
+        if threaded:
+            probe.hold_until_both()
         results = _streams(ex, prompts, N_TOKENS)
         for i, r in enumerate(results):
             assert list(r.tokens) == runner.generate(i, prompts[i], N_TOKENS), f"stream {i}"
@@ -144,6 +167,8 @@ def test_two_streams_on_the_native_emulators_ping_pong(mode, tmp_path, runner):
     prompts = [[1, 2, 3], [9]]
     with _two(mode, tmp_path, probe) as ex:
         assert ex.driver.name == "calrt" and ex.health().max_inflight == 2
+        if mode == "threaded":          # both in flight once, whatever the scheduler does
+            probe.hold_until_both()
         results = _streams(ex, prompts, 60)
         assert [list(r.tokens) for r in results] == [
             runner.generate(i, p, 60) for i, p in enumerate(prompts)]
