@@ -433,10 +433,10 @@ class Pipeline:
                             retry_after_s=life.retry_after_s,
                             calrt_code=e.calrt_code, **_ctx(job, e.stage or "prepare"))
         try:
-            self.fail_before_submit(job, e)
-        finally:
             if e.calrt_code is not None and not stale and not isinstance(e, Cancelled):
-                self._apply(self.faults.decide(e, self.clock.now()))
+                self._apply(self.faults.decide(e, self.clock.now()))  # before the caller
+        finally:
+            self.fail_before_submit(job, e)
 
     def _admission_deadline(self, job: JobContext, now: float) -> float:
         """``min(deadline, accepted + admission budget)``, the budget extended by the time
@@ -903,13 +903,13 @@ class Pipeline:
                      extra=err.context())
             return
         self.release_inflight(job)
+        self._apply(verdict)                # a drain begins before the caller hears
         if not_run:
             self.fail_before_submit(job, err)
         else:
             self._withhold(job, str(err))
             _fire(job, "fail")
             self._finish(job, err, "failed")
-        self._apply(verdict)
 
     def device_barrier(self) -> None:
         """Wait for a submit in progress to finish. Called by recovery after the
@@ -1078,9 +1078,9 @@ class Pipeline:
         """The job ran and its slot is clean, but its KV could not be committed."""
         lease, job.lease = job.lease, None
         _fire(job, "fail")
+        self._apply(self.faults.decide(err, self.clock.now()))   # before the caller hears
         self._finish(job, err, "failed")
         job.epoch.pool.release(lease)
-        self._apply(self.faults.decide(err, self.clock.now()))
 
     def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
@@ -1090,8 +1090,8 @@ class Pipeline:
         output = job.lease.slot.logits_bf16 if self.observers.jobs else None
         self._withhold(job, str(err))
         _fire(job, "quarantine")
+        self._apply(self.faults.decide(err, self.clock.now()))   # before the caller hears
         self._finish(job, err, "quarantined", output=output)
-        self._apply(self.faults.decide(err, self.clock.now()))
 
     def _execution_timeout(self, job: JobContext) -> None:
         """Wait timed out past the execution deadline (FI07): no logits, KV Unknown,
@@ -1102,8 +1102,8 @@ class Pipeline:
                                calrt_code=int(CalrtCode.TIMEOUT), **_ctx(job, "wait"))
         job.epoch.kv.mark_unknown(job.kv, "execution timeout")
         _fire(job, "quarantine")
+        self._drain(f"execution deadline passed for job {job.job_id}")  # before the caller
         self._finish(job, err, "quarantined")
-        self._drain(f"execution deadline passed for job {job.job_id}")
 
     def _late_completion(self, job: JobContext, rc: int) -> None:
         """Wait returned for a job already failed by its execution deadline, or for a job
@@ -1219,11 +1219,13 @@ class Pipeline:
             self._withhold(job, str(err))
         except Exception:
             log.exception("cleaning up after the crashed step of job %s", job.job_id)
+        # the device's recovery begins before the job's caller is told: one that has the
+        # error finds the executor draining, not still Ready on the suspect generation
+        self._apply(self.faults.decide(err, self.clock.now()))
         if not job.ended:
             if not _fire_if(job, "quarantine"):
                 _fire_if(job, "fail")
             self._finish(job, err, "failed")
-        self._apply(self.faults.decide(err, self.clock.now()))
 
     def break_(self, reason: str) -> None:
         """A worker died: admit nothing more and fail every job that has not ended, so
