@@ -6,7 +6,8 @@
 
 - :func:`create_app`, :class:`ServerConfig` (:mod:`calfsm.serve.app`): the ASGI app;
 - :class:`ByteTokenizer` (:mod:`calfsm.serve.tokenizer`): text <-> token ids;
-- :class:`LivenessMonitor` (:mod:`calfsm.serve.probes`): progress in wall time;
+- :class:`GracefulServer` (:mod:`calfsm.serve.graceful`): uvicorn that shuts the app down
+  gracefully on SIGTERM/Ctrl-C;
 - :func:`realtime_sim` (:mod:`calfsm.serve.realtime`): the simulated device in real time;
 - :func:`ray_deployment` (:mod:`calfsm.serve.ray_serve`): one replica per NPU.
 
@@ -18,11 +19,11 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ByteTokenizer", "LivenessMonitor", "ServerConfig", "create_app",
+__all__ = ["ByteTokenizer", "GracefulServer", "ServerConfig", "create_app",
            "ray_deployment", "realtime_sim"]
 
 _WHERE = {"create_app": "app", "ServerConfig": "app", "ByteTokenizer": "tokenizer",
-          "LivenessMonitor": "probes", "realtime_sim": "realtime",
+          "GracefulServer": "graceful", "realtime_sim": "realtime",
           "ray_deployment": "ray_serve"}
 
 

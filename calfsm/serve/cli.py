@@ -5,6 +5,10 @@ nothing here imports the server's dependencies until it runs, so ``calfsm --help
 without the ``server`` extra. The executor is built inside the app's lifespan: the port
 answers at once, ``/health`` and ``/ready`` say 503 while the device warms up (what a
 startup probe waits for), and a start-up that fails stops the server with exit status 3.
+
+SIGTERM or Ctrl-C stops it gracefully (:class:`calfsm.serve.graceful.GracefulServer`):
+no new work, running streams get ``--shutdown-grace`` seconds, the rest are cut with a
+retryable 503 each, and the process exits 0 about half a second after that.
 """
 
 from __future__ import annotations
@@ -26,6 +30,9 @@ from calfsm.manifest import Manifest, builtin_manifest_names, manifest_from_opti
 __all__ = ["add_parser", "run"]
 
 EXIT_OK, EXIT_USAGE, EXIT_DEVICE_FAILED = 0, 2, 3
+#: uvicorn's own wait for connections, after the app's graceful shutdown has ended or
+#: cut every stream (only an answer a client does not read can still be open then)
+_AFTER_GRACE_S = 0.5
 
 _DESCRIPTION = """\
 Serve the OpenAI-compatible API (completions, chat, SSE streaming), /health, /ready and
@@ -63,12 +70,16 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=float, default=60.0,
                    help="seconds a choice may take, then 504")
     p.add_argument("--hang-after", type=float, default=5.0,
-                   help="liveness: seconds a job may stay on the device before /health "
-                        "answers 503 (longer than the longest prefill)")
+                   help="liveness: seconds a job may stay on the device (and past its "
+                        "execution timeout) before /health answers 503")
     p.add_argument("--default-max-tokens", type=int, default=16,
                    help="tokens per choice when a request gives no max_tokens")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    # ---- shutdown ----
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM/Ctrl-C: seconds running streams may go on finishing "
+                        "before they are cut (503); new requests get 503 at once")
     return p
 
 
@@ -113,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         import uvicorn
 
         from calfsm.serve.app import ServerConfig, create_app
+        from calfsm.serve.graceful import GracefulServer
     except ImportError as e:
         print(f"calfsm: error: calfsm serve needs the server extra "
               f"(pip install -e \".[server]\"): {e}", file=sys.stderr)
@@ -123,11 +135,12 @@ def run(args: argparse.Namespace) -> int:
         manifest = manifest_from_option(args.manifest)
         driver = _driver(args, manifest)
         exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
-                                  max_sequences=args.max_sequences)
+                                  max_sequences=args.max_sequences,
+                                  hang_after_s=args.hang_after)
         config = ServerConfig(model_name=args.model_name,
                               request_timeout_s=args.request_timeout,
-                              hang_after_s=args.hang_after,
-                              default_max_tokens=args.default_max_tokens)
+                              default_max_tokens=args.default_max_tokens,
+                              shutdown_grace_s=args.shutdown_grace)
     except (CalfsmError, OSError) as e:
         print(f"calfsm: error: {getattr(e, 'message', e)}", file=sys.stderr)
         return EXIT_USAGE
@@ -141,9 +154,9 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
             raise
 
-    server = uvicorn.Server(uvicorn.Config(
+    server = GracefulServer(uvicorn.Config(
         create_app(start, config), host=args.host, port=args.port,
-        log_level=args.log_level, timeout_graceful_shutdown=10))
+        log_level=args.log_level, timeout_graceful_shutdown=_AFTER_GRACE_S))
     with _stop_signals_handled():
         server.run()
     if failed:
