@@ -235,10 +235,11 @@ def test_generation_past_the_limit_is_a_429_at_the_front_before_its_body_is_read
 
 def test_probes_stay_fast_while_256_clients_flood_calfsm_serve():
     """256 clients that retry at once after each 429 (the worst a client can do) against
-    16 sequences: the front answers the flood's 429s without reading it and the probes
-    ahead of it. Loose bound (the benchmark, bench/bench_probes.py, measures the real
-    figures): P99 under 1 s and the median under 50 ms (it was ~100 ms without the
-    front, whatever the machine's load)."""
+    16 sequences: the front answers the flood's 429s without reading them, and the
+    probes go ahead of it. A loose bound, as a guard against the seconds a probe took
+    before (5.6 s at 512 clients); bench/bench_probes.py measures the real figures (at
+    this size the old server's P99 was 0.1-0.4 s, so the bound is not what tells them
+    apart: test_generation_past_the_limit_is_a_429_at_the_front... does)."""
     proc, port = start_serve("--manifest", "tiny", "--max-sequences", "16",
                              "--request-timeout", "600", "--decode-ms", "2")
     prober = Prober(port)
@@ -251,6 +252,7 @@ def test_probes_stay_fast_while_256_clients_flood_calfsm_serve():
         prober.recording.set()
         poll(lambda: prober.count() >= 60 or load.poll() is not None, 30,
              "60 probes were not answered")
+        assert prober.count() >= 40, "the flood ended before 40 probes were answered"
         prober.recording.clear()
         times, statuses = prober.take()
         got = answers(load, 60)
@@ -264,17 +266,15 @@ def test_probes_stay_fast_while_256_clients_flood_calfsm_serve():
         prober.join(10)
     every = times["/health"] + times["/ready"]
     print(f"probes under a flood of 256: P50 {pct(every, .5) * 1e3:.1f} ms, P99 "
-          f"{pct(every, .99) * 1e3:.1f} ms, max {max(every) * 1e3:.1f} ms; clients {got}")
-    assert len(every) >= 40 and set(statuses) == {("/health", 200), ("/ready", 200)}, \
-        statuses
+          f"{pct(every, .99) * 1e3:.1f} ms, max {max(every, default=0) * 1e3:.1f} ms; "
+          f"clients {got}")
+    assert set(statuses) == {("/health", 200), ("/ready", 200)}, statuses
     assert int(got.get("429", 0)) > 1000, got             # it was a flood
     assert pct(every, 0.99) < 1.0
-    assert pct(every, 0.5) < 0.05
 
 
 def _flooded(port: int) -> bool:
     """All 16 sequences are streaming (the flood is on), from ``/metrics``."""
     with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=10) as c:
         got = samples(c.get("/metrics").text)
-    return got.get(("calfsm_num_requests_running", ()), 0) >= 16 and \
-        got.get(("calfsm_server_refusals_total", (("reason", "concurrency"),)), 0) > 0
+    return got.get(("calfsm_num_requests_running", ()), 0) >= 16
