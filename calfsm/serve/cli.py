@@ -22,10 +22,17 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import attrs
+
 from calfsm.drivers import driver_names, load_driver
 from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.manifest import Manifest, builtin_manifest_names, manifest_from_option
+from calfsm.manifest import (
+    Manifest,
+    StepTiming,
+    builtin_manifest_names,
+    manifest_from_option,
+)
 
 __all__ = ["add_parser", "run"]
 
@@ -102,6 +109,16 @@ def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
                        faults=faults)
 
 
+def _timed(args: argparse.Namespace, manifest: Manifest) -> Manifest:
+    """The simulated device's step times are known exactly: they are what the executor
+    expects (its hang detection and its first admission estimates, before anything was
+    measured), instead of the manifest's figures for a real device."""
+    if args.driver != "sim" or not (args.decode_ms > 0 and args.prefill_token_us > 0):
+        return manifest
+    return attrs.evolve(manifest, timing=StepTiming(decode_ms=args.decode_ms,
+                                                    prefill_token_us=args.prefill_token_us))
+
+
 @contextlib.contextmanager
 def _stop_signals_handled() -> Iterator[None]:
     """uvicorn shuts down gracefully on SIGINT/SIGTERM, then re-raises the signal to the
@@ -132,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=args.log_level.upper(),
                         format="%(levelname)s %(name)s: %(message)s")
     try:
-        manifest = manifest_from_option(args.manifest)
+        manifest = _timed(args, manifest_from_option(args.manifest))
         driver = _driver(args, manifest)
         exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
                                   max_sequences=args.max_sequences,
