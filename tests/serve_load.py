@@ -4,11 +4,12 @@
 The clients run in a process of their own (``python -m tests.serve_load PORT ...``), so
 their work never delays the prober's measurements; they are written on raw asyncio
 sockets because an HTTP client library would spend more CPU than the server does on a
-2-core machine. Each of N clients loops, for a bounded time, over ``POST
+2-core machine. Each of N clients loops, for ``--seconds``, over ``POST
 /v1/completions`` with ``"stream": true`` on a fresh connection each time, reading each
 answer to its end; after a 429 or 503 it pauses for the answer's ``retry-after-ms``
 (what the official OpenAI client honours), or for a fixed ``--retry-ms`` (0: clients
-that hammer the server). It prints the answers it got by status, as JSON.
+that hammer the server). Then the requests still open are dropped. It prints the
+answers it got by status (``unfinished``: dropped at the end), as JSON.
 
 :class:`Prober` asks ``GET /health`` and ``GET /ready`` in turn on a fresh connection
 each (as the kubelet does) and times each answer from connect to its last byte.
@@ -113,9 +114,18 @@ async def _client(args: argparse.Namespace, i: int, until: float, statuses: Coun
 
 
 async def _load(args: argparse.Namespace) -> Counter:
+    """The clients for ``args.seconds``; then the requests still open are dropped (the
+    server cancels their streams) and counted as ``unfinished``."""
     statuses: Counter = Counter()
     until = time.monotonic() + args.seconds
-    await asyncio.gather(*(_client(args, i, until, statuses) for i in range(args.clients)))
+    tasks = [asyncio.ensure_future(_client(args, i, until, statuses))
+             for i in range(args.clients)]
+    _, pending = await asyncio.wait(tasks, timeout=args.seconds)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    if pending:
+        statuses["unfinished"] += len(pending)
     return statuses
 
 
