@@ -170,6 +170,8 @@ class _Server:
             "they reached the executor, by reason: concurrency (ServerConfig."
             "max_concurrent_requests at once), shutdown.", ("reason",), namespace="calfsm",
             registry=self.metrics.registry)
+        for reason in ("concurrency", "shutdown"):
+            self.refusals.labels(reason)
         self.request_limit = self.config.max_concurrent_requests \
             or executor.config.max_sequences
         self.executor = executor
