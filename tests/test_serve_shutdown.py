@@ -139,6 +139,7 @@ def test_sigterm_cuts_open_streams_and_waiting_clients_and_exits_within_the_grac
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+    print(f"exit {rc} {took:.2f} s after SIGTERM (grace {GRACE:g} s)")
     assert rc == 0, err
     assert took <= GRACE + 1.0, (took, err)
     for out in streams:
