@@ -77,5 +77,5 @@ def test_serve_help_names_every_option(capsys):
     for option in ("--host", "--port", "--driver", "--manifest", "--model-name",
                    "--decode-ms", "--prefill-token-us", "--faults", "--seed",
                    "--max-sequences", "--max-waiting", "--request-timeout", "--hang-after",
-                   "--default-max-tokens", "--log-level"):
+                   "--default-max-tokens", "--log-level", "--shutdown-grace"):
         assert option in out, option

@@ -176,6 +176,17 @@ class _Owned:
         """What SIGTERM does: uvicorn's handle_exit."""
         self.srv.server.handle_exit(signal.SIGTERM, None)
 
+    def stopped(self) -> None:
+        """Let the device go on and wait for the server to have stopped."""
+        self.driver.gate.set()
+        self.srv.thread.join(20)
+        assert not self.srv.thread.is_alive(), "the server did not stop"
+
+    def close(self) -> None:
+        self.driver.gate.set()
+        if self.srv.thread.is_alive():
+            self.srv.stop()
+
 
 def test_graceful_server_lets_a_running_stream_finish_within_the_grace():
     owned = _Owned(grace_s=30.0)
@@ -194,14 +205,10 @@ def test_graceful_server_lets_a_running_stream_finish_within_the_grace():
             refused: dict[str, Any] = {}
             _post(owned.srv.url, params, refused)
             _assert_json_503(refused)
-        owned.driver.gate.set()
+        owned.stopped()
         t.join(20)
-        owned.srv.thread.join(20)
-        assert not owned.srv.thread.is_alive(), "the server did not stop"
     finally:
-        owned.driver.gate.set()
-        if owned.srv.thread.is_alive():
-            owned.srv.stop()
+        owned.close()
     events = out["events"]
     assert out["status"] == 200 and events[-1] == "[DONE]", out
     assert not any("error" in e for e in events[:-1]), events
@@ -228,13 +235,9 @@ def test_a_short_grace_cuts_the_stream_and_cancels_the_request_queued_behind_it(
         owned.stop()
         ts.join(20)
         tq.join(20)
-        owned.driver.gate.set()                  # the job on the device may now drain
-        owned.srv.thread.join(20)
-        assert not owned.srv.thread.is_alive(), "the server did not stop"
+        owned.stopped()                          # the job on the device may now drain
     finally:
-        owned.driver.gate.set()
-        if owned.srv.thread.is_alive():
-            owned.srv.stop()
+        owned.close()
     _assert_cut_stream(stream)
     _assert_json_503(queued)
 
