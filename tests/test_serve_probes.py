@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import threading
 from typing import Any
@@ -30,7 +31,7 @@ from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.errors import CalrtCode
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.recovery import RecoveryPolicy
-from calfsm.serve import realtime_sim
+from calfsm.serve import create_app, realtime_sim
 from tests.executor_helpers import GatedDriver, HeldReset
 from tests.serve_load import Prober, answers, pct, start_load, start_serve
 from tests.test_serve import MODEL, TINY, TOK, params_of, poll, reference, serve
@@ -189,6 +190,31 @@ def test_probes_are_answered_by_the_front_before_routing():
     finally:
         srv.stop()
         ex.close()
+
+
+def test_the_front_answers_under_the_path_an_app_is_mounted_at():
+    from starlette.applications import Starlette
+    from starlette.routing import Mount
+
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0), TINY)
+    outer = Starlette(routes=[Mount("/calfsm", app=create_app(ex))])
+
+    async def main() -> list[httpx.Response]:
+        transport = httpx.ASGITransport(app=outer)
+        async with httpx.AsyncClient(transport=transport, base_url="http://app") as c:
+            return [await c.get("/calfsm/health"), await c.get("/calfsm/ready"),
+                    await c.post("/calfsm/v1/completions",
+                                 json={"model": MODEL, "prompt": [1, 2]} | GREEDY),
+                    await c.get("/health")]
+
+    try:
+        health, ready, completion, outside = asyncio.run(main())
+    finally:
+        ex.close()
+    assert health.json()["live"] is True and ready.json()["ready"] is True
+    assert TOK.encode(completion.json()["choices"][0]["text"]) == reference(
+        [1, 2], params_of(GREEDY))
+    assert outside.status_code == 404                  # the outer app's own routes
 
 
 def _raw_headers_only(port: int, path: str) -> bytes:

@@ -8,7 +8,7 @@
 - :class:`GracefulServer` told to stop: a stream held on the device is let finish within
   the grace (all its tokens, no error) while new work is refused; with a short grace the
   held stream is cut and a request still queued behind it is cancelled by the shutdown,
-  each a retryable 503 with Retry-After;
+  each a retryable 503 with Retry-After; a second Ctrl-C cuts at once;
 - an embedded app (``create_app`` over the caller's executor, no ``calfsm serve``): its
   lifespan shutdown runs the same sequence and cuts only its own streams, leaving the
   caller's executor running.
@@ -240,6 +240,28 @@ def test_a_short_grace_cuts_the_stream_and_cancels_the_request_queued_behind_it(
         owned.close()
     _assert_cut_stream(stream)
     _assert_json_503(queued)
+
+
+def test_a_second_ctrl_c_cuts_at_once():
+    """Ctrl-C twice (uvicorn's force_exit): the grace of 30 s is not waited for."""
+    owned = _Owned(grace_s=30.0)
+    stream: dict[str, Any] = {}
+    started = threading.Event()
+    try:
+        owned.driver.hold_after(2)
+        (t,) = _threads((_stream_events, owned.srv.url, {
+            "model": MODEL, "prompt": [2, 3], "temperature": 0, "max_tokens": 500},
+            stream, started))
+        assert owned.driver.held.wait(10)
+        owned.srv.server.handle_exit(signal.SIGINT, None)
+        assert owned.srv.server.should_exit and not owned.srv.server.force_exit
+        owned.srv.server.handle_exit(signal.SIGINT, None)
+        t.join(20)                               # cut, not after the 30 s
+        assert not t.is_alive()
+        owned.stopped()
+    finally:
+        owned.close()
+    _assert_cut_stream(stream)
 
 
 # ---- an embedded app: the lifespan shutdown -------------------------------------------

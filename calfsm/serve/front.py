@@ -63,7 +63,7 @@ class Front:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        path = scope["path"]
+        path = _route_path(scope)
         if path in GENERATION_PATHS:
             if self.server.closing:
                 self.server.refused("shutdown")
@@ -98,6 +98,13 @@ class Front:
                      "once; retry later", code="resource_exhausted",
                 retry_after_s=_BUSY_RETRY_S)))
         return self._busy[1]
+
+
+def _route_path(scope: Scope) -> str:
+    """The path inside this app: the request's path without the root path the app is
+    mounted under (which an ASGI path includes)."""
+    path, root = scope["path"], scope.get("root_path", "")
+    return path[len(root):] if root and path.startswith(root) else path
 
 
 async def _send(send: Send, answer: ProbeAnswer, *, head: bool) -> None:
