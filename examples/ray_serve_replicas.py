@@ -21,13 +21,13 @@ from calfsm.serve import ServerConfig, ray_deployment, realtime_sim
 
 def build() -> DeviceExecutor:
     manifest = builtin_manifest("qwen3-b1")
-    return DeviceExecutor(realtime_sim(manifest), manifest, ExecutorConfig(max_waiting=64,
-                                                                           max_sequences=64))
+    return DeviceExecutor(realtime_sim(manifest), manifest, ExecutorConfig(
+        max_waiting=64, max_sequences=64, hang_after_s=5.0))
 
 
 if __name__ == "__main__":
     serve.start(http_options={"host": "127.0.0.1", "port": 8000})
-    serve.run(ray_deployment(build, num_replicas=2, config=ServerConfig(hang_after_s=5.0)),
+    serve.run(ray_deployment(build, num_replicas=2, config=ServerConfig(shutdown_grace_s=5.0)),
               name="calfsm", route_prefix="/")
     print("serving on http://127.0.0.1:8000 (Ctrl-C stops)")
     try:

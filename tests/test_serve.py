@@ -49,15 +49,17 @@ pytestmark = pytest.mark.timeout(60)
 
 class LiveServer:
     """uvicorn serving ``app`` in a thread on a socket bound to 127.0.0.1:0, configured
-    as ``calfsm serve`` configures it (``uvicorn_config``, with ``limits``)."""
+    as ``calfsm serve`` configures it (``uvicorn_config``, with ``limits``;
+    ``server_class``: ``uvicorn.Server`` or a subclass such as ``GracefulServer``)."""
 
-    def __init__(self, app: Any, limits: ConnectionLimits | None = None) -> None:
+    def __init__(self, app: Any, limits: ConnectionLimits | None = None,
+                 server_class: type[uvicorn.Server] = uvicorn.Server) -> None:
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        self.server = uvicorn.Server(uvicorn_config(app, limits, log_level="warning",
-                                                    timeout_graceful_shutdown=5))
+        self.server = server_class(uvicorn_config(app, limits, log_level="warning",
+                                                  timeout_graceful_shutdown=5))
         self.thread = threading.Thread(target=self.server.run,
                                        kwargs={"sockets": [self.sock]}, daemon=True)
         self.thread.start()
@@ -467,8 +469,10 @@ def test_the_embedding_example_in_the_docs_serves_a_request(executor):
 
 @pytest.mark.parametrize(("field", "value"), [
     ("default_max_tokens", 0), ("default_max_tokens", None), ("max_choices", 1.5),
-    ("hang_after_s", 0), ("hang_after_s", None), ("request_timeout_s", -1),
-    ("max_body_bytes", True)])
+    ("request_timeout_s", -1), ("max_body_bytes", True),
+    ("max_concurrent_requests", 0), ("max_concurrent_requests", 2.5),
+    ("shutdown_grace_s", -1), ("shutdown_grace_s", float("inf")),
+    ("shutdown_grace_s", None)])
 def test_server_config_refuses_bad_values(field, value):
     with pytest.raises(InvalidArgument, match=field):
         ServerConfig(**{field: value})

@@ -231,7 +231,7 @@ def test_serve_help_names_every_option(capsys):
                    "--max-client-waiting", "--request-timeout", "--hang-after",
                    "--default-max-tokens", "--max-tokens-cap", "--header-timeout",
                    "--body-timeout", "--keep-alive", "--max-header-bytes",
-                   "--max-connections", "--log-level"):
+                   "--max-connections", "--log-level", "--shutdown-grace"):
         assert option in out, option
     assert "0.0.0.0" not in out
     assert "--api-key" in " ".join(out.split("--host HOST", 1)[-1].split()[:40])

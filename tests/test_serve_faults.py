@@ -4,10 +4,10 @@
 - ``/ready`` answers 503 (with Retry-After) while a recovery runs, and 200 again after;
   ``/health`` stays 200 meanwhile (a recovery is progress), and a completion sent
   during it is a 503 with Retry-After;
-- an injected device hang (FaultPlan ``hang``) turns ``/health`` 503 within the
-  configured wall time; the execution deadline then drains and recovers the device,
-  ``/health`` is 200 again and the hung request, resumed, completes with the fault-free
-  tokens;
+- an injected device hang (FaultPlan ``hang``) turns ``/ready`` 503 until the execution
+  deadline has drained and recovered the device; ``/health`` stays 200 (the library's
+  recovery is progress), and the hung request, resumed, completes with the fault-free
+  tokens (the exact suspicion and liveness points: ``tests/test_serve_probes.py``);
 - a bounded burst well over capacity: every request gets exactly one answer — a
   completion equal to the reference, a 429 with Retry-After, or a 504 — none is lost,
   nothing else is a 5xx, and no buffer stays leased;
@@ -20,7 +20,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-import time
 from typing import Any
 
 import httpx
@@ -97,16 +96,21 @@ def test_ready_is_503_during_a_recovery_and_200_after():
         ex.close()
 
 
-def test_health_is_503_within_the_configured_time_during_a_device_hang():
-    hang_after = 0.3
+def test_a_real_hang_is_not_ready_until_the_executor_recovered_it_and_stays_live():
+    """In wall time: the hung job is suspected (past half its 1 s execution timeout), so
+    /ready is 503 until the execution timeout has drained and reset the device; /health
+    stays 200 throughout, because the library recovers long before hang_after_s (30 s
+    here); the hung request, resumed, completes with the fault-free tokens.
+    tests/test_serve_probes.py moves the driver's clock by hand for the exact points."""
     plan = FaultPlan([FaultRule("infer", "hang", seq_id=0, count=1)])
     ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0, faults=plan), TINY,
-                        ExecutorConfig(execution_timeout_s=2.0))
-    srv = serve(ex, hang_after_s=hang_after)
+                        ExecutorConfig(execution_timeout_s=1.0, hang_after_s=30.0))
+    srv = serve(ex)
     answer: dict[str, Any] = {}
+    health: set[int] = set()
     try:
         with httpx.Client(base_url=srv.url, timeout=20) as c:
-            assert c.get("/health").status_code == 200
+            assert c.get("/ready").status_code == 200
 
             def send() -> None:
                 r = c.post("/v1/completions",
@@ -114,25 +118,22 @@ def test_health_is_503_within_the_configured_time_during_a_device_hang():
                 answer.update(status=r.status_code, body=r.json())
 
             t = threading.Thread(target=send)
-            t0 = time.monotonic()
             t.start()
-            r = poll(lambda: (lambda r: r if r.status_code == 503 else None)(
-                c.get("/health")), 5, "/health never turned 503")
-            took = time.monotonic() - t0
-            assert took <= hang_after + 0.5, took
-            assert "no device progress" in r.json()["reason"]
-            # the execution deadline drains, the reset aborts the hung job, and the
-            # stream replays on the new generation
-            poll(lambda: c.get("/health").status_code == 200, 15, "/health not 200 again")
-            poll(lambda: c.get("/ready").status_code == 200, 15, "not ready again")
+
+            def ready_is(status: int) -> bool:
+                health.add(c.get("/health").status_code)
+                return c.get("/ready").status_code == status
+
+            poll(lambda: ready_is(503), 10, "/ready never turned 503")
+            poll(lambda: ready_is(200) and ex.generation == 2, 15, "not ready again")
             t.join(20)
     finally:
         srv.stop()
         ex.close()
+    assert health == {200}, health
     assert answer["status"] == 200, answer
     assert TOK.encode(answer["body"]["choices"][0]["text"]) == reference(
         [1, 2, 3], params_of(GREEDY))
-    assert ex.generation == 2
 
 
 def _burst_params(i: int) -> dict[str, Any]:

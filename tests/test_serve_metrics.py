@@ -12,7 +12,17 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.serve import realtime_sim
-from tests.test_serve import MODEL, TINY, serve, sse_events
+from tests.test_serve import (
+    GREEDY,
+    MODEL,
+    PROMPT_IDS,
+    TINY,
+    TOK,
+    params_of,
+    reference,
+    serve,
+    sse_events,
+)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -69,4 +79,28 @@ def test_metrics_parse_and_count_what_was_sent(live):
         == 3 * 4 + 2 * 3
     assert got[("calfsm_buffers_leased", ())] == 0
     assert got[("calfsm_time_to_first_token_seconds_bucket", (("le", "+Inf"),))] == streams
+    assert ex.stats().leased == 0
+
+
+def test_a_stop_string_of_several_tokens_ends_the_library_stream_with_stop(live):
+    """The stop strings go to the library (``SamplingParams.stop_sequences``): the
+    library stream itself ends ``stop`` (it used to be cancelled by the server's own
+    matcher, and counted ``cancelled`` while the client saw ``stop``)."""
+    ex, url = live
+    full = reference(PROMPT_IDS, params_of(GREEDY))
+    stop = TOK.decode(full[4:6])                  # two tokens from the middle, as text
+    assert len(TOK.encode(stop)) == 2
+    assert all(full[i:i + 2] != full[4:6] for i in range(4))     # it first ends at 6
+    with httpx.Client(base_url=url, timeout=20) as c:
+        body = {"model": MODEL, "prompt": PROMPT_IDS, "stop": stop} | GREEDY
+        choice = c.post("/v1/completions", json=body).json()["choices"][0]
+        assert TOK.encode(choice["text"]) == full[:4] and choice["finish_reason"] == "stop"
+        with c.stream("POST", "/v1/completions", json=body | {"stream": True}) as r:
+            chunks = sse_events(r.iter_lines())[:-1]
+        assert TOK.encode("".join(ch["choices"][0]["text"] for ch in chunks)) == full[:4]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        got = samples(c.get("/metrics").text)
+    finished = "calfsm_requests_finished_total"
+    assert got[(finished, (("finish_reason", "stop"),))] == 2
+    assert got[(finished, (("finish_reason", "cancelled"),))] == 0
     assert ex.stats().leased == 0

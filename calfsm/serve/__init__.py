@@ -9,7 +9,8 @@
 - :func:`uvicorn_config`, :class:`ConnectionLimits` (:mod:`calfsm.serve.connections`):
   uvicorn as ``calfsm serve`` runs it, with the slow- and idle-client limits;
 - :class:`ByteTokenizer` (:mod:`calfsm.serve.tokenizer`): text <-> token ids;
-- :class:`LivenessMonitor` (:mod:`calfsm.serve.probes`): progress in wall time;
+- :class:`GracefulServer` (:mod:`calfsm.serve.graceful`): uvicorn that shuts the app down
+  gracefully on SIGTERM/Ctrl-C;
 - :func:`realtime_sim` (:mod:`calfsm.serve.realtime`): the simulated device in real time;
 - :func:`ray_deployment` (:mod:`calfsm.serve.ray_serve`): one replica per NPU.
 
@@ -21,12 +22,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["ByteTokenizer", "ConnectionLimits", "LivenessMonitor", "ServerConfig",
+__all__ = ["ByteTokenizer", "ConnectionLimits", "GracefulServer", "ServerConfig",
            "create_app", "ray_deployment", "realtime_sim", "uvicorn_config"]
 
 _WHERE = {"create_app": "app", "ServerConfig": "app", "ByteTokenizer": "tokenizer",
           "ConnectionLimits": "connection_limits", "uvicorn_config": "connections",
-          "LivenessMonitor": "probes", "realtime_sim": "realtime",
+          "GracefulServer": "graceful", "realtime_sim": "realtime",
           "ray_deployment": "ray_serve"}
 
 

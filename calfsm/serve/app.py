@@ -7,7 +7,9 @@ serve`` runs it under uvicorn.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
 ``"stream": true``), ``GET /v1/models``, ``GET /health`` (liveness), ``GET /ready``
-(readiness), ``GET /metrics`` (Prometheus text). Requests are checked by
+(readiness), ``GET /metrics`` (Prometheus text). The probes, and the bound on generation
+requests at once, are answered by the app's first layer (:mod:`calfsm.serve.front`)
+before any routing. Requests are checked by
 :mod:`calfsm.serve.protocol`, text goes through :mod:`calfsm.serve.tokenizer`, each
 choice is a library stream (:mod:`calfsm.serve.generation`) and every failure is
 answered by :mod:`calfsm.serve.httperrors`.
@@ -30,6 +32,16 @@ Logs: a client's mistake (4xx) at DEBUG; a client that leaves mid-upload, mid-st
 while waiting for its answer, one INFO line; 5xx at WARNING; only a bug of ours (500
 ``internal``) with a traceback, at ERROR.
 
+Shutdown (:func:`shutdown`, which the lifespan's shutdown runs, and which
+:class:`calfsm.serve.graceful.GracefulServer` runs as soon as uvicorn is told to stop):
+new generation requests are a 503 with Retry-After and ``/ready`` a 503 at once; running
+streams may finish for ``ServerConfig.shutdown_grace_s``; then the rest are cut, each
+ending in a retryable 503 (an SSE stream: a last ``data: {"error": ...}`` event and
+``data: [DONE]``; a waiting non-streaming client: an OpenAI-format JSON 503 with
+Retry-After). An executor the app owns is closed with that grace
+(``DeviceExecutor.aclose(grace_s=...)``); one the caller owns is left running, and the
+app cuts only its own streams.
+
 Starlette, not FastAPI: the app is six routes whose bodies :mod:`calfsm.serve.protocol`
 checks into our own error hierarchy (FastAPI's pydantic layer would answer 422 in its
 own format, which OpenAI clients do not expect), and each streamed token costs less
@@ -41,38 +53,44 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.manifest import TaskKind
 from calfsm.metrics import ExecutorMetrics
 from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
 from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
-from calfsm.serve.fields import count, count_or_none, positive, positive_or_none
+from calfsm.serve.fields import count, count_or_none, non_negative, positive_or_none
+from calfsm.serve.front import Front
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, clip, from_calfsm
-from calfsm.serve.probes import Liveness, LivenessMonitor, readiness
+from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of, ready_answer
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
+from calfsm.streams import Stream
 
-__all__ = ["ServerConfig", "client_usage", "create_app", "liveness"]
+__all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
 
 log = logging.getLogger("calfsm.serve")
 
 ExecutorFactory = Callable[[], Awaitable[DeviceExecutor]]
+#: how often a shutdown that waits looks whether it was told to stop waiting
+_FORCE_POLL_S = 0.1
 
 
 def _keys(value: Any) -> tuple[str, ...]:
@@ -97,8 +115,6 @@ class ServerConfig:
     #: each choice's deadline (its stream's), then 504; None: the executor's own
     request_timeout_s: float | None = attrs.field(default=60.0,
                                                   validator=positive_or_none)
-    #: liveness: a job on the device this long means no progress (probes.py)
-    hang_after_s: float = attrs.field(default=5.0, validator=positive)
     #: request bodies above this are refused (413)
     max_body_bytes: int = attrs.field(default=8 << 20, validator=count)
     #: arrays and objects of a body nested deeper than this are refused (400)
@@ -114,6 +130,13 @@ class ServerConfig:
     #: requests of one client that may wait to start (being read or parsed) at once;
     #: None: as max_client_streams' default
     max_client_waiting: int | None = attrs.field(default=None, validator=count_or_none)
+    # ---- load and shutdown (calfsm/serve/front.py, shutdown()) ----
+    #: generation requests handled at once; the next is a 429 with Retry-After at the
+    #: app's front, before its body is read. None: the executor's max_sequences
+    max_concurrent_requests: int | None = attrs.field(default=None,
+                                                      validator=count_or_none)
+    #: shutdown: seconds running streams may go on finishing before they are cut
+    shutdown_grace_s: float = attrs.field(default=10.0, validator=non_negative)
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:
@@ -123,15 +146,21 @@ class ServerConfig:
 
 
 class _Server:
-    """The app's state: the executor (None while it starts), its liveness monitor, the
-    tokenizer and the limits of its model."""
+    """The app's state: the executor (None while it starts), its metrics, the tokenizer
+    and the limits of its model, and its shutdown."""
 
     def __init__(self, config: ServerConfig, registry: CollectorRegistry | None) -> None:
         self.config = config
         self.registry = registry
         self.executor: DeviceExecutor | None = None
-        self.monitor: LivenessMonitor | None = None
         self.metrics: ExecutorMetrics | None = None
+        self.refusals: Counter | None = None
+        #: generation requests at once (front.py); None until there is an executor
+        self.request_limit: int | None = None
+        self.owned = False                   # the app started the executor and closes it
+        self._starting: asyncio.Future[None] | None = None
+        self._shutdown: asyncio.Future[None] | None = None
+        self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
         self.tokenizer: ByteTokenizer | None = None
         self.limits: Limits | None = None
         self.books: ClientBooks | None = None
@@ -153,8 +182,16 @@ class _Server:
         self.books = ClientBooks(cfg.max_client_streams or share,
                                  cfg.max_client_waiting or share)
         executor.add_observer(self.books)
-        self.monitor = LivenessMonitor(executor, hang_after_s=cfg.hang_after_s)
         self.metrics = ExecutorMetrics(executor, registry=self.registry)
+        self.refusals = Counter(
+            "server_refusals", "Generation requests the server's front refused before "
+            "they reached the executor, by reason: concurrency (ServerConfig."
+            "max_concurrent_requests at once), shutdown.", ("reason",), namespace="calfsm",
+            registry=self.metrics.registry)
+        for reason in ("concurrency", "shutdown"):
+            self.refusals.labels(reason)
+        self.request_limit = self.config.max_concurrent_requests \
+            or executor.config.max_sequences
         self.executor = executor
 
     def running(self) -> DeviceExecutor:
@@ -165,29 +202,81 @@ class _Server:
                            retry_after_s=None if self.start_error else 1.0)
         return ex
 
-    # ---- probes --------------------------------------------------------------------
-    async def health(self, request: Request) -> Response:
-        if self.executor is None or self.monitor is None:
-            return JSONResponse({"live": False, "reason": self.start_error or "starting"},
-                                status_code=503)
-        live = self.monitor.check()
-        return JSONResponse({"live": live.live, "reason": live.reason,
-                             "jobs_on_device": live.jobs_on_device,
-                             "oldest_job_s": round(live.oldest_job_s, 6),
-                             "state": self.executor.lifecycle_state,
-                             "generation": self.executor.generation},
-                            status_code=200 if live.live else 503)
+    # ---- probes and the front (front.py) ---------------------------------------------
+    def probe(self, path: str) -> ProbeAnswer:
+        """The answer of ``GET /health`` or ``GET /ready`` now."""
+        if path == "/health":
+            return live_answer(self.executor, self.start_error)
+        return ready_answer(self.executor, self.start_error, closing=self.closing,
+                            start_failed=self.start_error is not None)
 
-    async def ready(self, request: Request) -> Response:
-        if self.executor is None or self.closing:
-            return JSONResponse({"ready": False, "reason": self.start_error or (
-                "shutting down" if self.closing else "starting")}, status_code=503,
-                headers={} if self.start_error else {"retry-after": "1"})
-        ok, shown = readiness(self.executor)
-        headers = {} if ok or shown["state"] == "Failed" else {
-            "retry-after": str(max(1, round(self.executor.lifecycle.retry_after_s)))}
-        return JSONResponse({"ready": ok} | shown, status_code=200 if ok else 503,
-                            headers=headers)
+    def refused(self, reason: str) -> None:
+        if self.refusals is not None:
+            self.refusals.labels(reason).inc()
+
+    # ---- start and shutdown --------------------------------------------------------
+    def start(self, factory: ExecutorFactory) -> None:
+        """Build the executor in the background (the lifespan's start-up)."""
+        self.owned = True
+        self._starting = asyncio.ensure_future(_start_owned(self, factory))
+
+    def track(self, choices: list[Choice]) -> None:
+        """The streams shutdown cuts if they outlast the grace."""
+        self._streams.update(c.stream for c in choices)
+
+    def cut(self) -> int:
+        """End every stream of this app that is still running, each with a retryable
+        ExecutorClosed (503); how many were cut."""
+        n = 0
+        for stream in list(self._streams):
+            n += stream.abort(ExecutorClosed(
+                "the server shut down before the stream finished", stage="shutdown",
+                seq_id=stream.sequence.seq_id, retry_after_s=1.0))
+        return n
+
+    async def shutdown(self, grace_s: float | None = None,
+                       force: Callable[[], bool] | None = None) -> None:
+        """Stop admitting, let running streams finish for ``grace_s`` (default
+        ``config.shutdown_grace_s``), cut the rest, close an owned executor; at once
+        when ``force()`` turns True. Idempotent: a second call awaits the first."""
+        if self._shutdown is None:
+            self._shutdown = asyncio.ensure_future(self._shut_down(
+                self.config.shutdown_grace_s if grace_s is None else grace_s,
+                force or (lambda: False)))
+        await asyncio.shield(self._shutdown)
+
+    async def _shut_down(self, grace: float, force: Callable[[], bool]) -> None:
+        self.closing = True
+        if self._starting is not None:
+            self._starting.cancel()
+            with contextlib.suppress(asyncio.CancelledError, CalfsmError):
+                await self._starting
+        ex = self.executor
+        if ex is None:
+            return
+        if self.owned:      # the executor gives its streams the grace, then cuts them
+            work = asyncio.ensure_future(ex.aclose(grace_s=grace))
+            await _until(work, math.inf, force)
+        else:               # not ours to close: our own streams get the grace
+            work = asyncio.gather(*(s.final() for s in list(self._streams)))
+            await _until(work, grace, force)
+        cut = self.cut()    # forced, or the grace passed (after aclose: none is left)
+        try:
+            await work
+        except CalfsmError as e:
+            log.error("shutdown: %s", e)
+        if cut:
+            log.info("shutdown: %d stream(s) cut after the grace (%g s)", cut, grace)
+
+    def detach(self) -> None:
+        """Take the metrics out of their registry and the client books off the executor
+        (after shutdown)."""
+        if self.books is not None and self.executor is not None:
+            self.executor.remove_observer(self.books)
+        if self.metrics is not None:
+            if self.refusals is not None:
+                self.metrics.registry.unregister(self.refusals)
+            self.metrics.close()
 
     async def metrics_text(self, request: Request) -> Response:
         if self.metrics is None:
@@ -252,12 +341,13 @@ class _Server:
             choices: list[Choice] = []
             try:
                 for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params)):
-                    choices.append(Choice(ex, i, prompt, params, plan.stops,
+                    choices.append(Choice(ex, i, prompt, params,
                                           deadline_s=self.config.request_timeout_s))
             except BaseException:
                 for stream in started:
                     stream.cancel()
                 raise
+        self.track(choices)
         return choices
 
     def _usage(self, plan: GenerationPlan, ends: list[Piece]) -> dict[str, int]:
@@ -399,37 +489,24 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
-        starting = asyncio.ensure_future(_start_owned(server, executor)) if owned else None
+        if owned:
+            server.start(executor)       # type: ignore[arg-type]
         try:
             yield
         finally:
-            server.closing = True
-            if starting is not None:
-                starting.cancel()
-                with contextlib.suppress(asyncio.CancelledError, CalfsmError):
-                    await starting
-            if server.monitor is not None:
-                server.monitor.close()
-            if server.metrics is not None:
-                server.metrics.close()
-            if server.books is not None and server.executor is not None:
-                server.executor.remove_observer(server.books)
-            if owned and server.executor is not None:
-                try:
-                    await server.executor.aclose()
-                except CalfsmError as e:
-                    log.error("shutdown: %s", e)
+            await server.shutdown()
+            server.detach()
 
     routes = [
         Route("/v1/completions", server.completions, methods=["POST"]),
         Route("/v1/chat/completions", server.chat, methods=["POST"]),
         Route("/v1/models", server.models, methods=["GET"]),
-        Route("/health", server.health, methods=["GET"]),
-        Route("/ready", server.ready, methods=["GET"]),
         Route("/metrics", server.metrics_text, methods=["GET"]),
     ]
-    middleware = [Middleware(BearerAuth, keys=ApiKeys(config.api_keys))] \
-        if config.api_keys else []
+    # the front first, so the probes are answered ahead of everything (no key needed)
+    middleware = [Middleware(Front, server=server)]
+    if config.api_keys:
+        middleware.append(Middleware(BearerAuth, keys=ApiKeys(config.api_keys)))
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: _api_error, 404: _not_found,
                                         405: _not_allowed})
@@ -449,9 +526,34 @@ def liveness(app: Starlette) -> Liveness:
     """The answer ``GET /health`` of ``app`` gives now (for a supervisor in the same
     process, such as Ray Serve's ``check_health``)."""
     server: _Server = app.state.calfsm
-    if server.monitor is None:
+    if server.executor is None:
         return Liveness(False, server.start_error or "starting", 0.0, 0)
-    return server.monitor.check()
+    return liveness_of(server.executor.health())
+
+
+async def shutdown(app: Starlette, *, grace_s: float | None = None,
+                   force: Callable[[], bool] | None = None) -> None:
+    """Shut ``app`` (made by :func:`create_app`) down gracefully, on its event loop: new
+    generation requests are a 503 with Retry-After and ``/ready`` a 503 from now on;
+    running streams may finish for ``grace_s`` (default
+    ``ServerConfig.shutdown_grace_s``); then the rest are cut, each answered with a
+    retryable 503, and an executor the app owns is closed. ``force()`` (polled every
+    0.1 s) True: cut at once. Idempotent; the app's lifespan shutdown runs it too. Call
+    it when your ASGI server is told to stop, before it waits for connections to close
+    (:class:`calfsm.serve.graceful.GracefulServer` does so for uvicorn)."""
+    server: _Server = app.state.calfsm
+    await server.shutdown(grace_s, force)
+
+
+async def _until(work: asyncio.Future[Any], timeout: float, force: Callable[[], bool]
+                 ) -> None:
+    """Wait for ``work`` for at most ``timeout`` seconds, or until ``force()``."""
+    end = time.monotonic() + timeout
+    while not work.done() and not force():
+        left = end - time.monotonic()
+        if left <= 0:
+            return
+        await asyncio.wait({work}, timeout=min(_FORCE_POLL_S, left))
 
 
 async def _start_owned(server: _Server, factory: Any) -> None:

@@ -10,6 +10,10 @@ The socket is bound here, before uvicorn starts: a bad ``--host``/``--port``, or
 address in use, is a usage error (exit 2, one line), and ``calfsm: listening on
 http://HOST:PORT`` on stderr gives the port really bound (``--port 0``: any free one)
 once uvicorn accepts connections. Every bad option is exit 2 with one line on stderr.
+
+SIGTERM or Ctrl-C stops it gracefully (:class:`calfsm.serve.graceful.GracefulServer`):
+no new work, running streams get ``--shutdown-grace`` seconds, the rest are cut with a
+retryable 503 each, and the process exits 0 about half a second after that.
 """
 
 from __future__ import annotations
@@ -26,14 +30,24 @@ import threading
 from collections.abc import Callable, Iterator
 from typing import Any, NoReturn
 
+import attrs
+
 from calfsm.drivers import driver_names, load_driver
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.manifest import Manifest, builtin_manifest_names, manifest_from_option
+from calfsm.manifest import (
+    Manifest,
+    StepTiming,
+    builtin_manifest_names,
+    manifest_from_option,
+)
 
 __all__ = ["add_parser", "configs", "run", "warn_if_open"]
 
 EXIT_OK, EXIT_USAGE, EXIT_DEVICE_FAILED = 0, 2, 3
+#: uvicorn's own wait for connections, after the app's graceful shutdown has ended or
+#: cut every stream (only an answer a client does not read can still be open then)
+_AFTER_GRACE_S = 0.5
 
 log = logging.getLogger("calfsm.serve")
 
@@ -138,8 +152,8 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--request-timeout", type=_seconds, default=60.0,
                    help="seconds a choice may take, then 504")
     p.add_argument("--hang-after", type=_seconds, default=5.0,
-                   help="liveness: seconds a job may stay on the device before /health "
-                        "answers 503 (longer than the longest prefill)")
+                   help="liveness: seconds a job may stay on the device (and past its "
+                        "execution timeout) before /health answers 503")
     p.add_argument("--default-max-tokens", type=_at_least_one, default=16,
                    help="tokens per choice when a request gives no max_tokens (clipped to "
                         "what the context leaves after the prompt)")
@@ -164,6 +178,10 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
                    help="open connections at most; a new one past them is closed at once")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    # ---- shutdown ----
+    p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
+                   help="on SIGTERM/Ctrl-C: seconds running streams may go on finishing "
+                        "before they are cut (503); new requests get 503 at once")
     return p
 
 
@@ -182,6 +200,16 @@ def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
                             faults=faults)
     return load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
                        faults=faults)
+
+
+def _timed(args: argparse.Namespace, manifest: Manifest) -> Manifest:
+    """The simulated device's step times are known exactly: they are what the executor
+    expects (its hang detection and its first admission estimates, before anything was
+    measured), instead of the manifest's figures for a real device."""
+    if args.driver != "sim" or not (args.decode_ms > 0 and args.prefill_token_us > 0):
+        return manifest
+    return attrs.evolve(manifest, timing=StepTiming(decode_ms=args.decode_ms,
+                                                    prefill_token_us=args.prefill_token_us))
 
 
 @contextlib.contextmanager
@@ -215,10 +243,11 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
                               f"--max-tokens-cap {args.max_tokens_cap}", stage="cli")
     exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
                               max_sequences=args.max_sequences,
-                              evidence_dir=args.evidence_dir)
+                              evidence_dir=args.evidence_dir,
+                              hang_after_s=args.hang_after)
     config = ServerConfig(model_name=args.model_name,
                           request_timeout_s=args.request_timeout,
-                          hang_after_s=args.hang_after,
+                          shutdown_grace_s=args.shutdown_grace,
                           default_max_tokens=args.default_max_tokens,
                           max_tokens_cap=args.max_tokens_cap,
                           api_keys=tuple(keys),
@@ -273,10 +302,9 @@ def warn_if_open(sock: socket.socket, keys: tuple[str, ...]) -> str | None:
 def run(args: argparse.Namespace) -> int:
     """Serve until interrupted; the exit status."""
     try:
-        import uvicorn
-
         from calfsm.serve.app import create_app
         from calfsm.serve.connections import uvicorn_config
+        from calfsm.serve.graceful import GracefulServer
     except ImportError as e:
         print(f"calfsm: error: calfsm serve needs the server extra "
               f"(pip install -e \".[server]\"): {e}", file=sys.stderr)
@@ -285,7 +313,7 @@ def run(args: argparse.Namespace) -> int:
                         format="%(levelname)s %(name)s: %(message)s")
     try:
         exconfig, config, limits = configs(args)
-        manifest = manifest_from_option(args.manifest)
+        manifest = _timed(args, manifest_from_option(args.manifest))
         driver = _driver(args, manifest)
         sock = _listen(args.host, args.port)
     except CalfsmError as e:
@@ -304,7 +332,7 @@ def run(args: argparse.Namespace) -> int:
             server.should_exit = True
             raise
 
-    class Server(uvicorn.Server):
+    class Server(GracefulServer):
         async def startup(self, sockets: list[socket.socket] | None = None) -> None:
             await super().startup(sockets)
             if self.started:
@@ -314,7 +342,7 @@ def run(args: argparse.Namespace) -> int:
         warn_if_open(sock, config.api_keys)
         server = Server(uvicorn_config(
             create_app(start, config), limits, host=args.host, port=args.port,
-            log_level=args.log_level, timeout_graceful_shutdown=10))
+            log_level=args.log_level, timeout_graceful_shutdown=_AFTER_GRACE_S))
         with _stop_signals_handled():
             server.run(sockets=[sock])
     if failed:

@@ -9,7 +9,7 @@ import attrs
 
 from calfsm.errors import InvalidArgument
 
-__all__ = ["count", "count_or_none", "positive", "positive_or_none"]
+__all__ = ["count", "count_or_none", "non_negative", "positive", "positive_or_none"]
 
 
 def _bad(inst: object, attr: attrs.Attribute, what: str, value: Any) -> InvalidArgument:
@@ -42,3 +42,10 @@ def count_or_none(inst: object, attr: attrs.Attribute, value: Any) -> None:
     """None, or an integer >= 1."""
     if value is not None:
         count(inst, attr, value)
+
+
+def non_negative(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    """A finite number >= 0 (not a bool)."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0 \
+            or value == float("inf"):
+        raise _bad(inst, attr, "a finite number >= 0", value)

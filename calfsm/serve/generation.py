@@ -2,11 +2,11 @@
 
 :class:`Choice` owns one :class:`~calfsm.streams.Stream` (``executor.generate``: a
 sequence of its own, released when the stream ends) and turns its token events into
-:class:`Piece`\\ s of text for the client: through the
-:class:`~calfsm.serve.tokenizer.IncrementalDecoder`, holding back the tokens that may
-begin a stop sequence of two or more tokens (a one-token stop is the stream's own
-``stop_token_ids``). When a stop sequence is complete the choice cancels its stream,
-drops the stop sequence (OpenAI does not return it) and ends with ``stop``.
+:class:`Piece`\\ s of text for the client through the
+:class:`~calfsm.serve.tokenizer.IncrementalDecoder`. Stop sequences are the stream's
+own (``SamplingParams.stop_sequences``): the library holds back the tokens that may
+begin one, never delivers a completed one (OpenAI does not return it either) and ends
+the stream ``stop``, so the client's finish reason and the library's metrics agree.
 
 :func:`merged` runs the choices of a request concurrently and yields their pieces as
 they come. Cancelling the task that reads it (a client gone) cancels every stream of
@@ -47,71 +47,32 @@ class Piece:
 
 
 class Choice:
-    """One choice: a stream, its decoder and its stop-sequence matcher."""
+    """One choice: a stream and its text decoder."""
 
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
-                 params: SamplingParams, stops: Sequence[Sequence[int]], *,
-                 deadline_s: float | None) -> None:
+                 params: SamplingParams, *, deadline_s: float | None) -> None:
         self.index = index
-        self._stops = [tuple(s) for s in stops]
-        self._held: list[int] = []               # may be the start of a stop sequence
         self._decoder = IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
-        self.stopped = False                     # a stop sequence ended it
         self.stream: Stream = executor.generate(list(prompt), params,
                                                 deadline_s=deadline_s)
 
-    def _release(self, upto: int) -> Piece:
-        out, self._held = self._held[:upto], self._held[upto:]
-        self._sent += len(out)
-        return Piece(self.index, "".join(self._decoder.push(t) for t in out), tuple(out))
-
-    def _hold_from(self) -> int:
-        """How many held tokens are safe to send: all but the longest tail that is a
-        proper prefix of a stop sequence."""
-        held = self._held
-        for k in range(min(len(held), max(map(len, self._stops)) - 1), 0, -1):
-            tail = tuple(held[-k:])
-            if any(s[:k] == tail for s in self._stops):
-                return len(held) - k
-        return len(held)
-
-    def push(self, token: int) -> Piece | None:
-        """A new token; the piece the client may have now (None: nothing yet)."""
-        if not self._stops:
-            self._sent += 1
-            return Piece(self.index, self._decoder.push(token), (token,))
-        self._held.append(token)
-        for s in self._stops:
-            if len(self._held) >= len(s) and tuple(self._held[-len(s):]) == s:
-                del self._held[-len(s):]
-                self.stopped = True
-                self.stream.cancel()
-                return self._release(len(self._held))
-        keep = self._hold_from()
-        return self._release(keep) if keep else None
+    def push(self, token: int) -> Piece:
+        """A new token: the piece of text it completes (maybe empty)."""
+        self._sent += 1
+        return Piece(self.index, self._decoder.push(token), (token,))
 
     def end(self, result: GenerationResult) -> Piece:
-        """The choice's last piece: what was held, and why it ended."""
-        if self.stopped:
-            reason: str | None = "stop"
-            error = None
-        else:
-            reason = OPENAI_FINISH.get(result.finish_reason)
-            error = None if reason else result.error
-        tail = self._release(len(self._held)) if reason else Piece(self.index, "", ())
-        text = tail.text + (self._decoder.flush() if reason else "")
-        return Piece(self.index, text, tail.tokens, reason, error,
+        """The choice's last piece: the text the decoder held, and why it ended."""
+        reason = OPENAI_FINISH.get(result.finish_reason)
+        text = self._decoder.flush() if reason else ""
+        return Piece(self.index, text, (), reason, None if reason else result.error,
                      result.usage.prompt_tokens, self._sent)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
             async for event in self.stream:
-                piece = self.push(event.token)
-                if piece is not None and (piece.text or piece.tokens):
-                    yield piece
-                if self.stopped:
-                    break
+                yield self.push(event.token)
             yield self.end(await self.stream.final())
         finally:
             self.stream.cancel()        # a no-op once it ended

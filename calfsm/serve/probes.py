@@ -1,34 +1,38 @@
-"""Liveness and readiness, the two questions a supervisor asks, in wall time.
+"""Liveness and readiness, the two questions a supervisor asks, answered by the library.
 
-*Liveness* (``GET /health``): is the process alive and the device making progress? A
-daemon thread, ``calfsm-liveness``, looks at the jobs on the device
-(``executor.on_device()``) every ``poll_s`` and remembers, on ``time.monotonic``, when it
-first saw each; a job still on the device ``hang_after_s`` after that means the device
-stopped making progress. This holds whatever clock the driver runs on (a hung job on a
-virtual clock never ages on it), and it is at most ``poll_s`` late. The answer is also
-"not live" when the executor ended ``Failed`` or broken, or never came up: then only a
-restart helps. A recovery in progress is live (it is progress), but not ready.
+Both answers come from ``executor.health()`` (``calfsm/executor.py``), which is cheap,
+safe from any thread and judged on the driver's clock (wall time on the real-time
+simulated device and on a real device):
 
-*Readiness* (``GET /ready``): should this replica get traffic now? The lifecycle is
-Ready, the pipeline is not broken (``executor.health().ready``, which also runs the
-executor's own no-progress watchdog) and admission is open (not closing).
+*Liveness* (``GET /health``): is only a restart going to help? Not live when the executor
+ended ``Failed`` or broken, or when a job has been on the device longer than
+``ExecutorConfig.hang_after_s`` and its own execution timeout plus the drain's grace
+(the executor's own hang recovery did not get the device back); and not live before the
+first start-up finished (what a startup probe waits for). Draining and recovering are
+progress: live.
 
-``hang_after_s`` must exceed the longest job the device legitimately runs (a full
-prefill of the longest prompt), or a slow prefill reads as a hang.
+*Readiness* (``GET /ready``): should this replica get traffic now? Not while the
+lifecycle is not Ready (draining, recovering, switching, failed), while a job has been
+on the device past half its execution timeout (a suspected hang), while the pipeline is
+broken, nor once shutdown began (the server's or the executor's).
+
+:func:`live_answer` and :func:`ready_answer` build the two HTTP answers; the front of
+the app (:mod:`calfsm.serve.front`) sends them before any routing or request parsing,
+so a saturated generation path does not delay them.
 """
 
 from __future__ import annotations
 
-import threading
-import time
+import json
+import math
 from typing import Any
 
 import attrs
 
-from calfsm.errors import InvalidArgument
+from calfsm.config import Health
 from calfsm.executor import DeviceExecutor
 
-__all__ = ["Liveness", "LivenessMonitor", "readiness"]
+__all__ = ["Liveness", "ProbeAnswer", "live_answer", "liveness_of", "ready_answer"]
 
 
 @attrs.frozen
@@ -37,68 +41,58 @@ class Liveness:
 
     live: bool
     reason: str | None
-    oldest_job_s: float          # wall seconds the oldest job on the device has been there
+    oldest_job_s: float          # clock seconds the oldest job on the device has been there
     jobs_on_device: int
 
 
-class LivenessMonitor:
-    """Watches one executor's device for progress in wall time (module docstring)."""
+@attrs.frozen
+class ProbeAnswer:
+    """An HTTP answer of a probe: status, JSON body, extra headers."""
 
-    def __init__(self, executor: DeviceExecutor, *, hang_after_s: float = 5.0,
-                 poll_s: float | None = None) -> None:
-        if not (isinstance(hang_after_s, int | float) and hang_after_s > 0):
-            raise InvalidArgument(f"hang_after_s must be > 0, got {hang_after_s!r}",
-                                  stage="config")
-        self.executor = executor
-        self.hang_after_s = float(hang_after_s)
-        self.poll_s = poll_s if poll_s is not None else min(0.25, max(0.01,
-                                                                      hang_after_s / 10))
-        self._seen: dict[int, float] = {}        # job id -> wall time first seen
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._watch, name="calfsm-liveness",
-                                        daemon=True)
-        self._thread.start()
-
-    def _sample(self) -> tuple[float, int]:
-        """(age of the oldest job on the device, jobs on the device), in wall time."""
-        now = time.monotonic()
-        ids = {job.job_id for job in self.executor.on_device()}
-        with self._lock:
-            seen = {i: self._seen.get(i, now) for i in ids}
-            self._seen = seen
-        return (now - min(seen.values()) if seen else 0.0), len(seen)
-
-    def _watch(self) -> None:
-        while not self._stop.wait(self.poll_s):
-            if self.executor.lifecycle.closing:
-                return
-            self._sample()
-
-    def check(self) -> Liveness:
-        age, n = self._sample()
-        ex = self.executor
-        health = ex.health()
-        if health.broken is not None:
-            return Liveness(False, f"executor broken: {health.broken}", age, n)
-        if health.state == "Failed":
-            return Liveness(False, f"executor failed: {health.reason}", age, n)
-        if age > self.hang_after_s:
-            return Liveness(False, f"no device progress: a job on the device for "
-                                   f"{age:.3f} s (hang_after_s {self.hang_after_s:g})",
-                            age, n)
-        return Liveness(True, None, age, n)
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not threading.current_thread():
-            self._thread.join(timeout=1.0)
+    status: int
+    body: bytes
+    headers: tuple[tuple[bytes, bytes], ...] = ()
 
 
-def readiness(executor: DeviceExecutor) -> tuple[bool, dict[str, Any]]:
-    """(ready, what the answer shows)."""
+def liveness_of(health: Health) -> Liveness:
+    """The liveness an executor's ``health()`` says."""
+    return Liveness(health.live, health.live_reason, health.oldest_job_s, health.inflight)
+
+
+def _answer(status: int, body: dict[str, Any], retry_after_s: float | None = None
+            ) -> ProbeAnswer:
+    headers: tuple[tuple[bytes, bytes], ...] = ()
+    if retry_after_s is not None:
+        headers = ((b"retry-after", str(max(1, math.ceil(retry_after_s))).encode()),)
+    return ProbeAnswer(status, json.dumps(body).encode(), headers)
+
+
+def live_answer(executor: DeviceExecutor | None, not_started: str | None) -> ProbeAnswer:
+    """``GET /health``: 200 when live, else 503 with the reason. ``executor`` None: the
+    server has none yet, ``not_started`` says why (starting, or its start-up failed)."""
+    if executor is None:
+        return _answer(503, {"live": False, "reason": not_started or "starting"})
     health = executor.health()
-    ready = health.ready and not executor.lifecycle.closing
-    return ready, {"state": health.state, "generation": health.generation,
-                   "reason": health.reason, "inflight": health.inflight,
-                   "queue_depth": health.queue_depth}
+    return _answer(200 if health.live else 503, {
+        "live": health.live, "reason": health.live_reason,
+        "jobs_on_device": health.inflight, "oldest_job_s": round(health.oldest_job_s, 6),
+        "state": health.state, "generation": health.generation})
+
+
+def ready_answer(executor: DeviceExecutor | None, not_started: str | None, *,
+                 closing: bool, start_failed: bool = False) -> ProbeAnswer:
+    """``GET /ready``: 200 when ready, else 503 with the reason and, unless only a
+    restart helps (Failed, a failed start-up), a Retry-After. ``closing``: the server's
+    shutdown began."""
+    if executor is None or closing:
+        reason = not_started if executor is None else "shutting down"
+        return _answer(503, {"ready": False, "reason": reason or "starting"},
+                       None if start_failed else 1.0)
+    health = executor.health()
+    shown = {"ready": health.ready, "state": health.state, "generation": health.generation,
+             "reason": health.ready_reason, "hang_suspected": health.hang_suspected,
+             "inflight": health.inflight, "queue_depth": health.queue_depth}
+    if health.ready:
+        return _answer(200, shown)
+    final = health.state == "Failed" or not health.live
+    return _answer(503, shown, None if final else executor.lifecycle.retry_after_s)

@@ -2,8 +2,9 @@
 
 One function per endpoint (:func:`parse_completion`, :func:`parse_chat`) reads the JSON
 body and returns what to run: the prompts as token ids (text through the byte-level
-tokenizer, or ids as given), the :class:`~calfsm.sampling.SamplingParams` of each choice,
-the stop sequences as token ids, and the streaming options. Every bad value is an
+tokenizer, or ids as given), the :class:`~calfsm.sampling.SamplingParams` of each choice
+(``stop`` strings go in as its ``stop_sequences`` of token ids: the library matches
+them), and the streaming options. Every bad value is an
 :class:`~calfsm.serve.httperrors.ApiError` 400 naming the field (``param``), never a 5xx.
 
 What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a string, a
@@ -31,7 +32,7 @@ from typing import Any
 import attrs
 
 from calfsm.errors import CalfsmError
-from calfsm.sampling import SamplingParams
+from calfsm.sampling import MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
 
@@ -73,7 +74,6 @@ class GenerationPlan:
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
-    stops: tuple[tuple[int, ...], ...]       # stop sequences of two or more tokens
     stream: bool
     include_usage: bool
     n: int = 1                               # choices per prompt
@@ -187,8 +187,9 @@ def _messages(value: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _stops(body: Mapping[str, Any], tok: ByteTokenizer) -> tuple[list[int], list[tuple]]:
-    """(single-token stops, longer stop sequences), all as token ids."""
+def _stops(body: Mapping[str, Any], tok: ByteTokenizer
+           ) -> tuple[list[int], list[tuple[int, ...]]]:
+    """(``stop_token_ids``, the ``stop`` strings as token-id sequences)."""
     stop = body.get("stop")
     texts = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(texts, list) or len(texts) > _MAX_STOPS \
@@ -198,15 +199,14 @@ def _stops(body: Mapping[str, Any], tok: ByteTokenizer) -> tuple[list[int], list
     ids = body.get("stop_token_ids") or []
     if not isinstance(ids, list):
         raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
-    single = list(_ids(ids, "stop_token_ids", tok.vocab))
-    longer = []
+    sequences = []
     for s in texts:
-        seq = tok.encode(s, field="stop")
-        if len(seq) == 1:
-            single.append(seq[0])
-        else:
-            longer.append(tuple(seq))
-    return single, longer
+        seq = tuple(tok.encode(s, field="stop"))
+        if len(seq) > MAX_STOP_LENGTH:
+            raise _bad(f"a stop string may hold at most {MAX_STOP_LENGTH} tokens (bytes), "
+                       f"got {len(seq)}", "stop")
+        sequences.append(seq)
+    return list(_ids(ids, "stop_token_ids", tok.vocab)), sequences
 
 
 def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
@@ -231,7 +231,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     top_p = _float(body, "top_p", 1.0)
     top_k = _int(body, "top_k", -1, 0)
     seed = _int(body, "seed", 0, None)
-    single, longer = _stops(body, tok)
+    stop_ids, stop_sequences = _stops(body, tok)
     options = body.get("stream_options")
     stream = _bool(body, "stream")
     if options is not None and (not isinstance(options, dict)
@@ -247,12 +247,12 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
             params.append(SamplingParams(
                 temperature=temperature, top_k=max(0, top_k or 0), top_p=top_p,
                 seed=None if seed is None or temperature == 0 else seed + i,
-                stop_token_ids=tuple(single),
+                stop_token_ids=tuple(stop_ids), stop_sequences=tuple(stop_sequences),
                 max_tokens=max_tokens or min(limits.default_max_tokens, room)))
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
-                          tuple(longer), stream, include_usage, n)
+                          stream, include_usage, n)
 
 
 def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits) -> None:
