@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -34,7 +35,7 @@ from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
-from calfsm.manifest import Manifest
+from calfsm.manifest import Manifest, TaskKind
 from calfsm.observe import Observers, rejection_reason
 from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
 from calfsm.recovery import FaultPolicy
@@ -185,15 +186,44 @@ class DeviceExecutor:
         once (ResourceExhausted, with a Retry-After). ``resume``: after a device reset
         lost the sequence's KV, replay the prompt and the tokens so far on the new
         generation and go on, at most ``max_resumes`` times for this stream."""
+        params = params or SamplingParams()
+        try:        # the estimate first: a refusal costs no sequence and no buffers
+            self._admit_stream(prompt, params, deadline_s)
+        except CalfsmError as e:
+            self._rejected(e)
+            raise
         seq = self.open_sequence()
         try:
-            return Stream(seq, prompt, params or SamplingParams(), deadline_s=deadline_s,
-                          resume=resume, max_resumes=max_resumes, close_sequence=True)
+            return Stream(seq, prompt, params, deadline_s=deadline_s, resume=resume,
+                          max_resumes=max_resumes, close_sequence=True, admitted=True)
         except BaseException as e:
             seq.close()
             if isinstance(e, CalfsmError):
                 self._rejected(e)
             raise
+
+    def _admit_stream(self, prompt: Any, params: Any, deadline_s: Any) -> None:
+        """The admission estimate of a one-shot stream, before anything is taken for it
+        (what the Stream checks itself is left to it: a malformed prompt, params or
+        deadline skips the estimate and is refused there)."""
+        epoch = self.epoch
+        if epoch is None or not isinstance(params, SamplingParams):
+            return
+        try:
+            n = len(prompt)
+        except TypeError:
+            return
+        if deadline_s is None:
+            deadline = math.inf
+        elif isinstance(deadline_s, int | float) and not isinstance(deadline_s, bool) \
+                and deadline_s > 0:
+            deadline = self.clock.now() + deadline_s
+        else:
+            return
+        max_seq = epoch.contract(TaskKind.DECODE).max_seq
+        self.live_streams.admit(prompt_tokens=n, max_new=max(1, min(params.max_tokens,
+                                                                    max_seq - n + 1)),
+                                deadline=deadline)
 
     # ---- overlap scheduling: a stream's next step prepared ahead ---------------------
     def stage(self, request: Request) -> JobHandle | None:

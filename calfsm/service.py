@@ -96,14 +96,17 @@ class ServiceModel:
         """Raise the expectation to what the warm-up measured, if the device is slower
         than the manifest says (never lower it: one fast warm-up proves little), and
         start the measured decode mean from it when nothing was measured yet (the first
-        admission estimates then use the device's own speed, not the manifest's; a
-        three-token prefill says too little about the cost per token to start that
-        one)."""
+        admission estimates then use what a step really took, host included; the
+        completions correct it within a few steps; a three-token prefill says too
+        little about the cost per token to start that one)."""
         if warmup.decode_s:
             step = max(warmup.decode_s)
-            self._decode_s = max(self._decode_s, step)
             if self._measured_decode is None:
+                # what a step costs from the queue includes the host's turn-around, which
+                # the manifest's device time leaves out: the warm-up's step, however slow
+                # (pessimism costs a few early 429s; optimism would cost 504s)
                 self._measured_decode = step
+            self._decode_s = max(self._decode_s, step)
         if warmup.prefill_tokens > 0:
             step = max(warmup.decode_s, default=self._decode_s)
             per_token = max(0.0, warmup.prefill_s - step) / warmup.prefill_tokens

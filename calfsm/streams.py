@@ -334,7 +334,9 @@ class Sequence:
     def _release(self) -> None:
         """Release the KV and give the id back (the sequence's last job has ended)."""
         try:
-            if self.executor.epoch is not None and not self.executor.lifecycle.closing:
+            # a sequence that ran no job holds no KV: nothing to ask the device
+            if self._last is not None and self.executor.epoch is not None \
+                    and not self.executor.lifecycle.closing:
                 self.executor.reset_sequence(self.seq_id)
         except CalfsmError as e:
             # the text, not the error: a handler that keeps records (pytest's does) would
@@ -371,7 +373,8 @@ class Stream:
 
     def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2, close_sequence: bool = False) -> None:
+                 max_resumes: int = 2, close_sequence: bool = False,
+                 admitted: bool = False) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be SamplingParams", stage="request")
         ex = sequence.executor
@@ -401,6 +404,9 @@ class Stream:
         #: tokens this stream can give at most: max_tokens, bounded by the context
         self._max_new = max(1, min(params.max_tokens,
                                    self._max_seq - sequence.position - len(self.prompt) + 1))
+        if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
+            ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
+                                  deadline=self._deadline, seq_id=sequence.seq_id)
         self._resume = resume
         self._max_resumes = max_resumes
         self._resumes = 0
@@ -435,9 +441,6 @@ class Stream:
         self._ending = False            # _finish has begun: nothing more is recorded
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
                                 target=self._row(), deadline_s=self._left())
-        # refused now (429) if it, or a stream it would slow down, cannot end in time
-        ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
-                              deadline=self._deadline, seq_id=sequence.seq_id)
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
@@ -474,12 +477,14 @@ class Stream:
             cancelled = self._cancelled     # the consumer's cancel came first: it stands
             self._cancelled = True
             handle = self._handle
-        if handle is not None:
-            handle.cancel()
+        # ended first, then the step cancelled: the step's own end (cancelled before
+        # submit) must not become the stream's reason
         if cancelled:
             self._finish(FinishReason.CANCELLED)
         else:
             self._finish(FinishReason.ERROR, error)
+        if handle is not None:
+            handle.cancel()
         return True
 
     def remaining_work(self, service: Any) -> tuple[float, float]:

@@ -45,13 +45,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+#: the load's clients all connect from 127.0.0.1, which without API keys makes them one
+#: client to the server's per-client limits (calfsm/serve/fairuse.py); they stand for
+#: many, so those limits are lifted unless the options set them
+_MANY_CLIENTS = ("--max-client-streams", "1000000", "--max-client-waiting", "1000000")
+
+
 def start_serve(*options: str, timeout: float = 60.0) -> tuple[subprocess.Popen, int]:
     """``calfsm serve OPTIONS`` on a free port of 127.0.0.1, once ``/ready`` says 200:
     (the process, its port). Its stderr is a pipe (read it after it ended)."""
     port = free_port()
+    many = () if any(o.startswith("--max-client") for o in options) else _MANY_CLIENTS
     proc = subprocess.Popen([sys.executable, "-m", "calfsm.cli", "serve", "--port",
-                             str(port), *options], cwd=ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
+                             str(port), *many, *options], cwd=ROOT,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if probe_once(port, "/ready", 2.0)[1] == 200:

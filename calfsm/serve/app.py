@@ -69,6 +69,7 @@ from starlette.routing import Route
 
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
+from calfsm.lograte import RateLimitedLog
 from calfsm.manifest import TaskKind
 from calfsm.metrics import ExecutorMetrics
 from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
@@ -87,6 +88,7 @@ from calfsm.streams import Stream
 __all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
 
 log = logging.getLogger("calfsm.serve")
+_limited = RateLimitedLog(log)
 
 ExecutorFactory = Callable[[], Awaitable[DeviceExecutor]]
 #: how often a shutdown that waits looks whether it was told to stop waiting
@@ -465,8 +467,8 @@ def _internal(request: Request, exc: Exception) -> Response:
 
 
 def _error_response(err: ApiError, client: str | None = None) -> Response:
-    if err.status >= 500:
-        log.warning("answering %s: %s", err.status, err.message)
+    if err.status >= 500:   # a storm (or a shutdown's cut) answers many: a burst a minute
+        _limited.warning(f"answer_{err.status}", "answering %s: %s", err.status, err.message)
     else:
         log.debug("answering %s to %s: %s", err.status, client or "a client", err.message)
     return Response(err.json(), status_code=err.status, media_type="application/json",
