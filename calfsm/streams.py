@@ -44,8 +44,6 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
-import numpy as np
-
 from calfsm.errors import (
     CalfsmError,
     Cancelled,
@@ -56,10 +54,10 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
+from calfsm.flow import Flow
 from calfsm.job import InferenceResult, JobHandle, drop_tracebacks
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
-from calfsm.machines.job import JobState
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
@@ -95,15 +93,22 @@ class ExecutorFace(Protocol):
     def enqueue_nowait(self, request: Request, *, continuing: bool = False
                        ) -> JobHandle: ...
 
+    def reset_sequence(self, seq_id: int) -> None: ...
+
+
+class StepPort(Protocol):
+    """The core's overlap plumbing: a step prepared ahead, run with its real request, or
+    handed back, and work deferred to the admission side. The executor hands it to the
+    sequences it opens, and to nobody else: a caller's requests reach the device only
+    through the validated entries (``enqueue``, ``Sequence.run``)."""
+
     def stage(self, request: Request) -> JobHandle | None: ...
 
-    def release_staged(self, handle: JobHandle, request: Request) -> bool: ...
+    def release(self, handle: JobHandle, request: Request) -> bool: ...
 
-    def discard_staged(self, handle: JobHandle) -> None: ...
+    def discard(self, handle: JobHandle) -> None: ...
 
     def defer(self, fn: Callable[[], None]) -> None: ...
-
-    def reset_sequence(self, seq_id: int) -> None: ...
 
 
 class SequenceAllocator:
@@ -141,9 +146,10 @@ class Sequence:
     Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
 
     def __init__(self, executor: ExecutorFace, seq_id: int,
-                 allocator: SequenceAllocator) -> None:
+                 allocator: SequenceAllocator, steps: StepPort) -> None:
         self.executor = executor
         self.seq_id = seq_id
+        self._steps = steps
         self.state: str = SequenceState.OPEN.value
         self._allocator = allocator
         self._lock = threading.Condition(threading.Lock())
@@ -217,7 +223,15 @@ class Sequence:
         scheduling); None if it cannot be prepared now."""
         if request.seq_id != self.seq_id or self.state == SequenceState.LOST:
             return None
-        return self.executor.stage(request)
+        return self._steps.stage(request)
+
+    def discard(self, staged: JobHandle) -> None:
+        """A step prepared by :meth:`stage` that will not run: its slot comes back."""
+        self._steps.discard(staged)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` soon on the executor's admission side, outside every lock."""
+        self._steps.defer(fn)
 
     def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
         """Run a staged step with its real request; None (nothing run) if the sequence
@@ -230,9 +244,9 @@ class Sequence:
                 _fire(self, "start_job")
                 self._starting = ok = True
         if not ok:
-            self.executor.discard_staged(staged)
+            self._steps.discard(staged)
             return None
-        if not self.executor.release_staged(staged, request):
+        if not self._steps.release(staged, request):
             with self._lock:
                 _fire_if(self, "job_ended")
                 self._started_locked(None)
@@ -407,26 +421,14 @@ class Stream:
         if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
             ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
                                   deadline=self._deadline, seq_id=sequence.seq_id)
-        self._resume = resume
-        self._max_resumes = max_resumes
-        self._resumes = 0
         self._close_sequence = close_sequence
-        # two logits rows: the step on the device writes one while the next is staged
-        # with the other (a row is the sampler's to consume until its step's token is out)
-        self._rows: tuple[np.ndarray, np.ndarray] | None = (
-            np.empty(contract.vocab, dtype=np.float32),
-            np.empty(contract.vocab, dtype=np.float32))
-        self._flip = 0
-        self._staged: JobHandle | None = None
-        self._staged_pos = -1
-        #: the highest position whose decode was handed on (staged or the ordinary way):
-        #: a step staged for it later would hold a slot nobody will use
-        self._handed = -1
-        self._next_pos = -1             # where the token of the step in flight goes
         self._tokens: list[int] = []
         self._times: list[float] = []
         self._t0 = now
         self._lock = threading.Condition(threading.Lock())
+        #: the next step: in flight, prepared ahead, rows, replay and resume budget
+        self._flow = Flow(sequence, self._lock, seq_id=sequence.seq_id,
+                          vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
         self._events: deque[TokenEvent] = deque()
         #: events held back: their tokens may begin a stop sequence (not yet delivered)
         self._held: list[TokenEvent] = []
@@ -434,16 +436,19 @@ class Stream:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._result: GenerationResult | None = None
         self._cancelled = False
-        self._handle: JobHandle | None = None
         self._start = sequence.position
-        self._replay_check: int | None = None
         self._listening = False
         self._ending = False            # _finish has begun: nothing more is recorded
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                target=self._row(), deadline_s=self._left())
+                                target=self._flow.row(), deadline_s=self._left())
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
+
+    @property
+    def flow_state(self) -> str:
+        """The state of the stream's flow (:class:`~calfsm.machines.flow.FlowState`)."""
+        return self._flow.state
 
     @property
     def started(self) -> float:
@@ -458,7 +463,7 @@ class Stream:
             if self._ending:
                 return False
             self._cancelled = True
-            handle = self._handle
+            handle = self._flow.inflight
             waiting = self._listening or handle is None or handle.done()
         if handle is not None:
             handle.cancel()
@@ -476,7 +481,7 @@ class Stream:
                 return False
             cancelled = self._cancelled     # the consumer's cancel came first: it stands
             self._cancelled = True
-            handle = self._handle
+            handle = self._flow.inflight
         # ended first, then the step cancelled: the step's own end (cancelled before
         # submit) must not become the stream's reason
         if cancelled:
@@ -557,15 +562,6 @@ class Stream:
             raise
 
     # ---- producer side (job completions) -------------------------------------------
-    def _row(self) -> np.ndarray:
-        """The logits row for the next step (alternating). A finished stream has let its
-        rows go: a step that races its end (its token is dropped) gets a row of its own."""
-        rows = self._rows
-        if rows is None:
-            return np.empty(self._sampler.vocab, dtype=np.float32)
-        self._flip ^= 1
-        return rows[self._flip]
-
     def _left(self) -> float | None:
         if math.isinf(self._deadline):
             return None
@@ -587,64 +583,25 @@ class Stream:
                 self._on_error(e)
                 return
         with self._lock:
-            self._handle = handle
-            self._next_pos = request.past_len + request.token_count
+            self._flow.handed_on(handle, request)
             cancelled = self._cancelled
         if cancelled:
             handle.cancel()
         handle.add_done_callback(self._step_done)
         if not cancelled and self._worth_staging():
-            self.sequence.executor.defer(self._stage_next)
+            self.sequence.defer(self._stage_next)
 
     def _worth_staging(self) -> bool:
         """Another decode may follow the step in flight."""
         return len(self._tokens) + 1 < self.params.max_tokens \
-            and self._next_pos < self._max_seq
+            and self._flow.next_pos < self._max_seq
 
     def _stage_next(self) -> None:
-        """Prepare the decode that will carry the in-flight step's token (its token is a
-        placeholder until that step completes)."""
-        with self._lock:
-            if self._ending or self._cancelled or self._staged is not None:
-                return
-            pos = self._next_pos
-            inflight = self._handle
-        # only behind a live step that holds its own slot: a staged step waits for the
-        # one before it, so that one must never wait for a slot (no deadlock). A step
-        # that already ended (a fault: the stream may replay, whose prefill could wait
-        # for the very slot staged here) has nothing to stage behind.
-        if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED) \
-                or inflight.done():
-            return
-        staged = self.sequence.stage(Request.decode(
-            self.sequence.seq_id, 0, pos, target=self._row(), deadline_s=self._left()))
-        if staged is None:
-            return
-        with self._lock:
-            keep = not self._ending and not self._cancelled and self._next_pos == pos \
-                and self._staged is None and self._handed < pos and not self._taken(pos)
-            if keep:
-                self._staged, self._staged_pos = staged, pos
-        if not keep:                     # the step it was for completed meanwhile
-            self.sequence.executor.discard_staged(staged)
-
-    def _taken(self, pos: int) -> bool:
-        """The decode at ``pos`` already went the ordinary way."""
-        handle = self._handle
-        return handle is not None and handle.context.past_len >= pos
-
-    def _take_staged(self, pos: int) -> JobHandle | None:
-        """The step for ``pos`` if one was staged for it; from here the decode at ``pos``
-        is handed on, so a staging still under way for it discards its step (else that
-        step would hold a slot the ordinary job for ``pos`` may be waiting for: the
-        soak found two streams' orphaned steps holding both decode slots)."""
-        with self._lock:
-            staged, self._staged = self._staged, None
-            self._handed = max(self._handed, pos)
-            ok = staged is not None and self._staged_pos == pos
-        if staged is not None and not ok:
-            self.sequence.executor.discard_staged(staged)
-        return staged if ok else None
+        """Prepare the decode that will carry the in-flight step's token."""
+        seq_id, left = self.sequence.seq_id, self._left()
+        self._flow.stage_next(
+            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left),
+            lambda: self._ending or self._cancelled)
 
     def _step_done(self, handle: JobHandle) -> None:
         try:
@@ -665,7 +622,8 @@ class Stream:
         if self._cancelled:
             self._finish(FinishReason.CANCELLED)
             return
-        want, self._replay_check = self._replay_check, None
+        flow = self._flow
+        want, flow.replay_check = flow.replay_check, None
         try:
             # a replay after a resume draws nothing: the seeded sequence of draws goes
             # on as if no fault had happened; greedy checks the replay instead
@@ -702,8 +660,8 @@ class Stream:
             reason = FinishReason.DEADLINE
         else:
             reason = None
-            staged = self._take_staged(position)
-            target = staged.context.request.target if staged is not None else self._row()
+            staged = flow.take(position)
+            target = flow.staged_row(staged)
             self._submit(Request.decode(self.sequence.seq_id, token, position,
                                         target=target, deadline_s=self._left()), staged)
         with self._lock:
@@ -746,22 +704,22 @@ class Stream:
             self._finish(FinishReason.CANCELLED, err if isinstance(err, Cancelled) else None)
         elif isinstance(err, DeadlineExceeded) and self._clock.now() >= self._deadline:
             self._finish(FinishReason.DEADLINE, err)
-        elif self._resumable(err):
+        elif self._flow.resumable(self._lost(), err):
+            self._flow.lose()
             self._wait_for_ready()
         else:
-            if self._lost(err):
+            if self._lost():
                 err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost in a "
                                   f"device reset ({err.message})",
                                   seq_id=self.sequence.seq_id, stage="stream",
                                   retry_after_s=self.sequence.executor.lifecycle.retry_after_s)
             self._finish(FinishReason.ERROR, err)
 
-    def _lost(self, err: CalfsmError) -> bool:
-        return self.sequence.state == SequenceState.LOST or "lost in the reset" in err.message
-
-    def _resumable(self, err: CalfsmError) -> bool:
-        return self._resume and self._resumes < self._max_resumes and (
-            self._lost(err) or (isinstance(err, Unavailable) and err.retry_after_s is not None))
+    def _lost(self) -> bool:
+        """The step failed because the sequence's KV is gone: a structured fact of the
+        sequence (Lost, booked from the KV coordinator before this callback runs), never
+        read from an error's text."""
+        return self.sequence.state == SequenceState.LOST
 
     # ---- resume --------------------------------------------------------------------
     def _wait_for_ready(self) -> None:
@@ -789,7 +747,7 @@ class Stream:
             if self._cancelled:
                 self._finish(FinishReason.CANCELLED)
             elif life.ready:
-                ex.defer(self._replay)
+                self.sequence.defer(self._replay)
             else:
                 self._finish(FinishReason.ERROR, Unavailable(
                     f"device {life.state} while the stream waited to resume",
@@ -814,18 +772,14 @@ class Stream:
         except CalfsmError as e:
             self._finish(FinishReason.ERROR, e)
             return
-        with self._lock:            # a step staged for the lost generation's flow
-            staged, self._staged = self._staged, None
-        if staged is not None:
-            seq.executor.discard_staged(staged)
+        if not self._flow.begin_replay(self._tokens):
+            return                  # ended meanwhile (a shutdown's abort): nothing to do
         history = list(self.prompt) + self._tokens[:-1]
-        self._replay_check = self._tokens[-1] if self._tokens else None
-        self._resumes += 1
         seq.executor.observers.stream_resumed(self)
         _limited.warning("resume", "stream on sequence %s resumes after a reset: "
                          "replaying %s tokens", seq.seq_id, len(history),
                          extra={"seq_id": seq.seq_id, "stage": "resume"})
-        self._submit(Request.prefill(seq.seq_id, history, target=self._row(),
+        self._submit(Request.prefill(seq.seq_id, history, target=self._flow.row(),
                                      deadline_s=self._left()))
 
     # ---- ending --------------------------------------------------------------------
@@ -850,23 +804,16 @@ class Stream:
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
-                Usage(len(self.prompt), delivered), ttft, itl, error, self._resumes)
+                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes)
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         # observers first (holding no lock), so a consumer that has the result finds
         # the stream counted
         ex.observers.stream_ended(self, result)
-        with self._lock:
-            staged, self._staged = self._staged, None
-            # nothing more is sampled or stepped: let the rows and the last step go (a
-            # finished stream the caller keeps holds its result, not 2 x vocab floats)
-            self._rows = None
-            self._handle = None
         # what the stream held is handed back before its consumer is woken, so a
         # consumer that has the result and waits for the executor to be idle sees the
         # prepared step discarded and the one-shot sequence's release pending
-        if staged is not None:
-            self.sequence.executor.discard_staged(staged)
+        self._flow.end()
         if self._listening:
             self._listening = False
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)

@@ -42,7 +42,7 @@ from calfsm.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from calfsm.executor import DeviceExecutor
+from calfsm.executor import DeviceExecutor, step_port
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
@@ -727,8 +727,8 @@ def test_close_notices_deferred_work_ending():
     is let go, close returns at once (2 s allowed, against a 5 s timeout)."""
     ex = make_executor("threaded", shutdown_timeout_s=5)
     running, go = threading.Event(), threading.Event()
-    ex.defer(lambda: (running.set(), go.wait(10)))
-    ex.defer(lambda: None)
+    step_port(ex).defer(lambda: (running.set(), go.wait(10)))
+    step_port(ex).defer(lambda: None)
     assert running.wait(5)
     closer = threading.Thread(target=ex.close)
     try:
