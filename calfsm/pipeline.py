@@ -1071,7 +1071,7 @@ class Pipeline:
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.hooks.job_parked()         # a slot and KV came free: admission may go on
-        self.service.observe(job.kind, job.token_count, job.timings.submitted, t1)
+        self.service.observe(job.kind, job.token_count, job.timings.queued, t1)
         self.faults.succeeded()
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
