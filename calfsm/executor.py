@@ -87,7 +87,7 @@ class DeviceExecutor:
                 default_deadline_s=cfg.default_deadline_s,
                 zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
             service=self.service, apply=self._apply, drain=self.recover)
-        self._steps = _Steps(self._pipeline)     # the streams' plumbing, not the facade's
+        self._steps = StreamSteps(self._pipeline)     # the streams' plumbing, not the facade's
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
             service=self.service,
@@ -468,7 +468,7 @@ def _shutdown_cancel(job: JobContext, retry_after_s: float) -> Cancelled:
                      retry_after_s=retry_after_s)
 
 
-class _Steps:
+class StreamSteps:
     """The overlap plumbing a sequence's streams use (:class:`~calfsm.streams.StepPort`),
     kept off the facade: the executor hands it only to the sequences it opens, so a
     caller's request reaches the device only through the validated entries."""
@@ -502,7 +502,7 @@ class _Steps:
         self._pipeline.defer(fn)
 
 
-def step_port(executor: DeviceExecutor) -> _Steps:
+def step_port(executor: DeviceExecutor) -> StreamSteps:
     """The overlap plumbing ``executor`` keeps off its facade, for tests and tools that
     drive a staged step directly (what its sequences' streams do)."""
     return executor._steps

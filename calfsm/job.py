@@ -106,6 +106,10 @@ class JobContext:
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
     epoch: Any = None                    # the executor generation record it belongs to
+    #: a stream's next step, decided on the completion side: called with the job and its
+    #: float32 logits once its output is checked and its KV committed, before its handle
+    #: resolves (so the step after it can reach the submitter first); run once
+    continuation: Callable[[JobContext, np.ndarray], None] | None = None
 
 
 class JobHandle:

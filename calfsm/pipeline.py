@@ -1049,6 +1049,7 @@ class Pipeline:
             # with a sequence whose KV nobody vouches for
             self._kv_commit_failed(job, e)
             return
+        self._continue(job, logits)
         now = self.clock.now()
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
@@ -1073,6 +1074,20 @@ class Pipeline:
         self.hooks.job_parked()         # a slot and KV came free: admission may go on
         self.service.observe(job.kind, job.token_count, job.timings.queued, t1)
         self.faults.succeeded()
+
+    def _continue(self, job: JobContext, logits: Any) -> None:
+        """Run the job's continuation (a stream's next step: sample, then hand the step
+        prepared ahead to the submitter) before the job resolves: the device gets its
+        next step before the caller's callbacks run. A continuation that raises is a bug
+        of its owner, logged; its stream then goes on the ordinary way."""
+        cont, job.continuation = job.continuation, None
+        if cont is None or job.cancel_requested:
+            return
+        try:
+            cont(job, logits)
+        except Exception:
+            log.exception("the continuation of job %s raised", job.job_id,
+                          extra=_ctx(job, "continue"))
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """The job ran and its slot is clean, but its KV could not be committed."""

@@ -44,6 +44,8 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
+import numpy as np
+
 from calfsm.errors import (
     CalfsmError,
     Cancelled,
@@ -55,7 +57,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.flow import Flow
-from calfsm.job import InferenceResult, JobHandle, drop_tracebacks
+from calfsm.job import JobContext, JobHandle, drop_tracebacks
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
@@ -233,22 +235,31 @@ class Sequence:
         """Run ``fn()`` soon on the executor's admission side, outside every lock."""
         self._steps.defer(fn)
 
-    def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
+    def release(self, staged: JobHandle, request: Request, *,
+                after: JobHandle | None = None) -> JobHandle | None:
         """Run a staged step with its real request; None (nothing run) if the sequence
         cannot take it now or the step is gone — the caller then runs it the ordinary
-        way."""
+        way. ``after``: the sequence's running job, whose KV is committed and whose
+        handle has not resolved yet (a stream's continuation): the step follows it
+        without the sequence going Open in between."""
         with self._lock:
-            if self.state != SequenceState.OPEN or self._kv_lost():
+            if self._kv_lost():
                 ok = False
-            else:
+            elif after is not None:
+                ok = self.state == SequenceState.BUSY and self._last is after
+            elif self.state == SequenceState.OPEN:
                 _fire(self, "start_job")
-                self._starting = ok = True
+                ok = True
+            else:
+                ok = False
+            self._starting = self._starting or ok
         if not ok:
             self._steps.discard(staged)
             return None
         if not self._steps.release(staged, request):
             with self._lock:
-                _fire_if(self, "job_ended")
+                if after is None:
+                    _fire_if(self, "job_ended")
                 self._started_locked(None)
             return None
         with self._lock:
@@ -288,7 +299,8 @@ class Sequence:
             self._position = job.past_len + job.token_count
         elif self._kv_lost():
             _fire_if(self, "lose")
-        _fire_if(self, "job_ended")
+        if handle is self._last:        # else a step chained after it runs: still Busy
+            _fire_if(self, "job_ended")
 
     def reset(self) -> None:
         """Forget the KV (after it was lost, or to start over): position 0, Open."""
@@ -438,6 +450,8 @@ class Stream:
         self._cancelled = False
         self._start = sequence.position
         self._listening = False
+        #: what the continuation of the step in flight decided: (its job id, outcome)
+        self._decided: tuple[int, _Outcome] | None = None
         self._ending = False            # _finish has begun: nothing more is recorded
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
                                 target=self._flow.row(), deadline_s=self._left())
@@ -582,6 +596,12 @@ class Stream:
             except CalfsmError as e:
                 self._on_error(e)
                 return
+        self._started(handle, request)
+
+    def _started(self, handle: JobHandle, request: Request) -> None:
+        """``handle`` runs ``request``, the stream's step in flight now: it carries the
+        stream's continuation, and the step after it is prepared (deferred)."""
+        handle.context.continuation = self._continue
         with self._lock:
             self._flow.handed_on(handle, request)
             cancelled = self._cancelled
@@ -603,76 +623,109 @@ class Stream:
             lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left),
             lambda: self._ending or self._cancelled)
 
+    # ---- a step's end: decide (on the completion side), then deliver ---------------
+    def _continue(self, job: JobContext, logits: np.ndarray) -> None:
+        """The job's continuation (see :class:`~calfsm.job.JobContext`): its KV is
+        committed and its handle not yet resolved. Decide what follows and, when the next
+        decode was prepared ahead, hand it to the submitter now, before the job's
+        callbacks run; what is left (waking the consumer, an ending, a next step that
+        must go the ordinary way) happens in :meth:`_step_done`."""
+        try:
+            outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
+                                   chain=job.handle)
+        except Exception as e:          # a bug: the stream ends, nobody is left waiting
+            log.exception("stream continuation of sequence %s failed", self.sequence.seq_id)
+            outcome = (FinishReason.ERROR, Internal(
+                f"unexpected {type(e).__name__} in a stream step: {e}",
+                seq_id=self.sequence.seq_id, stage="stream"), None)
+        with self._lock:
+            self._decided = (job.job_id, outcome)
+
     def _step_done(self, handle: JobHandle) -> None:
         try:
+            with self._lock:
+                decided, self._decided = self._decided, None
+            outcome = decided[1] if decided is not None and decided[0] == handle.job_id \
+                else None
             err = handle.exception(0)
             if err is not None:
                 self._on_error(err)
                 return
-            self._on_logits(handle.result(0))
+            if outcome is None:         # no continuation ran: decide here
+                job = handle.context
+                outcome = self._decide(handle.result(0).logits, job.timings,
+                                       job.past_len + job.token_count, chain=None)
+            self._deliver(outcome)
         except Exception as e:          # a bug must not leave the consumer waiting
             log.exception("stream step of sequence %s failed", self.sequence.seq_id)
             self._finish(FinishReason.ERROR, e if isinstance(e, CalfsmError) else Internal(
                 f"unexpected {type(e).__name__} in a stream step: {e}",
                 seq_id=self.sequence.seq_id, stage="stream"))
 
-    def _on_logits(self, result: InferenceResult) -> None:
-        """A step's logits are in: sample, hand the next step to the submitter, then
-        deliver the token (so the device is busy again while the caller reads it)."""
+    def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
+                chain: JobHandle | None) -> _Outcome:
+        """A step's logits are in: sample, record the token (not yet woken), and decide
+        how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
+        to run the ordinary way (its request and the step prepared for it). ``chain``:
+        the step's handle when this runs as its continuation; a prepared next decode is
+        then released at once, after it."""
         if self._cancelled:
-            self._finish(FinishReason.CANCELLED)
-            return
+            return FinishReason.CANCELLED, None, None
         flow = self._flow
         want, flow.replay_check = flow.replay_check, None
         try:
             # a replay after a resume draws nothing: the seeded sequence of draws goes
             # on as if no fault had happened; greedy checks the replay instead
             token = want if want is not None and not self.params.greedy \
-                else self._sampler.sample(result.logits)
+                else self._sampler.sample(logits)
         except CalfsmError as e:
-            self._finish(FinishReason.ERROR, e)
-            return
+            return FinishReason.ERROR, e, None
         if want is not None and token != want:
-            self._finish(FinishReason.ERROR, Internal(
+            return FinishReason.ERROR, Internal(
                 f"the replay after a reset gave token {token}, not {want}",
-                seq_id=self.sequence.seq_id, stage="resume"))
-            return
+                seq_id=self.sequence.seq_id, stage="resume"), None
         if want is None and self.params.is_stop(token):
-            self._finish(FinishReason.STOP)
-            return
-        position = self.sequence.position        # where ``token`` goes
-        # the token is the stream's from here (a next step that fails at once ends the
-        # stream with it), but the consumer is woken only after the next step went to
-        # the submitter
-        recorded = want is not None or self._record(token, result, position)
+            return FinishReason.STOP, None, None
+        # ``position``: where ``token`` goes. The token is the stream's from here (a next
+        # step that fails at once ends the stream with it), but the consumer is woken
+        # only after the next step went to the submitter
+        recorded = want is not None or self._record(token, timings, position)
         if not recorded:
-            self._finish(FinishReason.CANCELLED)
-            return
+            return FinishReason.CANCELLED, None, None
         if recorded == "stop":              # a stop sequence is complete: not delivered
-            self._finish(FinishReason.STOP)
-            return
-        delivered = len(self._tokens)
-        if delivered >= self.params.max_tokens or position >= self._max_seq:
-            reason: FinishReason | None = FinishReason.LENGTH
-        elif self._cancelled:
-            reason = FinishReason.CANCELLED
-        elif self._clock.now() >= self._deadline:
-            reason = FinishReason.DEADLINE
-        else:
-            reason = None
-            staged = flow.take(position)
-            target = flow.staged_row(staged)
-            self._submit(Request.decode(self.sequence.seq_id, token, position,
-                                        target=target, deadline_s=self._left()), staged)
+            return FinishReason.STOP, None, None
+        if len(self._tokens) >= self.params.max_tokens or position >= self._max_seq:
+            return FinishReason.LENGTH, None, None
+        if self._cancelled:
+            return FinishReason.CANCELLED, None, None
+        if self._clock.now() >= self._deadline:
+            return FinishReason.DEADLINE, DeadlineExceeded(
+                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"), None
+        staged = flow.take(position)
+        request = Request.decode(self.sequence.seq_id, token, position,
+                                 target=flow.staged_row(staged), deadline_s=self._left())
+        if chain is None:
+            return None, None, (request, staged)
+        if staged is not None:
+            handle = self.sequence.release(staged, request, after=chain)
+            if handle is not None:
+                self._started(handle, request)
+                return None, None, None
+        # nothing prepared (or it is gone): the ordinary way, once the step has resolved
+        return None, None, (request, None)
+
+    def _deliver(self, outcome: _Outcome) -> None:
+        """Run what :meth:`_decide` left (the next step the ordinary way), then wake the
+        consumer, then end the stream if it ends here."""
+        reason, error, pending = outcome
+        if pending is not None:
+            self._submit(*pending)
         with self._lock:
             self._wake_locked()
-        if reason is FinishReason.DEADLINE:
-            self._finish(reason, DeadlineExceeded(
-                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"))
-        elif reason is not None:
-            self._finish(reason)
+        if reason is not None:
+            self._finish(reason, error)
 
-    def _record(self, token: int, result: InferenceResult, position: int) -> bool | str:
+    def _record(self, token: int, timings: Any, position: int) -> bool | str:
         """Make ``token`` the stream's (not yet woken); False if a cancel or the end of
         the stream came first: then nothing is delivered. With stop sequences, the
         tokens that may begin one are held back; ``"stop"`` when one is complete (its
@@ -685,7 +738,7 @@ class Stream:
             tokens = self._tokens
             tokens.append(token)
             self._times.append(now)
-            event = TokenEvent(token, position, len(tokens) - 1, result.timings)
+            event = TokenEvent(token, position, len(tokens) - 1, timings)
             if not params.holds_back:
                 self._events.append(event)
                 self._delivered += 1
@@ -835,6 +888,12 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+#: what a step's end decided: (finish reason or None, its error, the next decode still to
+#: run the ordinary way: (request, the step prepared for it) or None)
+_Outcome = tuple[FinishReason | None, CalfsmError | None,
+                 tuple[Request, JobHandle | None] | None]
 
 
 def _settle(fut: asyncio.Future) -> None:
