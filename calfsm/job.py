@@ -100,6 +100,8 @@ class JobContext:
     #: budget is not charged for a recovery the job waited through
     unready_mark: float = 0.0
     holds_inflight: bool = False         # popped for submit, device not yet released
+    #: observers were told it was accepted (a step prepared ahead: only at its release)
+    announced: bool = True
     requeues: int = 0                    # times a transient submit error put it back
     ended: bool = False                  # resolved: its caller has the outcome
     waiting: bool = False                # counted among the jobs waiting for the device
