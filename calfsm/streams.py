@@ -642,6 +642,9 @@ class Stream:
             self._decided = (job.job_id, outcome)
 
     def _step_done(self, handle: JobHandle) -> None:
+        # the job holds the stream through its continuation: let go, however it ended
+        # (a sequence keeps its last job; the stream must not live on through it)
+        handle.context.continuation = None
         try:
             with self._lock:
                 decided, self._decided = self._decided, None
