@@ -11,6 +11,7 @@ driver's injected clock):
 ``submit``    (the only caller of ``infer``) cancel/deadline check -> infer -> Submitted
 ``complete``  (the only caller of ``wait``, holding no lock) wait -> status -> output
               check -> BF16->FP32 into the target -> KV commit -> undo slices ->
+              the job's continuation (a stream's next step to the submitter) ->
               resolve -> return the lease (spec 6.5's order)
 
 Who drives the steps is not this module's business: :mod:`calfsm.runtime` runs them on a

@@ -11,12 +11,15 @@ then releases the KV and gives the id back.
 
 :class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
 per token, each sampled (:mod:`calfsm.sampling`) from the float32 row of the job before.
-It is driven by job completions: when a job ends, its done-callback (on the completion
-side, holding no lock) samples, delivers the token event, and enqueues the next decode
-without blocking (``enqueue_nowait``: a job that must wait for KV or a buffer is parked,
-holding no thread). The consumer reads events as a sync iterator, an async iterator, or
-waits for the final :class:`GenerationResult`; ``cancel()`` stops it (a step on the
-device runs to its end and its token is dropped).
+It is driven by job completions: each step's job carries the stream's continuation,
+which the completion side runs once the output is checked and the KV committed, before
+the job resolves: it samples, records the token, and hands the next decode (prepared
+ahead by the stream's :class:`~calfsm.flow.Flow`) to the submitter. The job's
+done-callback (holding no lock) then wakes the consumer, or ends the stream, or enqueues
+a next decode that was not prepared without blocking (``enqueue_nowait``: a job that must
+wait for KV or a buffer is parked, holding no thread). The consumer reads events as a sync
+iterator, an async iterator, or waits for the final :class:`GenerationResult`;
+``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
 
 Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
 (a stop token; it is not delivered), ``cancelled``, ``deadline`` (the stream's deadline,
