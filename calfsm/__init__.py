@@ -41,7 +41,7 @@ from calfsm.manifest import (
     TensorContract,
     builtin_manifest,
 )
-from calfsm.observe import JobEnded, Observer
+from calfsm.observe import JobAccepted, JobEnded, Observer
 from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
 from calfsm.sampling import SamplingParams
@@ -78,6 +78,7 @@ __all__ = [
     "InferenceResult",
     "Internal",
     "InvalidArgument",
+    "JobAccepted",
     "JobEnded",
     "JobHandle",
     "JobTimings",

@@ -51,6 +51,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.observe import JobAccepted, Observer
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.serve import cli as serve_cli
@@ -128,43 +129,44 @@ def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,
     return load_driver(name, manifest_or_calbin=manifest, **kw)
 
 
-class CountingExecutor(DeviceExecutor):
-    """A :class:`DeviceExecutor` that counts every job enqueued, and the refusals at
-    enqueue by category, on every entry: ``enqueue`` (the jobs path), ``enqueue_nowait``
-    and ``release_staged`` (a stream's steps, the ordinary way or prepared ahead; a step
-    prepared ahead and discarded never ran, and is not a job here): the summary accounts
-    for every job tried."""
+class CountingExecutor(DeviceExecutor, Observer):
+    """A :class:`DeviceExecutor` that counts every job tried, and the refusals at enqueue
+    by category: the summary accounts for every job. It observes itself: a job accepted
+    is a ``job_accepted`` event (``enqueue``, ``enqueue_nowait``, and a stream's step
+    prepared ahead once it is released to run; a step prepared ahead and discarded never
+    ran, and is not a job here). A refusal is counted where its caller gets it, at the
+    two public entries, whatever below them raised it; a job tried is one accepted or
+    refused."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._count_lock = threading.Lock()
         self.jobs_enqueued = 0
         self.jobs_refused: Counter[str] = Counter()     # category -> jobs refused
         super().__init__(*args, **kwargs)
+        self.add_observer(self)
 
-    def enqueue(self, request: Request) -> JobHandle:
-        return self._counted(super().enqueue, request)
-
-    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
-        return self._counted(lambda r: super(CountingExecutor, self).enqueue_nowait(
-            r, continuing=continuing), request)
-
-    def release_staged(self, handle: JobHandle, request: Request) -> bool:
-        released = super().release_staged(handle, request)
-        if released:
-            with self._count_lock:
-                self.jobs_enqueued += 1
-        return released
-
-    def _counted(self, enqueue: Callable[[Request], JobHandle], request: Request
-                 ) -> JobHandle:
+    def job_accepted(self, event: JobAccepted) -> None:
         with self._count_lock:
             self.jobs_enqueued += 1
+
+    def enqueue(self, request: Request) -> JobHandle:
         try:
-            return enqueue(request)
+            return super().enqueue(request)
         except CalfsmError as e:
-            with self._count_lock:
-                self.jobs_refused[e.category.value] += 1
+            self._refused(e)
             raise
+
+    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
+        try:
+            return super().enqueue_nowait(request, continuing=continuing)
+        except CalfsmError as e:
+            self._refused(e)
+            raise
+
+    def _refused(self, err: CalfsmError) -> None:
+        with self._count_lock:
+            self.jobs_enqueued += 1
+            self.jobs_refused[err.category.value] += 1
 
     def enqueue_counts(self) -> tuple[int, dict[str, int]]:
         """(jobs enqueued, category -> jobs refused at enqueue), a snapshot."""

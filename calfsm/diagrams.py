@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from calfsm.machines import (
+    FLOW_MACHINE,
     JOB_MACHINE,
     KV_MACHINE,
     LIFECYCLE_MACHINE,
@@ -41,6 +42,7 @@ MACHINES: dict[str, tuple[DeclaredMachine, str]] = {
     "kv": (KV_MACHINE, "calfsm/machines/kv.py"),
     "lifecycle": (LIFECYCLE_MACHINE, "calfsm/machines/lifecycle.py"),
     "sequence": (SEQUENCE_MACHINE, "calfsm/machines/sequence.py"),
+    "flow": (FLOW_MACHINE, "calfsm/machines/flow.py"),
 }
 
 DEFAULT_OUT = Path("docs/machines")

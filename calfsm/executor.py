@@ -87,6 +87,7 @@ class DeviceExecutor:
                 default_deadline_s=cfg.default_deadline_s,
                 zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
             service=self.service, apply=self._apply, drain=self.recover)
+        self._steps = StreamSteps(self._pipeline)     # the streams' plumbing, not the facade's
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
             service=self.service,
@@ -173,7 +174,7 @@ class DeviceExecutor:
         except CalfsmError:
             self._sequences.give_back(seq_id)
             raise
-        return Sequence(self, seq_id, self._sequences)
+        return Sequence(self, seq_id, self._sequences, self._steps)
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
@@ -224,29 +225,6 @@ class DeviceExecutor:
         self.live_streams.admit(prompt_tokens=n, max_new=max(1, min(params.max_tokens,
                                                                     max_seq - n + 1)),
                                 deadline=deadline)
-
-    # ---- overlap scheduling: a stream's next step prepared ahead ---------------------
-    def stage(self, request: Request) -> JobHandle | None:
-        """Prepare ``request`` (a stream's next step, its token a placeholder) while the
-        step before it runs: a slot leased and the inputs written, no KV, no queue.
-        None when that cannot be done now (the step then goes the ordinary way)."""
-        job = self._pipeline.stage(request, self._pipeline.cancel)
-        return None if job is None else job.handle
-
-    def release_staged(self, handle: JobHandle, request: Request) -> bool:
-        """Run a staged step with its real ``request`` (the token now known): KV reserved
-        and queued for submit at once. False if the step is gone (it has its outcome)."""
-        return self._pipeline.release_staged(handle.context, request)
-
-    def discard_staged(self, handle: JobHandle) -> None:
-        """A staged step that will not run: its slot comes back (outcome discarded)."""
-        self._pipeline.discard_staged(handle.context, Cancelled(
-            "a step prepared ahead was not needed", stage="stage",
-            job_id=handle.job_id, seq_id=handle.seq_id))
-
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` soon on the admission side, outside every lock."""
-        self._pipeline.defer(fn)
 
     def decode_sync(self, request: Request, timeout: float | None = None) -> InferenceResult:
         """Synchronous compatibility entry (spec 6.1): enqueue and wait for the result."""
@@ -488,3 +466,43 @@ def _shutdown_cancel(job: JobContext, retry_after_s: float) -> Cancelled:
     return Cancelled("cancelled by shutdown", stage="shutdown", job_id=job.job_id,
                      seq_id=job.seq_id, generation=job.generation,
                      retry_after_s=retry_after_s)
+
+
+class StreamSteps:
+    """The overlap plumbing a sequence's streams use (:class:`~calfsm.streams.StepPort`),
+    kept off the facade: the executor hands it only to the sequences it opens, so a
+    caller's request reaches the device only through the validated entries."""
+
+    __slots__ = ("_pipeline",)
+
+    def __init__(self, pipeline: Pipeline) -> None:
+        self._pipeline = pipeline
+
+    def stage(self, request: Request) -> JobHandle | None:
+        """Prepare ``request`` (a stream's next step, its token a placeholder) while the
+        step before it runs: a slot leased and the inputs written, no KV, no queue.
+        None when that cannot be done now (the step then goes the ordinary way)."""
+        job = self._pipeline.stage(request, self._pipeline.cancel)
+        return None if job is None else job.handle
+
+    def release(self, handle: JobHandle, request: Request) -> bool:
+        """Run a staged step with its real ``request`` (the token now known), validated
+        as any request is: KV reserved and queued for submit at once. False if the step
+        is gone (it has its outcome)."""
+        return self._pipeline.release_staged(handle.context, request)
+
+    def discard(self, handle: JobHandle) -> None:
+        """A staged step that will not run: its slot comes back (outcome discarded)."""
+        self._pipeline.discard_staged(handle.context, Cancelled(
+            "a step prepared ahead was not needed", stage="stage",
+            job_id=handle.job_id, seq_id=handle.seq_id))
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` soon on the admission side, outside every lock."""
+        self._pipeline.defer(fn)
+
+
+def step_port(executor: DeviceExecutor) -> StreamSteps:
+    """The overlap plumbing ``executor`` keeps off its facade, for tests and tools that
+    drive a staged step directly (what its sequences' streams do)."""
+    return executor._steps

@@ -100,12 +100,18 @@ class JobContext:
     #: budget is not charged for a recovery the job waited through
     unready_mark: float = 0.0
     holds_inflight: bool = False         # popped for submit, device not yet released
+    #: observers were told it was accepted (a step prepared ahead: only at its release)
+    announced: bool = True
     requeues: int = 0                    # times a transient submit error put it back
     ended: bool = False                  # resolved: its caller has the outcome
     waiting: bool = False                # counted among the jobs waiting for the device
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
     epoch: Any = None                    # the executor generation record it belongs to
+    #: a stream's next step, decided on the completion side: called with the job and its
+    #: float32 logits once its output is checked and its KV committed, before its handle
+    #: resolves (so the step after it can reach the submitter first); run once
+    continuation: Callable[[JobContext, np.ndarray], None] | None = None
 
 
 class JobHandle:

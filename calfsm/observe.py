@@ -7,14 +7,30 @@ An observer is any object with some of the methods of :class:`Observer` (subclas
 override what you need). ``executor.add_observer(obs)`` registers it in the executor's
 :class:`Observers`; from then on each event calls the observers that implement it:
 
-``job_ended(JobEnded)``            every accepted job, exactly once, just *before* its
-                                   handle resolves (a caller that has the result sees it
-                                   counted); with its timings, request, result or error
+``job_accepted(JobAccepted)``      a job was accepted to run: every job ``enqueue`` or
+                                   ``enqueue_nowait`` accepted (before the call returns),
+                                   and a stream's step prepared ahead when its token is
+                                   known and it is released to run (``staged``)
+``job_refused(error, request)``    ``enqueue`` or ``enqueue_nowait`` raised ``error`` for
+                                   ``request``: no job exists (a bad argument included)
+``job_ended(JobEnded)``            every job, exactly once, just *before* its handle
+                                   resolves (a caller that has the result sees it
+                                   counted); with its timings, request, result or error.
+                                   Every announced job's end follows its job_accepted;
+                                   a step prepared ahead that was never released
+                                   (``discarded``, or failed or taken by a drain or
+                                   close before that) never ran, and ends with
+                                   ``announced=False``
 ``stream_started(stream)``         a generation stream was created
 ``stream_resumed(stream)``         a stream replays its history after a reset lost its KV
 ``stream_ended(stream, result)``   a stream finished (once), with its GenerationResult
 ``request_rejected(error, reason)`` a request refused at once, before any job existed:
                                    ``reason`` is one of :data:`REJECTION_REASONS`
+
+So ``job_accepted`` and ``job_refused`` account for every call of the two entries, and
+the ends with ``announced`` pair one to one with the ``job_accepted`` before them (the
+soak's job ledger and ``calfsm run``'s job count are such observers). An observer added
+while jobs run sees the ends of jobs accepted before it came.
 
 Observers are called on the executor's threads (the completion side, the admission side,
 a caller's thread) holding none of the executor's locks, like a handle's done-callbacks.
@@ -49,8 +65,8 @@ from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.results import GenerationResult
 
-__all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "JobEnded", "Observer",
-           "Observers", "StreamView", "rejection_reason"]
+__all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "JobAccepted", "JobEnded",
+           "Observer", "Observers", "StreamView", "rejection_reason"]
 
 
 class StreamView(Protocol):
@@ -100,8 +116,23 @@ def rejection_reason(err: CalfsmError, *, opening: bool = False) -> str | None:
 
 
 #: the observer methods the executor calls
-EVENTS = ("job_ended", "stream_started", "stream_resumed", "stream_ended",
-          "request_rejected")
+EVENTS = ("job_accepted", "job_refused", "job_ended", "stream_started", "stream_resumed",
+          "stream_ended", "request_rejected")
+
+
+@attrs.frozen(slots=True)
+class JobAccepted:
+    """One job accepted to run, as observers see it. ``staged``: a stream's step
+    prepared ahead, announced when it is released with its real ``request`` (its token
+    known); ``accepted`` is when the job was made (clock seconds)."""
+
+    job_id: int
+    seq_id: int
+    generation: int
+    kind: TaskKind
+    request: Request
+    accepted: float
+    staged: bool = False
 
 
 @attrs.frozen(slots=True)
@@ -109,7 +140,7 @@ class JobEnded:
     """One job's end, as observers see it. ``timings`` are clock seconds (durations in
     ms); ``output`` is the raw BF16 output tensor of a job whose completion was judged bad
     (status, size or values; the slot is quarantined, so the array stays as the device
-    left it), else None."""
+    left it), else None. ``announced``: see :class:`Observer`."""
 
     job_id: int
     seq_id: int
@@ -121,13 +152,27 @@ class JobEnded:
     result: InferenceResult | None = None
     error: CalfsmError | None = None
     output: np.ndarray | None = attrs.field(default=None, eq=False, repr=False)
+    #: job_accepted was called for this job (False: a step prepared ahead that ended
+    #: before it was released; it never ran)
+    announced: bool = True
 
 
 class Observer:
     """The observer protocol, as no-op methods: override the events you want."""
 
+    def job_accepted(self, event: JobAccepted) -> None:
+        """A job was accepted to run: by ``enqueue``/``enqueue_nowait`` (before it
+        returns), or a stream's step prepared ahead, when it is released (``staged``).
+        Its job_ended follows, once."""
+
+    def job_refused(self, error: CalfsmError, request: Any) -> None:
+        """``enqueue`` or ``enqueue_nowait`` raised ``error`` (what the caller got) for
+        ``request``; no job exists. Unlike :meth:`request_rejected`, a misuse (a bad
+        argument) is reported too, and ``open_sequence``/``generate`` refusals are not."""
+
     def job_ended(self, event: JobEnded) -> None:
-        """A job ended (every accepted job, once, before its handle resolves)."""
+        """A job ended (every job, once, before its handle resolves). A step prepared
+        ahead that never ran ends ``announced=False`` (no job_accepted came for it)."""
 
     def stream_started(self, stream: StreamView) -> None:
         """A generation stream was created (its prefill is on its way)."""
@@ -145,7 +190,7 @@ class Observer:
 class Observers:
     """The observers of one executor; every event is a method that calls them all."""
 
-    __slots__ = ("_all", "_fns", "_lock", "jobs")
+    __slots__ = ("_all", "_fns", "_lock", "accepts", "jobs")
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -153,6 +198,8 @@ class Observers:
         self._fns: dict[str, tuple[Any, ...]] = dict.fromkeys(EVENTS, ())
         #: someone listens to job_ended (the pipeline builds a JobEnded only then)
         self.jobs = False
+        #: someone listens to job_accepted (the pipeline builds a JobAccepted only then)
+        self.accepts = False
 
     def add(self, observer: Any) -> None:
         """Register ``observer`` (an :class:`Observer`, or any object with some of its
@@ -187,6 +234,7 @@ class Observers:
                               and getattr(type(o), name, None) is not base)
         self._all, self._fns = observers, fns
         self.jobs = bool(fns["job_ended"])
+        self.accepts = bool(fns["job_accepted"])
 
     def _call(self, name: str, *args: Any) -> None:
         for fn in self._fns[name]:
@@ -196,6 +244,13 @@ class Observers:
                 log.exception("observer %r raised in %s", fn, name)
 
     # ---- the events ----------------------------------------------------------------
+    def job_accepted(self, event: JobAccepted) -> None:
+        self._call("job_accepted", event)
+
+    def job_refused(self, error: CalfsmError, request: Any) -> None:
+        if self._fns["job_refused"]:
+            self._call("job_refused", error, request)
+
     def job_ended(self, event: JobEnded) -> None:
         self._call("job_ended", event)
 

@@ -11,6 +11,7 @@ driver's injected clock):
 ``submit``    (the only caller of ``infer``) cancel/deadline check -> infer -> Submitted
 ``complete``  (the only caller of ``wait``, holding no lock) wait -> status -> output
               check -> BF16->FP32 into the target -> KV commit -> undo slices ->
+              the job's continuation (a stream's next step to the submitter) ->
               resolve -> return the lease (spec 6.5's order)
 
 Who drives the steps is not this module's business: :mod:`calfsm.runtime` runs them on a
@@ -67,7 +68,7 @@ from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.job import JOB_MACHINE, JobState
 from calfsm.machines.lifecycle import LifecycleState
-from calfsm.observe import JobEnded, Observers
+from calfsm.observe import JobAccepted, JobEnded, Observers
 from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.request import check_request
 from calfsm.service import ServiceModel
@@ -317,10 +318,35 @@ class Pipeline:
 
     # ---- request side: accept -> admit -> prepare ----------------------------------
     def accept(self, request: Request, canceller: Callable[[JobContext], None], *,
-               continuing: bool = False) -> JobContext:
+               continuing: bool = False, staging: bool = False) -> JobContext:
         """Gate, then make the job and its handle; raises only for a closed or non-Ready
         executor, a full wait queue (or a bad ``request`` type). Every accepted job has
-        one outcome. ``continuing``: a running stream's next step (see JobContext)."""
+        one outcome. ``continuing``: a running stream's next step (see JobContext).
+        Observers hear of the job (job_accepted) or of the refusal (job_refused) here,
+        holding no lock; ``staging``: a step prepared ahead, announced only when it is
+        released (:meth:`release_staged`), and a refusal is not the caller's."""
+        try:
+            job = self._make_job(request, canceller, continuing)
+        except CalfsmError as e:
+            if not staging:
+                self.observers.job_refused(e, request)
+            raise
+        if staging:
+            job.announced = False           # at its release, if it is released
+        else:
+            self._announce(job, request, staged=False)
+        return job
+
+    def _announce(self, job: JobContext, request: Request, *, staged: bool) -> None:
+        """job_accepted for ``job`` (``request``: a staged step's real one)."""
+        job.announced = True
+        if self.observers.accepts:
+            self.observers.job_accepted(JobAccepted(
+                job.job_id, job.seq_id, job.generation, job.kind, request,
+                job.timings.accepted, staged))
+
+    def _make_job(self, request: Request, canceller: Callable[[JobContext], None],
+                  continuing: bool) -> JobContext:
         if not isinstance(request, Request):
             raise InvalidArgument(f"enqueue takes a Request, got {type(request).__name__}",
                                   stage="request")
@@ -581,7 +607,7 @@ class Pipeline:
         except (ResourceExhausted, Unavailable):
             return None
         try:
-            job = self.accept(request, canceller, continuing=True)
+            job = self.accept(request, canceller, continuing=True, staging=True)
         except CalfsmError:
             epoch.pool.release(lease)
             return None
@@ -610,6 +636,9 @@ class Pipeline:
                 return False
             self._staged.remove(job)
         job.timings.released = self.clock.now()
+        # it runs (or ends) from here: a job accepted, with its real request
+        self._announce(job, request if isinstance(request, Request) else job.request,
+                       staged=True)
         try:
             # the real request is checked as any request is, and must be the step that
             # was staged (its sequence, kind and position): a caller's bad argument never
@@ -1049,6 +1078,7 @@ class Pipeline:
             # with a sequence whose KV nobody vouches for
             self._kv_commit_failed(job, e)
             return
+        self._continue(job, logits)
         now = self.clock.now()
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
@@ -1071,8 +1101,22 @@ class Pipeline:
             job.handle._resolve(None, err)
         job.epoch.pool.release(lease)
         self.hooks.job_parked()         # a slot and KV came free: admission may go on
-        self.service.observe(job.kind, job.token_count, job.timings.submitted, t1)
+        self.service.observe(job.kind, job.token_count, job.timings.queued, t1)
         self.faults.succeeded()
+
+    def _continue(self, job: JobContext, logits: Any) -> None:
+        """Run the job's continuation (a stream's next step: sample, then hand the step
+        prepared ahead to the submitter) before the job resolves: the device gets its
+        next step before the caller's callbacks run. A continuation that raises is a bug
+        of its owner, logged; its stream then goes on the ordinary way."""
+        cont, job.continuation = job.continuation, None
+        if cont is None or job.cancel_requested:
+            return
+        try:
+            cont(job, logits)
+        except Exception:
+            log.exception("the continuation of job %s raised", job.job_id,
+                          extra=_ctx(job, "continue"))
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """The job ran and its slot is clean, but its KV could not be committed."""
@@ -1196,7 +1240,7 @@ class Pipeline:
         a caller that has the outcome finds it counted."""
         self.observers.job_ended(JobEnded(
             job.job_id, job.seq_id, job.generation, job.kind, outcome, job.timings,
-            job.request, result, err, output))
+            job.request, result, err, output, job.announced))
 
     def _count_outcome(self, outcome: str, err: CalfsmError) -> None:
         cat = err.category.value

@@ -14,12 +14,15 @@ token (a prefill of ``n`` tokens costs about ``decode + n * per_token``). The
   point where ``health()`` suspects one (:meth:`suspect_after_s`, half of that timeout).
   Traffic never lowers or raises it: a device that slowly degrades must not stretch its
   own hang detector, and a burst of fast jobs must not make a slow prefill look hung.
-- **measured** — an exponentially weighted mean, over completed jobs, of the device time
-  each job added: the interval from the later of its submit and the previous completion
-  to its own completion. With one job in flight that is the job's time on the device;
-  with two on Ping/Pong it is the interval between completions (the throughput, which is
-  what a queue drains at). Admission plans with it (:mod:`calfsm.capacity`); before the
-  first completion of a kind it is the expectation.
+- **measured** — an exponentially weighted mean, over completed jobs, of the time each
+  job added: the interval from the later of its joining the submit queue and the
+  previous completion to its own completion. With a backlog that is the interval between
+  completions (the throughput, which is what a queue drains at), host time between one
+  completion and the next submit included: on a busy host that time is not small beside
+  a short step, and leaving it out made admission accept bursts that then ran late. With
+  two on Ping/Pong it is likewise the interval between completions. Admission plans with
+  it (:mod:`calfsm.capacity`); before the first completion of a kind it is the
+  expectation.
 
 A hang is then caught after about ten expected steps (1 s for a 10 ms decode), well
 inside the admission and queue budgets of the jobs waiting behind it (10 s by default),
@@ -124,9 +127,10 @@ class ServiceModel:
         return 0.5 * self.execution_timeout_s(kind, tokens)
 
     # ---- the measurement -----------------------------------------------------------
-    def observe(self, kind: TaskKind, tokens: int, submitted: float, done: float) -> None:
-        """A job completed: fold the device time it added into the measured means."""
-        start = submitted if submitted > self._last_done else self._last_done
+    def observe(self, kind: TaskKind, tokens: int, queued: float, done: float) -> None:
+        """A job completed: fold the time it added into the measured means (``queued``:
+        when it joined the submit queue)."""
+        start = queued if queued > self._last_done else self._last_done
         self._last_done = done
         added = done - start
         if not added >= 0.0:

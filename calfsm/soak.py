@@ -15,8 +15,8 @@ the calls at its point, aimed at the clients' sequences), or a plan file.
 
 Two ledgers account for everything: every request is issued once and must be answered
 once (a refusal at the call, or a stream's result), every job the executor accepts must
-end once (:class:`SoakExecutor` hooks the executor's three entries, as ``calfsm run``
-does). A sampler thread records a :class:`~calfsm.soak_gates.Sample` every
+end once (:class:`SoakExecutor` observes the jobs accepted and ended, as ``calfsm
+run`` counts them). A sampler thread records a :class:`~calfsm.soak_gates.Sample` every
 ``--sample-every`` seconds: RSS, leased and quarantined buffers, generation, lifecycle,
 recoveries, faults fired, open requests and jobs, the latency percentiles of the
 window, and the device time covered so far. When the time is up the clients finish what
@@ -58,13 +58,13 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.job import JobHandle, Request
 from calfsm.manifest import (
     Manifest,
     TaskKind,
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.observe import JobAccepted, JobEnded, Observer
 from calfsm.sampling import SamplingParams
 from calfsm.soak_gates import (
     DEVICE_CATEGORIES,
@@ -204,9 +204,13 @@ class SoakResult:
         return all(g.passed for g in self.gates)
 
 
-class SoakExecutor(DeviceExecutor):
+class SoakExecutor(DeviceExecutor, Observer):
     """A :class:`DeviceExecutor` whose every accepted job is booked in a ledger and must
-    end exactly once; a device-side job error is explained against the fault plan."""
+    end exactly once; a device-side job error is explained against the fault plan. It
+    observes itself: ``job_accepted`` books a job (one ``enqueue`` or ``enqueue_nowait``
+    accepted, or a stream's step prepared ahead once it is released), ``job_ended``
+    answers it; a step prepared ahead that never ran (``announced`` False) is no job
+    here."""
 
     def __init__(self, driver: Driver, manifest: Manifest, config: ExecutorConfig, *,
                  tally: Tally, lock: threading.Lock) -> None:
@@ -215,41 +219,30 @@ class SoakExecutor(DeviceExecutor):
         self._open_jobs: dict[int, None] = {}
         self._rules = tuple(getattr(driver, "faults", FaultPlan.none()).rules)
         super().__init__(driver, manifest, config)
+        self.add_observer(self)
 
     @property
     def open_jobs(self) -> int:
         with self._ledger_lock:
             return len(self._open_jobs)
 
-    def enqueue(self, request: Request) -> JobHandle:
-        return self._book(super().enqueue(request))
-
-    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
-        return self._book(super().enqueue_nowait(request, continuing=continuing))
-
-    def release_staged(self, handle: JobHandle, request: Request) -> bool:
-        released = super().release_staged(handle, request)
-        if released:
-            self._book(handle)
-        return released
-
-    def _book(self, handle: JobHandle) -> JobHandle:
+    def job_accepted(self, event: JobAccepted) -> None:
         with self._ledger_lock:
             self._tally.jobs += 1
-            self._open_jobs[handle.job_id] = None
-        handle.add_done_callback(self._job_ended)
-        return handle
+            self._open_jobs[event.job_id] = None
 
-    def _job_ended(self, handle: JobHandle) -> None:
-        err = handle.exception(0)
+    def job_ended(self, event: JobEnded) -> None:
+        if not event.announced:
+            return
+        err = event.error
         why = None if err is None else explain(err, self._rules, self.generation)
         t = self._tally
         with self._ledger_lock:
-            if self._open_jobs.pop(handle.job_id, False) is False:
+            if self._open_jobs.pop(event.job_id, False) is False:
                 t.double_answers += 1
                 return
             t.jobs_answered += 1
-            timings = handle.context.timings
+            timings = event.timings
             if timings.submitted and timings.completed >= timings.submitted:
                 t.device_busy_s += timings.completed - timings.submitted
             if err is None or why in ("other", "refusal"):

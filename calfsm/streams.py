@@ -11,12 +11,15 @@ then releases the KV and gives the id back.
 
 :class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
 per token, each sampled (:mod:`calfsm.sampling`) from the float32 row of the job before.
-It is driven by job completions: when a job ends, its done-callback (on the completion
-side, holding no lock) samples, delivers the token event, and enqueues the next decode
-without blocking (``enqueue_nowait``: a job that must wait for KV or a buffer is parked,
-holding no thread). The consumer reads events as a sync iterator, an async iterator, or
-waits for the final :class:`GenerationResult`; ``cancel()`` stops it (a step on the
-device runs to its end and its token is dropped).
+It is driven by job completions: each step's job carries the stream's continuation,
+which the completion side runs once the output is checked and the KV committed, before
+the job resolves: it samples, records the token, and hands the next decode (prepared
+ahead by the stream's :class:`~calfsm.flow.Flow`) to the submitter. The job's
+done-callback (holding no lock) then wakes the consumer, or ends the stream, or enqueues
+a next decode that was not prepared without blocking (``enqueue_nowait``: a job that must
+wait for KV or a buffer is parked, holding no thread). The consumer reads events as a sync
+iterator, an async iterator, or waits for the final :class:`GenerationResult`;
+``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
 
 Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
 (a stop token; it is not delivered), ``cancelled``, ``deadline`` (the stream's deadline,
@@ -56,10 +59,10 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from calfsm.job import InferenceResult, JobHandle, drop_tracebacks
+from calfsm.flow import Flow
+from calfsm.job import JobContext, JobHandle, drop_tracebacks
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
-from calfsm.machines.job import JobState
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
@@ -95,15 +98,22 @@ class ExecutorFace(Protocol):
     def enqueue_nowait(self, request: Request, *, continuing: bool = False
                        ) -> JobHandle: ...
 
+    def reset_sequence(self, seq_id: int) -> None: ...
+
+
+class StepPort(Protocol):
+    """The core's overlap plumbing: a step prepared ahead, run with its real request, or
+    handed back, and work deferred to the admission side. The executor hands it to the
+    sequences it opens, and to nobody else: a caller's requests reach the device only
+    through the validated entries (``enqueue``, ``Sequence.run``)."""
+
     def stage(self, request: Request) -> JobHandle | None: ...
 
-    def release_staged(self, handle: JobHandle, request: Request) -> bool: ...
+    def release(self, handle: JobHandle, request: Request) -> bool: ...
 
-    def discard_staged(self, handle: JobHandle) -> None: ...
+    def discard(self, handle: JobHandle) -> None: ...
 
     def defer(self, fn: Callable[[], None]) -> None: ...
-
-    def reset_sequence(self, seq_id: int) -> None: ...
 
 
 class SequenceAllocator:
@@ -141,9 +151,10 @@ class Sequence:
     Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
 
     def __init__(self, executor: ExecutorFace, seq_id: int,
-                 allocator: SequenceAllocator) -> None:
+                 allocator: SequenceAllocator, steps: StepPort) -> None:
         self.executor = executor
         self.seq_id = seq_id
+        self._steps = steps
         self.state: str = SequenceState.OPEN.value
         self._allocator = allocator
         self._lock = threading.Condition(threading.Lock())
@@ -217,24 +228,41 @@ class Sequence:
         scheduling); None if it cannot be prepared now."""
         if request.seq_id != self.seq_id or self.state == SequenceState.LOST:
             return None
-        return self.executor.stage(request)
+        return self._steps.stage(request)
 
-    def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
+    def discard(self, staged: JobHandle) -> None:
+        """A step prepared by :meth:`stage` that will not run: its slot comes back."""
+        self._steps.discard(staged)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` soon on the executor's admission side, outside every lock."""
+        self._steps.defer(fn)
+
+    def release(self, staged: JobHandle, request: Request, *,
+                after: JobHandle | None = None) -> JobHandle | None:
         """Run a staged step with its real request; None (nothing run) if the sequence
         cannot take it now or the step is gone — the caller then runs it the ordinary
-        way."""
+        way. ``after``: the sequence's running job, whose KV is committed and whose
+        handle has not resolved yet (a stream's continuation): the step follows it
+        without the sequence going Open in between."""
         with self._lock:
-            if self.state != SequenceState.OPEN or self._kv_lost():
+            if self._kv_lost():
                 ok = False
-            else:
+            elif after is not None:
+                ok = self.state == SequenceState.BUSY and self._last is after
+            elif self.state == SequenceState.OPEN:
                 _fire(self, "start_job")
-                self._starting = ok = True
+                ok = True
+            else:
+                ok = False
+            self._starting = self._starting or ok
         if not ok:
-            self.executor.discard_staged(staged)
+            self._steps.discard(staged)
             return None
-        if not self.executor.release_staged(staged, request):
+        if not self._steps.release(staged, request):
             with self._lock:
-                _fire_if(self, "job_ended")
+                if after is None:
+                    _fire_if(self, "job_ended")
                 self._started_locked(None)
             return None
         with self._lock:
@@ -274,7 +302,8 @@ class Sequence:
             self._position = job.past_len + job.token_count
         elif self._kv_lost():
             _fire_if(self, "lose")
-        _fire_if(self, "job_ended")
+        if handle is self._last:        # else a step chained after it runs: still Busy
+            _fire_if(self, "job_ended")
 
     def reset(self) -> None:
         """Forget the KV (after it was lost, or to start over): position 0, Open."""
@@ -407,26 +436,14 @@ class Stream:
         if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
             ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
                                   deadline=self._deadline, seq_id=sequence.seq_id)
-        self._resume = resume
-        self._max_resumes = max_resumes
-        self._resumes = 0
         self._close_sequence = close_sequence
-        # two logits rows: the step on the device writes one while the next is staged
-        # with the other (a row is the sampler's to consume until its step's token is out)
-        self._rows: tuple[np.ndarray, np.ndarray] | None = (
-            np.empty(contract.vocab, dtype=np.float32),
-            np.empty(contract.vocab, dtype=np.float32))
-        self._flip = 0
-        self._staged: JobHandle | None = None
-        self._staged_pos = -1
-        #: the highest position whose decode was handed on (staged or the ordinary way):
-        #: a step staged for it later would hold a slot nobody will use
-        self._handed = -1
-        self._next_pos = -1             # where the token of the step in flight goes
         self._tokens: list[int] = []
         self._times: list[float] = []
         self._t0 = now
         self._lock = threading.Condition(threading.Lock())
+        #: the next step: in flight, prepared ahead, rows, replay and resume budget
+        self._flow = Flow(sequence, self._lock, seq_id=sequence.seq_id,
+                          vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
         self._events: deque[TokenEvent] = deque()
         #: events held back: their tokens may begin a stop sequence (not yet delivered)
         self._held: list[TokenEvent] = []
@@ -434,16 +451,21 @@ class Stream:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._result: GenerationResult | None = None
         self._cancelled = False
-        self._handle: JobHandle | None = None
         self._start = sequence.position
-        self._replay_check: int | None = None
         self._listening = False
+        #: what the continuation of the step in flight decided: (its job id, outcome)
+        self._decided: tuple[int, _Outcome] | None = None
         self._ending = False            # _finish has begun: nothing more is recorded
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                target=self._row(), deadline_s=self._left())
+                                target=self._flow.row(), deadline_s=self._left())
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
+
+    @property
+    def flow_state(self) -> str:
+        """The state of the stream's flow (:class:`~calfsm.machines.flow.FlowState`)."""
+        return self._flow.state
 
     @property
     def started(self) -> float:
@@ -458,7 +480,7 @@ class Stream:
             if self._ending:
                 return False
             self._cancelled = True
-            handle = self._handle
+            handle = self._flow.inflight
             waiting = self._listening or handle is None or handle.done()
         if handle is not None:
             handle.cancel()
@@ -476,7 +498,7 @@ class Stream:
                 return False
             cancelled = self._cancelled     # the consumer's cancel came first: it stands
             self._cancelled = True
-            handle = self._handle
+            handle = self._flow.inflight
         # ended first, then the step cancelled: the step's own end (cancelled before
         # submit) must not become the stream's reason
         if cancelled:
@@ -557,15 +579,6 @@ class Stream:
             raise
 
     # ---- producer side (job completions) -------------------------------------------
-    def _row(self) -> np.ndarray:
-        """The logits row for the next step (alternating). A finished stream has let its
-        rows go: a step that races its end (its token is dropped) gets a row of its own."""
-        rows = self._rows
-        if rows is None:
-            return np.empty(self._sampler.vocab, dtype=np.float32)
-        self._flip ^= 1
-        return rows[self._flip]
-
     def _left(self) -> float | None:
         if math.isinf(self._deadline):
             return None
@@ -586,135 +599,139 @@ class Stream:
             except CalfsmError as e:
                 self._on_error(e)
                 return
+        self._started(handle, request)
+
+    def _started(self, handle: JobHandle, request: Request) -> None:
+        """``handle`` runs ``request``, the stream's step in flight now: it carries the
+        stream's continuation, and the step after it is prepared (deferred)."""
+        handle.context.continuation = self._continue
         with self._lock:
-            self._handle = handle
-            self._next_pos = request.past_len + request.token_count
+            self._flow.handed_on(handle, request)
             cancelled = self._cancelled
         if cancelled:
             handle.cancel()
         handle.add_done_callback(self._step_done)
         if not cancelled and self._worth_staging():
-            self.sequence.executor.defer(self._stage_next)
+            self.sequence.defer(self._stage_next)
 
     def _worth_staging(self) -> bool:
         """Another decode may follow the step in flight."""
         return len(self._tokens) + 1 < self.params.max_tokens \
-            and self._next_pos < self._max_seq
+            and self._flow.next_pos < self._max_seq
 
     def _stage_next(self) -> None:
-        """Prepare the decode that will carry the in-flight step's token (its token is a
-        placeholder until that step completes)."""
-        with self._lock:
-            if self._ending or self._cancelled or self._staged is not None:
-                return
-            pos = self._next_pos
-            inflight = self._handle
-        # only behind a live step that holds its own slot: a staged step waits for the
-        # one before it, so that one must never wait for a slot (no deadlock). A step
-        # that already ended (a fault: the stream may replay, whose prefill could wait
-        # for the very slot staged here) has nothing to stage behind.
-        if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED) \
-                or inflight.done():
-            return
-        staged = self.sequence.stage(Request.decode(
-            self.sequence.seq_id, 0, pos, target=self._row(), deadline_s=self._left()))
-        if staged is None:
-            return
-        with self._lock:
-            keep = not self._ending and not self._cancelled and self._next_pos == pos \
-                and self._staged is None and self._handed < pos and not self._taken(pos)
-            if keep:
-                self._staged, self._staged_pos = staged, pos
-        if not keep:                     # the step it was for completed meanwhile
-            self.sequence.executor.discard_staged(staged)
+        """Prepare the decode that will carry the in-flight step's token."""
+        seq_id, left = self.sequence.seq_id, self._left()
+        self._flow.stage_next(
+            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left),
+            lambda: self._ending or self._cancelled)
 
-    def _taken(self, pos: int) -> bool:
-        """The decode at ``pos`` already went the ordinary way."""
-        handle = self._handle
-        return handle is not None and handle.context.past_len >= pos
-
-    def _take_staged(self, pos: int) -> JobHandle | None:
-        """The step for ``pos`` if one was staged for it; from here the decode at ``pos``
-        is handed on, so a staging still under way for it discards its step (else that
-        step would hold a slot the ordinary job for ``pos`` may be waiting for: the
-        soak found two streams' orphaned steps holding both decode slots)."""
+    # ---- a step's end: decide (on the completion side), then deliver ---------------
+    def _continue(self, job: JobContext, logits: np.ndarray) -> None:
+        """The job's continuation (see :class:`~calfsm.job.JobContext`): its KV is
+        committed and its handle not yet resolved. Decide what follows and, when the next
+        decode was prepared ahead, hand it to the submitter now, before the job's
+        callbacks run; what is left (waking the consumer, an ending, a next step that
+        must go the ordinary way) happens in :meth:`_step_done`."""
+        try:
+            outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
+                                   chain=job.handle)
+        except Exception as e:          # a bug: the stream ends, nobody is left waiting
+            log.exception("stream continuation of sequence %s failed", self.sequence.seq_id)
+            outcome = (FinishReason.ERROR, Internal(
+                f"unexpected {type(e).__name__} in a stream step: {e}",
+                seq_id=self.sequence.seq_id, stage="stream"), None)
         with self._lock:
-            staged, self._staged = self._staged, None
-            self._handed = max(self._handed, pos)
-            ok = staged is not None and self._staged_pos == pos
-        if staged is not None and not ok:
-            self.sequence.executor.discard_staged(staged)
-        return staged if ok else None
+            self._decided = (job.job_id, outcome)
 
     def _step_done(self, handle: JobHandle) -> None:
+        # the job holds the stream through its continuation: let go, however it ended
+        # (a sequence keeps its last job; the stream must not live on through it)
+        handle.context.continuation = None
         try:
+            with self._lock:
+                decided, self._decided = self._decided, None
+            outcome = decided[1] if decided is not None and decided[0] == handle.job_id \
+                else None
             err = handle.exception(0)
             if err is not None:
                 self._on_error(err)
                 return
-            self._on_logits(handle.result(0))
+            if outcome is None:         # no continuation ran: decide here
+                job = handle.context
+                outcome = self._decide(handle.result(0).logits, job.timings,
+                                       job.past_len + job.token_count, chain=None)
+            self._deliver(outcome)
         except Exception as e:          # a bug must not leave the consumer waiting
             log.exception("stream step of sequence %s failed", self.sequence.seq_id)
             self._finish(FinishReason.ERROR, e if isinstance(e, CalfsmError) else Internal(
                 f"unexpected {type(e).__name__} in a stream step: {e}",
                 seq_id=self.sequence.seq_id, stage="stream"))
 
-    def _on_logits(self, result: InferenceResult) -> None:
-        """A step's logits are in: sample, hand the next step to the submitter, then
-        deliver the token (so the device is busy again while the caller reads it)."""
+    def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
+                chain: JobHandle | None) -> _Outcome:
+        """A step's logits are in: sample, record the token (not yet woken), and decide
+        how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
+        to run the ordinary way (its request and the step prepared for it). ``chain``:
+        the step's handle when this runs as its continuation; a prepared next decode is
+        then released at once, after it."""
         if self._cancelled:
-            self._finish(FinishReason.CANCELLED)
-            return
-        want, self._replay_check = self._replay_check, None
+            return FinishReason.CANCELLED, None, None
+        flow = self._flow
+        want, flow.replay_check = flow.replay_check, None
         try:
             # a replay after a resume draws nothing: the seeded sequence of draws goes
             # on as if no fault had happened; greedy checks the replay instead
             token = want if want is not None and not self.params.greedy \
-                else self._sampler.sample(result.logits)
+                else self._sampler.sample(logits)
         except CalfsmError as e:
-            self._finish(FinishReason.ERROR, e)
-            return
+            return FinishReason.ERROR, e, None
         if want is not None and token != want:
-            self._finish(FinishReason.ERROR, Internal(
+            return FinishReason.ERROR, Internal(
                 f"the replay after a reset gave token {token}, not {want}",
-                seq_id=self.sequence.seq_id, stage="resume"))
-            return
+                seq_id=self.sequence.seq_id, stage="resume"), None
         if want is None and self.params.is_stop(token):
-            self._finish(FinishReason.STOP)
-            return
-        position = self.sequence.position        # where ``token`` goes
-        # the token is the stream's from here (a next step that fails at once ends the
-        # stream with it), but the consumer is woken only after the next step went to
-        # the submitter
-        recorded = want is not None or self._record(token, result, position)
+            return FinishReason.STOP, None, None
+        # ``position``: where ``token`` goes. The token is the stream's from here (a next
+        # step that fails at once ends the stream with it), but the consumer is woken
+        # only after the next step went to the submitter
+        recorded = want is not None or self._record(token, timings, position)
         if not recorded:
-            self._finish(FinishReason.CANCELLED)
-            return
+            return FinishReason.CANCELLED, None, None
         if recorded == "stop":              # a stop sequence is complete: not delivered
-            self._finish(FinishReason.STOP)
-            return
-        delivered = len(self._tokens)
-        if delivered >= self.params.max_tokens or position >= self._max_seq:
-            reason: FinishReason | None = FinishReason.LENGTH
-        elif self._cancelled:
-            reason = FinishReason.CANCELLED
-        elif self._clock.now() >= self._deadline:
-            reason = FinishReason.DEADLINE
-        else:
-            reason = None
-            staged = self._take_staged(position)
-            target = staged.context.request.target if staged is not None else self._row()
-            self._submit(Request.decode(self.sequence.seq_id, token, position,
-                                        target=target, deadline_s=self._left()), staged)
+            return FinishReason.STOP, None, None
+        if len(self._tokens) >= self.params.max_tokens or position >= self._max_seq:
+            return FinishReason.LENGTH, None, None
+        if self._cancelled:
+            return FinishReason.CANCELLED, None, None
+        if self._clock.now() >= self._deadline:
+            return FinishReason.DEADLINE, DeadlineExceeded(
+                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"), None
+        staged = flow.take(position)
+        request = Request.decode(self.sequence.seq_id, token, position,
+                                 target=flow.staged_row(staged), deadline_s=self._left())
+        if chain is None:
+            return None, None, (request, staged)
+        if staged is not None:
+            handle = self.sequence.release(staged, request, after=chain)
+            if handle is not None:
+                self._started(handle, request)
+                return None, None, None
+        # nothing prepared (or it is gone): the ordinary way, once the step has resolved
+        return None, None, (request, None)
+
+    def _deliver(self, outcome: _Outcome) -> None:
+        """Run what :meth:`_decide` left (the next step the ordinary way), then wake the
+        consumer, then end the stream if it ends here."""
+        reason, error, pending = outcome
+        if pending is not None:
+            self._submit(*pending)
         with self._lock:
             self._wake_locked()
-        if reason is FinishReason.DEADLINE:
-            self._finish(reason, DeadlineExceeded(
-                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"))
-        elif reason is not None:
-            self._finish(reason)
+        if reason is not None:
+            self._finish(reason, error)
 
-    def _record(self, token: int, result: InferenceResult, position: int) -> bool | str:
+    def _record(self, token: int, timings: Any, position: int) -> bool | str:
         """Make ``token`` the stream's (not yet woken); False if a cancel or the end of
         the stream came first: then nothing is delivered. With stop sequences, the
         tokens that may begin one are held back; ``"stop"`` when one is complete (its
@@ -727,7 +744,7 @@ class Stream:
             tokens = self._tokens
             tokens.append(token)
             self._times.append(now)
-            event = TokenEvent(token, position, len(tokens) - 1, result.timings)
+            event = TokenEvent(token, position, len(tokens) - 1, timings)
             if not params.holds_back:
                 self._events.append(event)
                 self._delivered += 1
@@ -746,22 +763,22 @@ class Stream:
             self._finish(FinishReason.CANCELLED, err if isinstance(err, Cancelled) else None)
         elif isinstance(err, DeadlineExceeded) and self._clock.now() >= self._deadline:
             self._finish(FinishReason.DEADLINE, err)
-        elif self._resumable(err):
+        elif self._flow.resumable(self._lost(), err):
+            self._flow.lose()
             self._wait_for_ready()
         else:
-            if self._lost(err):
+            if self._lost():
                 err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost in a "
                                   f"device reset ({err.message})",
                                   seq_id=self.sequence.seq_id, stage="stream",
                                   retry_after_s=self.sequence.executor.lifecycle.retry_after_s)
             self._finish(FinishReason.ERROR, err)
 
-    def _lost(self, err: CalfsmError) -> bool:
-        return self.sequence.state == SequenceState.LOST or "lost in the reset" in err.message
-
-    def _resumable(self, err: CalfsmError) -> bool:
-        return self._resume and self._resumes < self._max_resumes and (
-            self._lost(err) or (isinstance(err, Unavailable) and err.retry_after_s is not None))
+    def _lost(self) -> bool:
+        """The step failed because the sequence's KV is gone: a structured fact of the
+        sequence (Lost, booked from the KV coordinator before this callback runs), never
+        read from an error's text."""
+        return self.sequence.state == SequenceState.LOST
 
     # ---- resume --------------------------------------------------------------------
     def _wait_for_ready(self) -> None:
@@ -789,7 +806,7 @@ class Stream:
             if self._cancelled:
                 self._finish(FinishReason.CANCELLED)
             elif life.ready:
-                ex.defer(self._replay)
+                self.sequence.defer(self._replay)
             else:
                 self._finish(FinishReason.ERROR, Unavailable(
                     f"device {life.state} while the stream waited to resume",
@@ -814,18 +831,14 @@ class Stream:
         except CalfsmError as e:
             self._finish(FinishReason.ERROR, e)
             return
-        with self._lock:            # a step staged for the lost generation's flow
-            staged, self._staged = self._staged, None
-        if staged is not None:
-            seq.executor.discard_staged(staged)
+        if not self._flow.begin_replay(self._tokens):
+            return                  # ended meanwhile (a shutdown's abort): nothing to do
         history = list(self.prompt) + self._tokens[:-1]
-        self._replay_check = self._tokens[-1] if self._tokens else None
-        self._resumes += 1
         seq.executor.observers.stream_resumed(self)
         _limited.warning("resume", "stream on sequence %s resumes after a reset: "
                          "replaying %s tokens", seq.seq_id, len(history),
                          extra={"seq_id": seq.seq_id, "stage": "resume"})
-        self._submit(Request.prefill(seq.seq_id, history, target=self._row(),
+        self._submit(Request.prefill(seq.seq_id, history, target=self._flow.row(),
                                      deadline_s=self._left()))
 
     # ---- ending --------------------------------------------------------------------
@@ -850,23 +863,16 @@ class Stream:
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
-                Usage(len(self.prompt), delivered), ttft, itl, error, self._resumes)
+                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes)
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         # observers first (holding no lock), so a consumer that has the result finds
         # the stream counted
         ex.observers.stream_ended(self, result)
-        with self._lock:
-            staged, self._staged = self._staged, None
-            # nothing more is sampled or stepped: let the rows and the last step go (a
-            # finished stream the caller keeps holds its result, not 2 x vocab floats)
-            self._rows = None
-            self._handle = None
         # what the stream held is handed back before its consumer is woken, so a
         # consumer that has the result and waits for the executor to be idle sees the
         # prepared step discarded and the one-shot sequence's release pending
-        if staged is not None:
-            self.sequence.executor.discard_staged(staged)
+        self._flow.end()
         if self._listening:
             self._listening = False
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
@@ -888,6 +894,12 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+#: what a step's end decided: (finish reason or None, its error, the next decode still to
+#: run the ordinary way: (request, the step prepared for it) or None)
+_Outcome = tuple[FinishReason | None, CalfsmError | None,
+                 tuple[Request, JobHandle | None] | None]
 
 
 def _settle(fut: asyncio.Future) -> None:

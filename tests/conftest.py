@@ -13,6 +13,7 @@ so the README's command and ``.ci/run`` run the same suite:
 from __future__ import annotations
 
 import os
+import threading
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -41,6 +42,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE)
 def _fresh_log_limits() -> None:
     """Each test sees its first warnings: the process-wide log rate limits start over."""
     lograte.reset()
+
+
+@pytest.fixture
+def thread_errors(monkeypatch: pytest.MonkeyPatch) -> list[BaseException]:
+    """Exceptions that escaped any thread during the test (``threading.excepthook``)."""
+    errors: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: errors.append(args.exc_value))
+    return errors
 
 
 @pytest.fixture(params=MODES)

@@ -241,3 +241,39 @@ def reference_stream(runner: Any, prompt: list[int], params: Any) -> list[int]:
             pos += 1
     finally:
         runner.release(0)
+
+
+def outcome(ex: DeviceExecutor, handle: Any, timeout: float = 20.0) -> Any:
+    """The job's error, or None if it succeeded (step mode: drive it there first)."""
+    if not ex.config.threaded:
+        StepScheduler(ex, seed=2).run_until(handle.done)
+    return handle.exception(timeout)
+
+
+def settle(ex: DeviceExecutor, predicate: Any = None, timeout: float = 20.0) -> None:
+    """Until Ready or Failed, idle, and ``predicate()`` holds."""
+    if not ex.config.threaded:
+        StepScheduler(ex, seed=1).run_until(
+            lambda: ex.lifecycle_state in ("Ready", "Failed") and ex.idle()
+            and (predicate is None or predicate()))
+        return
+    ex.wait_lifecycle("Ready", "Failed", timeout=timeout)
+    if predicate is not None:
+        assert ex.wait_until(predicate, timeout)
+
+
+class Call(threading.Thread):
+    """Run ``fn(*args, **kw)`` on a thread of its own; ``value`` or ``error`` after."""
+
+    def __init__(self, fn: Any, *args: Any, **kw: Any) -> None:
+        super().__init__(name=f"test-{fn.__name__}", daemon=True)
+        self._fn, self._args, self._kw = fn, args, kw
+        self.value: Any = None
+        self.error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self.value = self._fn(*self._args, **self._kw)
+        except BaseException as e:      # reported to the test
+            self.error = e

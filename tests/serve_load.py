@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import signal
 import socket
 import subprocess
 import sys
@@ -121,13 +122,23 @@ async def _client(args: argparse.Namespace, i: int, until: float, statuses: Coun
 
 
 async def _load(args: argparse.Namespace) -> Counter:
-    """The clients for ``args.seconds``; then the requests still open are dropped (the
-    server cancels their streams) and counted as ``unfinished``."""
+    """The clients for ``args.seconds``, or until SIGINT (a test that has measured what
+    it needed ends the flood then, however long a busy machine took to get there); then
+    the requests still open are dropped (the server cancels their streams) and counted
+    as ``unfinished``."""
     statuses: Counter = Counter()
     until = time.monotonic() + args.seconds
     tasks = [asyncio.ensure_future(_client(args, i, until, statuses))
              for i in range(args.clients)]
-    _, pending = await asyncio.wait(tasks, timeout=args.seconds)
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGINT, stop.set)
+    stopper = asyncio.ensure_future(stop.wait())
+    clients = asyncio.ensure_future(asyncio.wait(tasks))
+    await asyncio.wait([clients, stopper], timeout=args.seconds,
+                       return_when=asyncio.FIRST_COMPLETED)
+    stopper.cancel()
+    clients.cancel()
+    pending = {t for t in tasks if not t.done()}
     for t in pending:
         t.cancel()
     await asyncio.gather(*pending, return_exceptions=True)

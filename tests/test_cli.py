@@ -24,7 +24,7 @@ from calfsm.drivers.base import Capabilities
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
 from calfsm.errors import Unavailable
-from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.executor import DeviceExecutor, ExecutorConfig, StreamSteps
 from calfsm.manifest import builtin_manifest
 from calfsm.sampling import SamplingParams
 
@@ -210,7 +210,7 @@ def test_the_summary_shows_jobs_refused_at_enqueue(capsys, monkeypatch, path):
         return real_enqueue(self, request, **kw)
 
     monkeypatch.setattr(DeviceExecutor, entry, enqueue)
-    monkeypatch.setattr(DeviceExecutor, "stage", lambda self, request: None)
+    monkeypatch.setattr(StreamSteps, "stage", lambda self, request: None)
     rc, out, err = run(capsys, "--manifest", "tiny", "--prompts", "3", "--sequences", "1",
                        "--tokens", "2", "--quiet", "--path", path)
     assert rc == cli.EXIT_OK, err

@@ -4,10 +4,18 @@ deterministic step mode and the threaded mode."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import gc
 import logging
+import queue
+import sys
 import threading
 import time
+import weakref
+from collections import Counter
+from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -18,22 +26,27 @@ from calfsm.errors import (
     Cancelled,
     DeadlineExceeded,
     ErrorCategory,
+    ExecutorBroken,
     InvalidArgument,
     Unavailable,
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.job import Request
+from calfsm.job import JobHandle, Request
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
+from calfsm.pipeline import Pipeline
 from calfsm.scheduler import StepScheduler
 from tests.executor_helpers import (
     TINY,
+    Call,
     GatedDriver,
     calls,
+    eventually,
     finish,
     hold_on_device,
     make_executor,
     make_sim,
+    outcome,
 )
 
 SEQ = 7
@@ -312,3 +325,262 @@ def test_config_rejects_nonsense():
         ExecutorConfig(max_inflight=0)
     with pytest.raises(InvalidArgument):
         ExecutorConfig(execution_timeout_s=0)
+
+
+# ---- a dead worker (from the issue #12 defects) -----------------------------------
+
+def _kill_submitter_when_armed(monkeypatch) -> threading.Event:
+    """Make the submitter's loop raise outside its per-step guard once armed and a job is
+    queued (so the crash always meets a queued job). Patched on the public class: there
+    is one executor in the test."""
+    armed = threading.Event()
+    real = Pipeline.take_expired
+
+    def take_expired(self):
+        if armed.is_set() and self.has_queued() \
+                and threading.current_thread().name == "calfsm-submitter":
+            raise RuntimeError("injected: the submitter loop crashed")
+        return real(self)
+
+    monkeypatch.setattr(Pipeline, "take_expired", take_expired)
+    return armed
+
+
+def test_defect_a_dead_submitter_fails_pending_jobs_and_says_so(monkeypatch):
+    gated = GatedDriver(make_sim("threaded"))
+    ex = make_executor("threaded", driver=gated)
+    armed = _kill_submitter_when_armed(monkeypatch)
+    try:
+        on_device = hold_on_device(ex, gated, _prefill(seq=1))
+        assert gated.waiting.wait(5)
+        armed.set()
+        queued = ex.enqueue(_prefill(seq=2))      # wakes the submitter, which dies
+        for h in (queued, on_device):
+            err = h.exception(10)                 # before: waited forever
+            assert isinstance(err, ExecutorBroken), err
+            assert "submitter" in str(err) and "injected" in str(err)
+        health = ex.health()
+        assert health.broken is not None and "submitter" in health.broken
+        assert health.ready is False
+        with pytest.raises(ExecutorBroken):
+            ex.enqueue(_prefill(seq=3))
+    finally:
+        gated.gate.set()
+    closer = Call(ex.close, timeout=5)
+    closer.join(20)
+    assert not closer.is_alive() and closer.error is None, closer.error
+
+
+@pytest.mark.parametrize("slots", [
+    pytest.param(2, id="slot-freed-by-the-break"),
+    pytest.param(1, id="no-slot"),
+])
+def test_defect_a_dead_submitter_fails_jobs_still_in_admission(monkeypatch, slots):
+    """A caller is blocked waiting for a prefill slot when the submitter dies. With two
+    slots the break fails the queued job, whose slot the blocked caller then gets; with
+    one, the only slot stays quarantined on the device. Either way it must end, promptly,
+    with ExecutorBroken."""
+    gated = GatedDriver(make_sim("threaded"))
+    ex = make_executor("threaded", driver=gated, slots_per_engine=slots,
+                       admission_timeout_s=60)
+    armed = _kill_submitter_when_armed(monkeypatch)
+    try:
+        first = ex.enqueue(_prefill(seq=0)).result(10)         # KV for a decode below
+        gated.waiting.clear()                 # set by that job's wait
+        hold_on_device(ex, gated, _prefill(seq=1))
+        assert gated.waiting.wait(5)          # the completion thread waits for seq 1
+        if slots == 2:
+            ex.enqueue(_prefill(seq=2))       # queued: both prefill slots are out now
+        blocked = Call(ex.enqueue, _prefill(seq=3))          # waits for a prefill slot
+        assert eventually(lambda: ex.epoch.pool.stats().waiting == 1)
+        armed.set()
+        with contextlib.suppress(ExecutorBroken):   # a decode slot is free: queued,
+            ex.enqueue(Request.decode(0, first.greedy(), 3))   # it wakes the submitter
+        assert eventually(lambda: ex.health().broken is not None)
+        blocked.join(2)
+        assert not blocked.is_alive(), "a job in admission still waits after the break"
+        assert eventually(blocked.value.done, 2), "a job admitted after the break waits"
+        err = blocked.value.exception(0)
+        assert isinstance(err, ExecutorBroken), err
+    finally:
+        gated.gate.set()
+        ex.close(timeout=5)
+
+
+# ---- counters under concurrency (from the issue #12 defects) ----------------------
+
+def test_defect_counters_add_up_under_concurrent_enqueue_and_cancel(thread_errors):
+    """Four threads enqueue, two others cancel every other job, while a job holds the
+    device (so every cancel lands before submit); then everything runs, some jobs
+    meeting DEVICE_BUSY. Every counter matches the outcomes the callers saw."""
+    producers, per_producer = 4, 16
+    busy = FaultPlan.of(FaultRule("infer", "code", nth=4, every=5, count=4,
+                                  code=int(CalrtCode.DEVICE_BUSY)))
+    gated = GatedDriver(make_sim("threaded", faults=busy))
+    ex = make_executor("threaded", driver=gated, token_budget=100_000,
+                       slots_per_engine=producers * per_producer + 2)
+    handles: queue.Queue[JobHandle] = queue.Queue()
+    mine: list[JobHandle] = []
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)                 # many more thread switches, so races show
+    try:
+        mine.append(hold_on_device(ex, gated, _prefill(seq=0)))
+
+        def produce(p):
+            for i in range(per_producer):
+                handles.put(ex.enqueue(_prefill(seq=1 + p * per_producer + i)))
+
+        def cancel():
+            while (h := handles.get()) is not None:
+                mine.append(h)
+                if h.job_id % 2:
+                    assert h.cancel()
+
+        cancellers = [Call(cancel) for _ in range(2)]
+        for p in [Call(produce, p) for p in range(producers)]:
+            p.join(30)
+            assert p.error is None, p.error
+        for _ in cancellers:
+            handles.put(None)
+        for c in cancellers:
+            c.join(30)
+            assert c.error is None, c.error
+    finally:
+        sys.setswitchinterval(switch)
+        gated.gate.set()
+    try:
+        errors = [h.exception(30) for h in mine]
+        assert ex.wait_until(ex.idle, 10)
+        st = ex.stats()
+    finally:
+        ex.close()
+    failures = [e for e in errors if e is not None]
+    assert len(mine) == 1 + producers * per_producer == st.accepted
+    assert st.accepted == st.succeeded + st.failed + st.cancelled + st.quarantined, st
+    assert st.succeeded == errors.count(None)
+    assert st.cancelled == sum(isinstance(e, Cancelled) for e in failures) \
+        == producers * per_producer // 2
+    assert st.failed + st.quarantined == sum(not isinstance(e, Cancelled) for e in failures)
+    assert any(e.calrt_code == CalrtCode.DEVICE_BUSY for e in failures)
+    assert st.errors_by_category == Counter(e.category.value for e in failures), st
+    assert sum(st.errors_by_category.values()) == st.failed + st.cancelled + st.quarantined
+    assert st.leased == 0 and not thread_errors, thread_errors
+
+
+def test_defect_a_cancel_after_submit_counts_its_error_category(mode):
+    gated = GatedDriver(make_sim(mode))
+    with make_executor(mode, driver=gated) as ex:
+        h = hold_on_device(ex, gated, _prefill())
+        assert h.cancel()
+        gated.gate.set()
+        assert isinstance(outcome(ex, h), Cancelled)
+        st = ex.stats()
+        assert st.cancelled == 1
+        assert st.errors_by_category == {"request": 1}, st
+
+
+# ---- no per-job reference cycle (from the issue #12 defects) ----------------------
+
+def _handles_alive() -> int:
+    """JobHandles the interpreter holds, counted without collecting anything."""
+    return sum(type(o) is JobHandle for o in gc.get_objects())
+
+
+def test_defect_no_job_needs_the_cycle_collector(mode):
+    with make_executor(mode) as ex:
+        tok = finish(ex, ex.enqueue(_prefill())).greedy()
+        was_enabled = gc.isenabled()
+        gc.disable()
+        try:
+            handles_before = _handles_alive()
+            contexts = []
+            for pos in range(3, 203):
+                h = ex.enqueue(Request.decode(SEQ, tok, pos))
+                contexts.append(weakref.ref(h.context))
+                tok = finish(ex, h).greedy()
+            del h
+            # one more job: every worker's locals move past the 200 watched ones
+            finish(ex, ex.enqueue(_prefill(seq=SEQ + 1)))
+            alive = sum(ref() is not None for ref in contexts)
+            assert alive == 0, f"{alive} of 200 JobContexts need the cycle collector"
+            assert _handles_alive() == handles_before
+        finally:
+            if was_enabled:
+                gc.enable()
+
+
+# ---- completion order, spec 6.5 (from the issue #12 defects) ----------------------
+
+def test_defect_completion_resolves_before_it_returns_the_lease(mode):
+    gated = GatedDriver(make_sim(mode))
+    with make_executor(mode, driver=gated) as ex:
+        seen: dict[str, Any] = {}
+
+        def observe(handle):
+            epoch = ex.epoch
+            seen["leased"] = epoch.pool.stats().leased
+            seen["kv_len"] = epoch.kv.sequence_length(SEQ)
+            seen["kv_state"] = handle.context.kv.state
+            seen["undone"] = len(calls(gated, "undo_slice")) - undone_before
+
+        undone_before = len(calls(gated, "undo_slice"))
+        h = hold_on_device(ex, gated, _prefill())
+        h.add_done_callback(observe)
+        gated.gate.set()
+        result = finish(ex, h)
+        assert result.token_count == 3
+        assert seen["kv_len"] == 3 and seen["kv_state"] == "Committed"   # KV committed,
+        assert seen["undone"] == 2                     # the slices undone,
+        assert seen["leased"] == 1                     # the lease still out at resolve
+        assert eventually(lambda: ex.epoch.pool.stats().leased == 0)   # then returned
+
+
+# ---- timings (S11) and admission (from the issue #12 defects) ---------------------
+
+def test_defect_each_result_keeps_its_own_timings(mode):
+    with make_executor(mode) as ex:
+        a = finish(ex, ex.enqueue(_prefill(seq=1)))
+        kept = attrs.asdict(a.timings)
+        b = finish(ex, ex.enqueue(_prefill(seq=2)))
+        tok = b.greedy()
+        for pos in range(3, 8):
+            tok = finish(ex, ex.enqueue(Request.decode(2, tok, pos))).greedy()
+        assert a.timings is not b.timings
+        assert attrs.asdict(a.timings) == kept            # later jobs changed nothing
+        assert a.timings.completed >= a.timings.submitted >= a.timings.accepted
+        assert b.timings.accepted >= a.timings.completed
+
+
+def test_defect_a_cancel_during_the_admission_of_a_parked_job_fails_it_once(caplog):
+    """Found by the soak (240 in 860,000 jobs): a cancel landing while the admission step
+    admitted a parked job failed it under the step's hands, and the step then fired
+    ``admit`` on a Failed job (IllegalTransition, a programming error in the counters).
+    The cancel is made to land there by the buffer lease itself."""
+    ex = make_executor("step", slots_per_engine=1)
+    with ex:
+        first = ex.enqueue_nowait(Request.prefill(0, [1, 2]))
+        parked = ex.enqueue_nowait(Request.prefill(1, [3, 4]))    # waits for the slot
+        kv, pool = ex.epoch.kv, ex.epoch.pool
+        acquire = pool.acquire
+
+        def cancel_mid_admission(*a, **kw):
+            got = acquire(*a, **kw)
+            if first.done():                # the parked job's turn: it gets the slot
+                parked.cancel()
+            return got
+
+        pool.acquire = cancel_mid_admission
+        try:
+            StepScheduler(ex).run_until(lambda: first.done() and parked.done())
+        finally:
+            del pool.acquire
+        assert first.exception(0) is None
+        err = parked.exception(0)
+        assert isinstance(err, Cancelled), err
+        st = ex.stats()
+        assert st.cancelled == 1 and st.errors_by_category.get("programming", 0) == 0, st
+        assert st.leased == 0 and kv.stats().open == 0
+        s = kv.stats()
+        assert s.reserved == s.committed + s.rolled_back + s.unknown + s.open, s
+    assert not [r for r in caplog.records if "IllegalTransition" in r.getMessage()
+                or "unexpected" in r.getMessage()]

@@ -15,6 +15,7 @@ import pytest
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.errors import (
     CalrtCode,
+    ExecutorClosed,
     Internal,
     InvalidArgument,
     ResourceExhausted,
@@ -148,12 +149,21 @@ def test_listeners_and_observers_never_run_under_the_lifecycle_lock(mode):
             def job_ended(self, event):
                 seen.append(("job_ended", life.holds_lock()))
 
+            def job_accepted(self, event):
+                seen.append(("job_accepted", life.holds_lock()))
+
+            def job_refused(self, error, request):
+                seen.append(("job_refused", life.holds_lock()))
+
         life.on_change(listener)
         ex.add_observer(Watch())
         stream = ex.generate([1, 2, 3], SamplingParams(max_tokens=6))
         assert ex.recover("test")
         drive(ex, lambda: stream.done() and ex.lifecycle_state == "Ready", timeout=30)
         assert stream.result(0).error is None
+    with pytest.raises(ExecutorClosed):        # refused by the lifecycle's gate
+        ex.enqueue_nowait(Request.decode(1, 5, 0))
     kinds = {k for k, _ in seen}
     assert {"listener", "stream_ended", "job_ended"} <= kinds, kinds
+    assert {"job_accepted", "job_refused"} <= kinds, kinds
     assert not [k for k, held in seen if held], seen

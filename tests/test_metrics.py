@@ -28,7 +28,7 @@ from calfsm.errors import (
 )
 from calfsm.machines.job import JobState
 from calfsm.metrics import REJECTIONS, ExecutorMetrics
-from calfsm.observe import JobEnded, Observer, Observers
+from calfsm.observe import JobAccepted, JobEnded, Observer, Observers
 from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
 from calfsm.sampling import SamplingParams
@@ -420,6 +420,83 @@ def test_job_ended_carries_the_outcome_the_error_and_the_result(step_ex):
     assert by_id[gone.job_id].outcome == "cancelled"
     assert by_id[gone.job_id].error is gone.exception(0)
     assert step_ex.remove_observer(rec) and not step_ex.remove_observer(rec)
+
+
+class Books(Observer):
+    """Every job event in order: accepted, refused at enqueue, ended."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[str, object]] = []
+
+    def job_accepted(self, event: JobAccepted) -> None:
+        self.log.append(("accepted", event))
+
+    def job_refused(self, error, request) -> None:
+        self.log.append(("refused", (error, request)))
+
+    def job_ended(self, event: JobEnded) -> None:
+        self.log.append(("ended", event))
+
+
+def _books_of_a_run(seed: int) -> tuple[Books, list, int]:
+    """Two streams (one cancelled after a few jobs), a plain job, and three refusals at
+    enqueue (a bad argument, during a recovery, after close): the books, the errors the
+    caller got, and the jobs the executor made."""
+    books, caller_got = Books(), []
+    with make_executor("step") as ex:
+        ex.add_observer(books)
+        sched = StepScheduler(ex, seed)
+        streams = [ex.generate(PROMPT, SamplingParams(max_tokens=8)) for _ in range(2)]
+        plain = ex.enqueue_nowait(Request.prefill(9, PROMPT))
+        sched.run_until(lambda: ex.stats().succeeded >= 3)
+        assert streams[0].cancel()
+        sched.run_until(lambda: all(s.done() for s in streams) and plain.done()
+                        and ex.idle())
+        with pytest.raises(InvalidArgument) as bad:
+            ex.enqueue_nowait("not a request")
+        caller_got.append(bad.value)
+        assert ex.recover("test")
+        with pytest.raises(Unavailable) as recovering:
+            ex.enqueue(Request.prefill(9, PROMPT))
+        caller_got.append(recovering.value)
+        sched.run_until(lambda: ex.lifecycle_state == "Ready")
+        made = ex.stats().accepted
+    with pytest.raises(ExecutorClosed) as closed:
+        ex.enqueue_nowait(Request.prefill(9, PROMPT))
+    caller_got.append(closed.value)
+    return books, caller_got, made
+
+
+def test_every_accepted_job_ends_once_and_every_refusal_is_seen():
+    """Streams whose steps are prepared ahead (released, and discarded when one is
+    cancelled), a plain job and refusals at enqueue, from four seeds: each job_accepted
+    is followed by exactly one job_ended of that job; the only other ends are steps
+    prepared ahead that never ran (``announced`` False, discarded, never accepted); each
+    refusal the caller got is seen once; the executor's count of jobs made is the two
+    together; and in some seed a cancel discards a step prepared ahead."""
+    discarded = 0
+    for seed in range(4):
+        books, caller_got, made = _books_of_a_run(seed)
+        log = books.log
+        accepted = {e.job_id: (i, e) for i, (k, e) in enumerate(log) if k == "accepted"}
+        ends = [(i, e) for i, (k, e) in enumerate(log) if k == "ended"]
+        assert len(accepted) == sum(k == "accepted" for k, _ in log)       # once each
+        assert len({e.job_id for _, e in ends}) == len(ends)                # once each
+        announced = {e.job_id: (i, e) for i, e in ends if e.announced}
+        assert announced.keys() == accepted.keys(), seed
+        for job_id, (i, acc) in accepted.items():       # accepted first, then its end
+            end_at, end = announced[job_id]
+            assert i < end_at and acc.request is end.request, (seed, job_id)
+        never_ran = [e for _, e in ends if not e.announced]
+        assert all(e.job_id not in accepted and e.outcome == "discarded"
+                   for e in never_ran), seed
+        assert made == len(accepted) + len(never_ran), seed
+        assert any(e.staged for _, e in accepted.values()), seed
+        refused = [v[0] for k, v in log if k == "refused"]
+        assert len(refused) == len(caller_got), seed
+        assert all(a is b for a, b in zip(refused, caller_got, strict=True)), seed
+        discarded += len(never_ran)
+    assert discarded, "no seed discarded a step prepared ahead"
 
 
 def test_observers_refuse_misuse_and_skip_what_is_not_overridden():

@@ -5,6 +5,7 @@ stale or failing."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from pathlib import Path
@@ -13,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from calfsm.clock import RealClock
+from calfsm.clock import RealClock, SteppedRealClock
 from calfsm.direct import DirectRunner
 from calfsm.drivers.base import EngineSlot, ResetKind
 from calfsm.drivers.calrt import CalrtDriver
@@ -21,19 +22,29 @@ from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import DEFAULT_CAPABILITIES, LatencyModel, SimDriver
 from calfsm.errors import CalfsmError, CalrtCode, ErrorCategory
 from calfsm.job import Request
+from calfsm.recovery import RecoveryPolicy
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from tests.executor_helpers import (
     TINY,
+    Call,
     GatedDriver,
+    eventually,
     finish,
+    hold_on_device,
     make_executor,
     make_sim,
+    outcome,
+    settle,
     two_in_flight,
     write_evidence,
 )
 
 N_TOKENS = 500      # two streams: 1000 tokens in all
+
+
+def _prefill(seq, tokens=(1, 2, 3)):
+    return Request.prefill(seq, list(tokens))
 
 
 class InflightProbe:
@@ -301,3 +312,82 @@ def test_enable_parallel_mode_failing_once_in_a_recovery_is_retried(tmp_path, ru
         results = _streams(ex, [[6], [6, 6]], 8)
         assert [list(r.tokens) for r in results] == [
             runner.generate(i, p, 8) for i, p in enumerate([[6], [6, 6]])]
+
+
+# ---- asked for two in flight (from the issue #12 defects) -------------------------
+
+def _four_sequences(ex, seqs, decodes):
+    """A prefill and ``decodes`` greedy decodes on each of ``seqs``, interleaved: threaded,
+    one caller thread per sequence; step mode, one round of jobs at a time. The errors."""
+    if ex.config.threaded:
+        def chat(seq):
+            r = ex.enqueue(_prefill(seq, (1 + seq, 2, 3))).result(30)
+            for pos in range(3, 3 + decodes):
+                r = ex.enqueue(Request.decode(seq, r.greedy(), pos)).result(30)
+            return r
+        callers = [Call(chat, s) for s in seqs]
+        for c in callers:
+            c.join(60)
+        return [c.error for c in callers if c.error is not None or c.is_alive()]
+    handles = [ex.enqueue(_prefill(s, (1 + s, 2, 3))) for s in seqs]
+    errors = []
+    for pos in range(3, 4 + decodes):
+        StepScheduler(ex, seed=pos).run_until(
+            lambda hs=handles: all(h.done() for h in hs))
+        errors += [h.exception(0) for h in handles if h.exception(0) is not None]
+        if errors or pos == 3 + decodes:
+            break
+        handles = [ex.enqueue(Request.decode(h.seq_id, h.result(0).greedy(), pos))
+                   for h in handles]
+    return errors
+
+
+def test_defect_max_inflight_2_runs_one_and_says_why(mode, caplog):
+    """Two jobs in flight once landed on one engine by job-id parity: DEVICE_BUSY, then a
+    recovery with no fault. Job 1 is held on the device, job 2 is refused at enqueue (its
+    id is spent), job 3 (job 1's parity) waits behind job 1; then four sequences run."""
+    caplog.set_level(logging.WARNING, logger="calfsm")
+    clock = SteppedRealClock()      # threaded: job 1 keeps the device busy until a jump
+    gated = GatedDriver(make_sim(mode) if mode == "step" else make_sim(
+        mode, clock=clock, latency=LatencyModel.fixed(decode_s=0.0,
+                                                      prefill_per_token_s=1e-3)))
+    with make_executor(mode, driver=gated, max_inflight=2) as ex:
+        try:
+            first = hold_on_device(ex, gated, _prefill(seq=0, tokens=[1] * 2000))
+            refused = ex.enqueue(_prefill(seq=9, tokens=(1_000_000,)))  # not in the vocab
+            behind = ex.enqueue(_prefill(seq=1))
+            if mode == "step":
+                ex.steps.submit()       # a second submit while job 1 is on the device
+            else:                       # the submitter's chance to send job 3 beside
+                eventually(behind.done, 0.05)   # job 1: it must stay queued, however long
+            assert not behind.done(), behind.exception(0)
+            clock.jump(5.0)             # job 1's 2 s of device time are over
+        finally:
+            gated.gate.set()
+        assert outcome(ex, refused).category is ErrorCategory.REQUEST
+        assert outcome(ex, first) is None and outcome(ex, behind) is None
+        assert _four_sequences(ex, (10, 11, 12, 13), decodes=6) == []
+        st = ex.stats()
+        assert st.succeeded == 2 + 4 * 7 and st.failed == 1 and st.quarantined == 0, st
+        assert st.recoveries == 0 and ex.generation == 1   # no fault, no recovery
+        health = ex.health()
+        assert health.ready and health.max_inflight == 1
+        assert any("max_inflight=2" in n and "parallel_two_in_flight" in n
+                   and "claimed" in n for n in health.notes), health.notes
+        ex.health()
+    said = [r for r in caplog.records if "max_inflight=2" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING, said
+
+
+
+def test_defect_max_inflight_2_keeps_serving_after_a_full_reset(mode):
+    with make_executor(mode, max_inflight=2,
+                       recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        assert outcome(ex, ex.enqueue(_prefill(seq=1))) is None
+        assert ex.recover("operator asked")
+        settle(ex, lambda: ex.generation == 2)
+        assert ex.lifecycle_state == "Ready" and ex.health().ready
+        for seq in (2, 3, 4, 5):                  # before: each failed UNSUPPORTED
+            assert outcome(ex, ex.enqueue(_prefill(seq=seq))) is None, seq
+        assert ex.stats().recoveries == 1 and ex.generation == 2
+        assert ex.health().ready and ex.health().max_inflight == 1

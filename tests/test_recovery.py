@@ -14,6 +14,7 @@ from calfsm.drivers.base import Calbin, Capabilities, ResetKind
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.epoch import WARMUP_SEQ
 from calfsm.errors import (
+    CalfsmError,
     CalrtCode,
     DeadlineExceeded,
     ErrorCategory,
@@ -26,7 +27,7 @@ from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
-from tests.executor_helpers import TINY, GatedDriver, make_executor, make_sim
+from tests.executor_helpers import TINY, GatedDriver, calls, make_executor, make_sim
 
 SEQ = 5
 
@@ -34,6 +35,9 @@ SEQ = 5
 
 def _job(seq=SEQ, tokens=(1, 2, 3)):
     return Request.prefill(seq, list(tokens))
+
+
+_prefill = _job     # the name the kv_release tests (once in test_defects.py) use
 
 
 def settle(ex, predicate=None, timeout=20.0):
@@ -446,3 +450,45 @@ def test_a_driver_that_raises_cannot_stop_the_pipeline():
         ex.wait_lifecycle("Ready", timeout=10)
         assert ex.enqueue(_job(seq=SEQ + 1)).result(10).token_count == 3
         assert ex.stats().inflight == 0
+
+
+# ---- kv_release codes (from the issue #12 defects) --------------------------------
+
+_LOST = int(CalrtCode.DEVICE_UNAVAILABLE)
+
+
+@pytest.mark.parametrize("reset", [ResetKind.CONFIGURATION, ResetKind.CCU])
+def test_defect_kv_release_refused_after_a_partial_reset_is_retried(mode, reset):
+    plan = FaultPlan.of(FaultRule("kv_release", "code", seq_id=SEQ, code=_LOST))
+    drv = make_sim(mode, faults=plan, capabilities=Capabilities(resets=frozenset({reset})))
+    with make_executor(mode, driver=drv, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        assert outcome(ex, ex.enqueue(_prefill())) is None     # SEQ holds KV now
+        assert ex.recover("operator asked")
+        settle(ex, lambda: ex.stats().recoveries == 1)
+        assert ex.lifecycle_state == "Ready", ex.failure_reason
+        released = [c["rc"] for c in calls(drv, "kv_release") if c["seq"] == SEQ]
+        assert released == [_LOST, 0]                 # refused, then released after a reset
+        assert [c["kind"] for c in calls(drv, "reset")] == [reset.value] * 2
+
+
+@pytest.mark.parametrize("reset", [ResetKind.CONFIGURATION, ResetKind.CCU])
+def test_defect_kv_release_always_refused_after_a_partial_reset_ends_failed(mode, reset):
+    plan = FaultPlan.of(FaultRule.always("kv_release", "code", seq_id=SEQ, code=_LOST))
+    drv = make_sim(mode, faults=plan, capabilities=Capabilities(resets=frozenset({reset})))
+    with make_executor(mode, driver=drv, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
+        assert outcome(ex, ex.enqueue(_prefill())) is None
+        assert ex.recover("operator asked")
+        settle(ex)
+        assert ex.lifecycle_state == "Failed"          # before: Ready, as if released
+        assert "DEVICE_UNAVAILABLE" in ex.failure_reason
+        assert "kv_release" in ex.failure_reason
+        assert ex.health().ready is False
+
+
+def test_defect_warmup_kv_release_failure_fails_startup(mode):
+    plan = FaultPlan.of(FaultRule.always("kv_release", "code", seq_id=WARMUP_SEQ,
+                                         code=_LOST))
+    with pytest.raises(CalfsmError) as e:
+        make_executor(mode, faults=plan).close()
+    assert "DEVICE_UNAVAILABLE" in str(e.value)
+    assert e.value.category is ErrorCategory.DEVICE

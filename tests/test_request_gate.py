@@ -17,6 +17,7 @@ import asyncio
 import pytest
 
 from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.executor import step_port
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from tests.executor_helpers import TINY, calls, drive, make_executor
@@ -82,12 +83,12 @@ def test_a_released_staged_step_is_validated_like_any_request(mode, probe):
     with make_executor(mode) as ex:
         first = ex.enqueue_nowait(Request.prefill(1, [1, 2, 3]))
         drive(ex, first.done)
-        staged = ex.stage(Request.decode(1, 0, 3))
+        staged = step_port(ex).stage(Request.decode(1, 0, 3))
         assert staged is not None
         before = len(calls(ex.driver, "infer"))
         bad = Request.decode(1, VOCAB + 5, 3) if probe == "beyond_vocab" \
             else Request.decode(9, 7, 55)
-        assert ex.release_staged(staged, bad)
+        assert step_port(ex).release(staged, bad)
         drive(ex, staged.done)
         _assert_refused_and_untouched(ex, staged.exception(0), before)
         ok = ex.enqueue_nowait(Request.decode(1, 7, 3))

@@ -13,21 +13,28 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import pytest
 
-from calfsm.errors import Cancelled, ExecutorClosed
+from calfsm.drivers.base import Capabilities
+from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.errors import Cancelled, ErrorCategory, ExecutorClosed, Unavailable
 from calfsm.machines.job import JobState
+from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
 from calfsm.sampling import SamplingParams
 from calfsm.serve.realtime import realtime_sim
 from calfsm.streams import FinishReason
 from tests.executor_helpers import (
     TINY,
+    Call,
     GatedDriver,
     eventually,
     make_executor,
     make_sim,
+    outcome,
+    settle,
     two_in_flight,
 )
 
@@ -39,6 +46,18 @@ LONG = SamplingParams(max_tokens=5000)
 #: scheduling delays
 TIMEOUT = 60.0
 PROMPT_BOUND = TIMEOUT / 4
+SEQ = 5
+
+
+def _prefill(seq=SEQ, tokens=(1, 2, 3)):
+    return Request.prefill(seq, list(tokens))
+
+
+def _on_closing(ex) -> threading.Event:
+    """An event set as soon as ``close()`` has begun (the lifecycle's change listener)."""
+    began = threading.Event()
+    ex.lifecycle.on_change(lambda: began.set() if ex.lifecycle.closing else None)
+    return began
 
 
 def _realtime(decode_ms: float = 2.0):
@@ -186,3 +205,87 @@ def test_close_drains_the_jobs_on_the_device_in_either_order(tmp_path, inflight,
     assert ex.epoch.pool.stats().leased == 0
     assert not [t for t in threading.enumerate() if t.name.startswith("calfsm-")
                 and t.is_alive()]
+
+
+# ---- close() during a recovery (from the issue #12 defects) -----------------------
+
+class _ResetGate(GatedDriver):
+    """Once armed, ``reset`` blocks until the test releases it."""
+
+    def __init__(self, inner: Any) -> None:
+        super().__init__(inner)
+        self.armed = False
+        self.resetting = threading.Event()
+        self.release = threading.Event()
+
+    def reset(self, kind: Any) -> int:
+        if self.armed:
+            self.resetting.set()
+            if not self.release.wait(30):
+                raise AssertionError("test never released the reset")
+        return self._inner.reset(kind)
+
+
+def test_defect_close_while_the_device_resets_ends_closed(thread_errors):
+    drv = _ResetGate(make_sim("threaded"))
+    ex = make_executor("threaded", driver=drv, recovery=RecoveryPolicy(grace_period_s=0.0))
+    closing = _on_closing(ex)
+    drv.armed = True
+    try:
+        assert ex.recover("operator asked")
+        assert drv.resetting.wait(10)             # the recovery thread is inside reset
+        closer = Call(ex.close, timeout=10)
+        assert closing.wait(10)                   # close() began while resetting
+    finally:
+        drv.release.set()
+    closer.join(20)
+    assert not closer.is_alive() and closer.error is None, closer.error
+    assert ex.lifecycle_state == "Closed"          # not Draining, not Failed
+    assert ex.generation == 1 and not thread_errors, thread_errors
+
+
+def test_defect_close_right_after_recover_never_joins_an_unstarted_thread(
+        monkeypatch, thread_errors):
+    ex = make_executor("threaded", recovery=RecoveryPolicy(grace_period_s=0.0))
+    closing = _on_closing(ex)
+    starting = threading.Event()
+    real_start = threading.Thread.start
+
+    def start(self):            # hold the recovery thread until close() has begun
+        if self.name == "calfsm-recovery":
+            starting.set()
+            closing.wait(10)
+        real_start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", start)
+    recoverer = Call(ex.recover, "operator asked")
+    assert starting.wait(10)
+    ex.close(timeout=10)       # before: RuntimeError: cannot join thread before it is started
+    recoverer.join(10)
+    assert recoverer.error is None and recoverer.value is True
+    assert ex.lifecycle_state == "Closed"
+    assert ex.generation == 1 and not thread_errors, thread_errors
+
+
+# ---- a closed executor (from the issue #12 defects) -------------------------------
+
+def test_defect_a_closed_executor_raises_executor_closed_not_a_device_error(mode):
+    ex = make_executor(mode)
+    ex.close()
+    for call in (ex.enqueue, ex.decode_sync):
+        with pytest.raises(ExecutorClosed) as e:
+            call(_prefill())
+        assert isinstance(e.value, Unavailable)          # old callers still catch it
+        assert e.value.category is ErrorCategory.PROGRAMMING
+    # a device that failed is a device error, not a closed executor
+    plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=SEQ))
+    drv = make_sim(mode, faults=plan, capabilities=Capabilities())
+    with make_executor(mode, driver=drv,
+                       recovery=RecoveryPolicy(grace_period_s=0.01)) as failed:
+        outcome(failed, failed.enqueue(_prefill()))
+        settle(failed)
+        assert failed.lifecycle_state == "Failed"
+        with pytest.raises(Unavailable) as e:
+            failed.enqueue(_prefill(seq=1))
+        assert not isinstance(e.value, ExecutorClosed)
+        assert e.value.category is ErrorCategory.DEVICE

@@ -42,7 +42,7 @@ from calfsm.errors import (
     InvalidArgument,
     ResourceExhausted,
 )
-from calfsm.executor import DeviceExecutor
+from calfsm.executor import DeviceExecutor, step_port
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
@@ -57,6 +57,7 @@ from tests.executor_helpers import (
     calls,
     drive,
     eventually,
+    finish,
     make_executor,
     make_sim,
     reference_stream,
@@ -727,8 +728,8 @@ def test_close_notices_deferred_work_ending():
     is let go, close returns at once (2 s allowed, against a 5 s timeout)."""
     ex = make_executor("threaded", shutdown_timeout_s=5)
     running, go = threading.Event(), threading.Event()
-    ex.defer(lambda: (running.set(), go.wait(10)))
-    ex.defer(lambda: None)
+    step_port(ex).defer(lambda: (running.set(), go.wait(10)))
+    step_port(ex).defer(lambda: None)
     assert running.wait(5)
     closer = threading.Thread(target=ex.close)
     try:
@@ -894,3 +895,57 @@ def test_stop_sequences_are_checked():
         SamplingParams(stop_sequences=[[1, VOCAB]]).sampler_for(VOCAB)
     one = SamplingParams(stop_sequences=[[7]])
     assert one.is_stop(7) and not one.holds_back
+
+
+# ---- idle and close (from the issue #12 defects) ----------------------------------
+
+def test_defect_wait_until_idle_wakes_when_the_last_stream_ends():
+    """Found by the soak: ``wait_until(executor.idle, t)`` could sleep until its timeout
+    after the last job ended, because a one-shot stream's deferred release (and a job
+    failed before submit) left the books without telling the waiters."""
+    import time
+
+    from calfsm.sampling import SamplingParams
+
+    with make_executor("threaded") as ex:
+        slowest = 0.0
+        for i in range(60):
+            s = ex.generate([1, 2, i % 50], SamplingParams(max_tokens=2 + i % 5))
+            if i % 3 == 0:
+                s.cancel()
+            s.result(10)
+            t0 = time.monotonic()
+            assert ex.wait_until(ex.idle, 3.0)
+            slowest = max(slowest, time.monotonic() - t0)
+        assert slowest < 1.0, f"wait_until(idle) slept {slowest:.3f} s after the work ended"
+
+
+def test_defect_close_racing_a_job_being_started_waits_for_that_job(caplog):
+    """Found while breaking reference cycles: ``Sequence.close()`` landing between a
+    job's start (the sequence Busy) and its handle being recorded waited for the job
+    before it, released the KV under the new one and gave the id back while it ran."""
+    with make_executor("threaded") as ex:
+        seq = ex.open_sequence()
+        assert finish(ex, seq.prefill([1, 2, 3])).greedy() is not None
+        real = ex.enqueue_nowait
+        closer = threading.Thread(target=seq.close, name="test-closer")
+        seen: dict[str, bool] = {}
+
+        def enqueue_while_closing(request, **kw):
+            closer.start()
+            closer.join(0.2)                 # close() must wait for this job's handle
+            seen["waited"] = closer.is_alive()
+            return real(request, **kw)
+
+        ex.enqueue_nowait = enqueue_while_closing
+        try:
+            handle = seq.decode(7)
+        finally:
+            del ex.enqueue_nowait
+        closer.join(10)
+        assert seen["waited"], "close() went on before the job being started was known"
+        assert not closer.is_alive()
+        assert handle.exception(5) is None
+        assert seq.state == "Released"
+        assert ex.wait_until(ex.idle, 5) and ex.epoch.kv.stats().open == 0
+    assert not [r for r in caplog.records if "releasing the KV" in r.getMessage()]

@@ -62,6 +62,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.machines.flow import FLOW_MACHINE, FlowState
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
@@ -532,7 +533,11 @@ class StreamMachine(RuleBasedStateMachine):
             assert [e.position for e in rec.events] == \
                 list(range(first, first + len(rec.events))), (rec.stream, rec.events)
             self._check_tokens(rec, rec.tokens)
+            # every flow is in a declared state; an ended stream's flow has ended (and
+            # holds no prepared step: the pool books above count every lease)
+            assert rec.stream.flow_state in FLOW_MACHINE.states, rec.stream.flow_state
             if rec.stream.done():
+                assert rec.stream.flow_state == FlowState.ENDED, rec.stream
                 self._stream_ended(rec)
 
     def _check_tokens(self, rec: StreamRecord, tokens: tuple[int, ...]) -> None:

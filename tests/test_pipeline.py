@@ -1,0 +1,275 @@
+"""The sans-thread core on its own (issue 21, item 5): a :class:`~calfsm.pipeline.Pipeline`
+built directly, h11-style, with no DeviceExecutor, no runtime and no thread.
+
+The lifecycle is the real :class:`~calfsm.lifecycle.Lifecycle` record moved to Ready by
+hand (start -> configured -> warmed, no warm-up run) with one epoch built on a simulated
+driver on a virtual clock; the policy decisions and drains the pipeline asks for are only
+recorded. The test calls each step itself, in order: ``accept`` -> ``start`` (validate,
+admit, prepare) -> ``claim`` / ``submit`` -> ``next_completion`` / ``run_completion``,
+and reads the books (queue depths, in-flight slots, pool and KV stats) between them.
+Only public methods of the pipeline are used.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+
+from calfsm import refmodel
+from calfsm.drivers.base import Calbin, EngineSlot
+from calfsm.drivers.sim import SimDriver
+from calfsm.epoch import build_epoch
+from calfsm.errors import Cancelled, DeadlineExceeded, InvalidArgument
+from calfsm.job import JobContext, JobHandle, Request
+from calfsm.lifecycle import Lifecycle
+from calfsm.machines.job import JobState
+from calfsm.manifest import TaskKind
+from calfsm.pipeline import Pipeline, PipelineTimeouts
+from calfsm.recovery import FaultPolicy, RecoveryPolicy, Verdict
+from calfsm.service import ServiceModel
+from tests.executor_helpers import TINY, calls
+
+VOCAB = TINY.submodel(TaskKind.DECODE).vocab
+
+
+class Core:
+    """A pipeline on a simulated driver, its lifecycle Ready on generation 1, and what it
+    asked of the lifecycle (``verdicts`` applied, ``drains`` started)."""
+
+    def __init__(self, *, slots_per_engine: int = 2, queue_s: float = 10.0,
+                 admission_s: float = 10.0) -> None:
+        self.driver = SimDriver(TINY, seed=0, trace=True)
+        self.clock = self.driver.clock
+        self.life = Lifecycle(self.clock)
+        self.life.fire("start")
+        calbin = Calbin.from_manifest(TINY)
+        self.epoch = build_epoch(self.driver, TINY, calbin, 1, max_inflight=1,
+                                 slots_per_engine=slots_per_engine, token_budget=None,
+                                 clock=self.clock)
+        self.life.install(self.epoch)
+        self.life.fire("configured")
+        self.life.warmed(TINY, calbin)
+        self.verdicts: list[Verdict] = []
+        self.drains: list[str] = []
+        self.pipe = Pipeline(
+            self.driver, self.life, FaultPolicy(RecoveryPolicy()),
+            timeouts=PipelineTimeouts(admission_s=admission_s, queue_s=queue_s,
+                                      default_deadline_s=60.0, zombie_wait_s=0.25),
+            service=ServiceModel(TINY.timing, execution_timeout_s=None),
+            max_inflight=1, engines=(EngineSlot.AUTO,),
+            apply=self.verdicts.append, drain=self._drain)
+        self.pool0 = self.epoch.pool.stats()
+        self.kv0 = self.epoch.kv.stats()
+
+    def _drain(self, reason: str) -> bool:
+        self.drains.append(reason)
+        return True
+
+    # ---- the four steps, called by hand --------------------------------------------
+    def start(self, request: Request) -> tuple[JobContext, JobHandle]:
+        """accept + start without waiting: the job is queued, parked or failed. The
+        handle is returned beside the job, which lets go of it when it ends."""
+        job = self.pipe.accept(request, self.pipe.cancel)
+        handle = job.handle
+        self.pipe.start(job, wait=False)
+        return job, handle
+
+    def submit(self) -> JobContext:
+        """Claim the head of the submit queue and submit it."""
+        job = self.pipe.claim()
+        assert job is not None, "nothing to claim"
+        assert self.pipe.inflight == 1
+        self.pipe.submit(job)
+        assert job.state == JobState.SUBMITTED, job.state
+        return job
+
+    def complete(self) -> JobContext:
+        job = self.pipe.next_completion()
+        assert job is not None, "nothing to complete"
+        self.pipe.run_completion(job)
+        return job
+
+    def run(self, request: Request) -> Any:
+        """One job through every step; its result."""
+        job, handle = self.start(request)
+        assert self.submit() is job
+        assert self.complete() is job
+        return handle.result(0)
+
+    def infers(self) -> int:
+        return len(calls(self.driver, "infer"))
+
+    def assert_books_as_built(self) -> None:
+        """Every lease back in the pool, no KV reservation open nor budget held, the
+        pipeline idle and nothing counted as waiting or in flight."""
+        pool = self.epoch.pool.stats()
+        assert (pool.free, pool.leased, pool.quarantined) == \
+            (self.pool0.free, 0, 0), pool
+        kv = self.epoch.kv.stats()
+        assert kv.open == 0 and kv.budget_used == self.kv0.budget_used, kv
+        assert self.pipe.depths() == (0, 0)
+        assert self.pipe.inflight == 0
+        assert self.pipe.idle()
+
+
+def _logits_of(tokens: list[int]) -> np.ndarray:
+    """The reference model's float32 logits after ``tokens``."""
+    want = refmodel.logits_bf16(refmodel.chain(tokens)[-1], VOCAB)
+    return (want.astype(np.uint32) << 16).view(np.float32)
+
+
+@pytest.fixture
+def core() -> Core:
+    return Core()
+
+
+def test_a_prefill_and_a_decode_go_through_the_four_steps_with_the_reference_logits(
+        core):
+    pipe = core.pipe
+    assert pipe.idle() and core.infers() == 0
+
+    job, handle = core.start(Request.prefill(3, [1, 2, 3]))
+    assert job.state == JobState.QUEUED and pipe.has_queued()
+    assert not pipe.idle() and pipe.depths() == (0, 1)      # waiting, not in flight
+    assert core.epoch.pool.stats().leased == 1 and core.epoch.kv.stats().open == 1
+    assert core.infers() == 0                               # prepared, not submitted
+
+    assert core.submit() is job
+    assert core.infers() == 1 and pipe.on_device() == [job]
+    assert pipe.depths() == (1, 0) and not pipe.has_queued()
+    assert pipe.claim() is None                             # the one in-flight slot is out
+    assert not handle.done()
+
+    assert core.complete() is job
+    first = handle.result(0)
+    np.testing.assert_array_equal(first.logits, _logits_of([1, 2, 3]))
+    assert first.token_count == 3 and first.generation == 1 and first.seq_id == 3
+    assert core.epoch.kv.sequence_length(3) == 3            # committed
+    t = first.timings
+    assert t.accepted <= t.admitted <= t.queued <= t.submitted <= t.completed
+
+    tok = first.greedy()
+    second = core.run(Request.decode(3, tok, 3))
+    np.testing.assert_array_equal(second.logits, _logits_of([1, 2, 3, tok]))
+    assert core.epoch.kv.sequence_length(3) == 4
+    counts, errors = pipe.counts()
+    assert counts["accepted"] == counts["succeeded"] == 2 and errors == {}
+    assert core.infers() == 2 and not core.verdicts and not core.drains
+    pool = core.epoch.pool.stats()
+    assert pool.leased == 0 and pool.free == core.pool0.free
+    assert core.epoch.kv.stats().open == 0 and pipe.idle()
+
+
+def test_cancelling_a_queued_job_gives_back_its_lease_and_kv(core):
+    job, handle = core.start(Request.prefill(1, [4, 5, 6, 7]))
+    assert job.state == JobState.QUEUED
+    assert core.epoch.pool.stats().leased == 1
+    assert core.epoch.kv.stats().budget_used > core.kv0.budget_used
+
+    assert handle.cancel()                  # the canceller is Pipeline.cancel
+    assert isinstance(handle.exception(0), Cancelled)
+    assert not core.pipe.has_queued() and core.pipe.claim() is None
+    assert core.infers() == 0
+    kv = core.epoch.kv.stats()
+    assert kv.reserved == 1 and kv.rolled_back == 1
+    counts, errors = core.pipe.counts()
+    assert counts["cancelled"] == 1 and errors == {"request": 1}
+    core.assert_books_as_built()
+
+
+def test_a_job_cancelled_on_the_device_is_waited_for_and_its_result_dropped(core):
+    job, handle = core.start(Request.prefill(1, [4, 5]))
+    assert core.submit() is job
+    assert handle.cancel()
+    assert not handle.done()                    # the device still runs it
+    assert core.complete() is job               # its Wait is still made ...
+    assert isinstance(handle.exception(0), Cancelled)
+    assert core.epoch.kv.sequence_length(1) == 2     # ... and the KV it wrote committed
+    counts, _ = core.pipe.counts()
+    assert counts["cancelled"] == 1 and counts["succeeded"] == 0
+    assert core.infers() == 1
+    core.assert_books_as_built()
+
+def test_a_job_past_its_queue_deadline_fails_before_submit():
+    core = Core(queue_s=0.5)
+    job, handle = core.start(Request.prefill(2, [1, 2]))
+    assert core.pipe.take_expired() == []               # not yet
+    assert core.pipe.next_deadline() == pytest.approx(job.timings.queued + 0.5)
+    core.clock.advance(0.5)
+    assert core.pipe.take_expired() == [job]
+    assert core.pipe.claim() is None                    # taken out of the queue
+    core.pipe.fail_queue_deadline(job)
+    err = handle.exception(0)
+    assert isinstance(err, DeadlineExceeded) and "queue deadline" in str(err), err
+    assert core.infers() == 0
+    counts, _ = core.pipe.counts()
+    assert counts["failed"] == 1
+    core.assert_books_as_built()
+
+
+def test_parked_jobs_are_admitted_in_order_as_the_slot_frees():
+    core = Core(slots_per_engine=1)             # one prefill slot
+    pipe = core.pipe
+    first, first_h = core.start(Request.prefill(0, [1, 2]))
+    assert first.state == JobState.QUEUED
+    second, second_h = core.start(Request.prefill(1, [3, 4]))
+    third, third_h = core.start(Request.prefill(2, [5, 6]))
+    assert pipe.has_parked() and pipe.can_admit()
+    assert second.state == JobState.ADMITTED         # its KV reserved, no slot
+    assert third.state == JobState.CREATED           # behind it, untried
+    assert not pipe.admit_parked()              # the slot is still out: nothing moves
+    assert pipe.depths() == (0, 3)              # all three wait
+
+    assert core.submit() is first and core.complete() is first
+    assert first_h.exception(0) is None
+    fourth, fourth_h = core.start(Request.prefill(3, [7, 8]))
+    assert fourth.state == JobState.CREATED     # the slot is free, but it may not overtake
+    assert pipe.admit_parked()                  # the head goes first ...
+    assert second.state == JobState.QUEUED and third.state != JobState.QUEUED
+    assert not pipe.admit_parked()              # ... and only the head
+    assert core.submit() is second and core.complete() is second
+
+    assert pipe.admit_parked() and third.state == JobState.QUEUED
+    assert core.submit() is third and core.complete() is third
+    assert pipe.admit_parked() and not pipe.has_parked()
+    assert core.submit() is fourth and core.complete() is fourth
+    handles = (first_h, second_h, third_h, fourth_h)
+    assert [h.result(0).seq_id for h in handles] == [0, 1, 2, 3]
+    assert core.infers() == 4
+    core.assert_books_as_built()
+
+
+def test_cancelling_a_parked_job_gives_back_its_kv():
+    core = Core(slots_per_engine=1)
+    first, first_h = core.start(Request.prefill(0, [1, 2]))
+    _, parked_h = core.start(Request.prefill(1, [3, 4, 5]))
+    assert core.pipe.has_parked()
+    assert core.epoch.kv.stats().open == 2           # the parked job kept its reservation
+    assert parked_h.cancel()
+    assert isinstance(parked_h.exception(0), Cancelled)
+    assert not core.pipe.has_parked() and not core.pipe.admit_parked()
+    kv = core.epoch.kv.stats()
+    assert kv.open == 1 and kv.rolled_back == 1
+    assert core.submit() is first and core.complete() is first
+    assert first_h.exception(0) is None
+    assert core.infers() == 1
+    core.assert_books_as_built()
+
+
+@pytest.mark.parametrize("request_", [
+    pytest.param(Request.prefill(4, [VOCAB]), id="token-beyond-the-vocabulary"),
+    pytest.param(Request.decode(4, 1, 5), id="decode-over-a-hole-in-the-kv"),
+    pytest.param(Request(4, TaskKind.PREFILL_IDS, [1, 2], [0, 2]), id="positions-skip"),
+    pytest.param(Request.prefill(4, [1], deadline_s=0.0), id="deadline-already-past"),
+])
+def test_a_job_failing_validation_never_reaches_the_driver(core, request_):
+    job, handle = core.start(request_)
+    err = handle.exception(0)
+    assert isinstance(err, InvalidArgument | DeadlineExceeded), err
+    assert job.state == JobState.FAILED
+    assert not core.pipe.has_queued() and core.pipe.claim() is None
+    assert core.infers() == 0
+    assert core.epoch.kv.stats().reserved == 0      # nothing was taken
+    core.assert_books_as_built()
