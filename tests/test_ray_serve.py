@@ -25,6 +25,10 @@ import pytest
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+# Serve kills a proxy that is not ready within 5 s of its start (and serve.start() then
+# fails): a fresh proxy process on a busy 2-core machine takes longer than that to import
+# its server, and it is the replicas' health this test is about, not Ray's start-up time
+os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
