@@ -39,7 +39,17 @@ from calfsm.errors import ResourceExhausted
 from calfsm.manifest import TaskKind
 from calfsm.service import ServiceModel
 
-__all__ = ["LiveStreams", "finish_times"]
+__all__ = ["LiveStreams", "finish_times", "stream_work_s"]
+
+
+def stream_work_s(service: ServiceModel, *, prompt_tokens: int, left: int,
+                  prefilled: bool) -> float:
+    """Device seconds a stream with ``left`` tokens to go still needs at most: its
+    prefill (unless done) gives the first of them, each decode one more."""
+    if prefilled:
+        return left * service.decode_service_s()
+    return service.service_s(TaskKind.PREFILL_IDS, prompt_tokens) \
+        + max(0, left - 1) * service.decode_service_s()
 
 
 class Stream(Protocol):
@@ -123,8 +133,7 @@ class LiveStreams:
             w, dl = s.remaining_work(svc)
             work.append(w)
             deadlines.append(dl)
-        new = svc.service_s(TaskKind.PREFILL_IDS, prompt_tokens) \
-            + max(0, max_new - 1) * svc.decode_service_s()
+        new = stream_work_s(svc, prompt_tokens=prompt_tokens, left=max_new, prefilled=False)
         if all(math.isinf(d) for d in deadlines) and math.isinf(deadline):
             return
         slack = self._slack

@@ -43,7 +43,7 @@ from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.service import ServiceModel
-from calfsm.streams import Sequence, SequenceAllocator, Stream
+from calfsm.streams import Sequence, SequenceAllocator, Stream, max_new_tokens
 
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
 
@@ -221,10 +221,8 @@ class DeviceExecutor:
             deadline = self.clock.now() + deadline_s
         else:
             return
-        max_seq = epoch.contract(TaskKind.DECODE).max_seq
-        self.live_streams.admit(prompt_tokens=n, max_new=max(1, min(params.max_tokens,
-                                                                    max_seq - n + 1)),
-                                deadline=deadline)
+        max_new = max_new_tokens(params, epoch.contract(TaskKind.DECODE).max_seq, 0, n)
+        self.live_streams.admit(prompt_tokens=n, max_new=max_new, deadline=deadline)
 
     def decode_sync(self, request: Request, timeout: float | None = None) -> InferenceResult:
         """Synchronous compatibility entry (spec 6.1): enqueue and wait for the result."""

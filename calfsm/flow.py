@@ -177,7 +177,6 @@ class Flow:
             if self.state != _F.RESUMING:
                 return False
             _fire(self, "replay")
-        self._drop_staged()              # one staged for the lost generation's step
         self.replay_check = delivered[-1] if delivered else None
         self.resumes += 1
         return True

@@ -49,6 +49,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from calfsm.capacity import stream_work_s
 from calfsm.errors import (
     CalfsmError,
     Cancelled,
@@ -430,9 +431,8 @@ class Stream:
             raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
                                   f"{max_resumes!r}", stage="request")
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
-        #: tokens this stream can give at most: max_tokens, bounded by the context
-        self._max_new = max(1, min(params.max_tokens,
-                                   self._max_seq - sequence.position - len(self.prompt) + 1))
+        self._max_new = max_new_tokens(params, self._max_seq, sequence.position,
+                                       len(self.prompt))
         if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
             ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
                                   deadline=self._deadline, seq_id=sequence.seq_id)
@@ -514,12 +514,9 @@ class Stream:
         costed with ``service`` (a :class:`~calfsm.service.ServiceModel`): what the
         admission estimate of a new stream weighs it by."""
         done = len(self._tokens)
-        left = max(0, self._max_new - done)
-        work = max(0, left - 1) * service.decode_service_s() if done == 0 \
-            else left * service.decode_service_s()
-        if done == 0:
-            work += service.service_s(TaskKind.PREFILL_IDS, len(self.prompt))
-        return work, self._deadline
+        return stream_work_s(service, prompt_tokens=len(self.prompt),
+                             left=max(0, self._max_new - done), prefilled=done > 0), \
+            self._deadline
 
     def done(self) -> bool:
         return self._result is not None
@@ -637,16 +634,15 @@ class Stream:
             outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
                                    chain=job.handle)
         except Exception as e:          # a bug: the stream ends, nobody is left waiting
-            log.exception("stream continuation of sequence %s failed", self.sequence.seq_id)
-            outcome = (FinishReason.ERROR, Internal(
-                f"unexpected {type(e).__name__} in a stream step: {e}",
-                seq_id=self.sequence.seq_id, stage="stream"), None)
+            outcome = (FinishReason.ERROR, self._bug(e), None)
         with self._lock:
             self._decided = (job.job_id, outcome)
 
     def _step_done(self, handle: JobHandle) -> None:
         # the job holds the stream through its continuation: let go, however it ended
-        # (a sequence keeps its last job; the stream must not live on through it)
+        # (a sequence keeps its last job; the stream must not live on through it). The
+        # continuation is set once the job exists, so only this callback, which runs for
+        # every end, even one before the continuation was set, can clear it every time
         handle.context.continuation = None
         try:
             with self._lock:
@@ -663,10 +659,15 @@ class Stream:
                                        job.past_len + job.token_count, chain=None)
             self._deliver(outcome)
         except Exception as e:          # a bug must not leave the consumer waiting
-            log.exception("stream step of sequence %s failed", self.sequence.seq_id)
-            self._finish(FinishReason.ERROR, e if isinstance(e, CalfsmError) else Internal(
-                f"unexpected {type(e).__name__} in a stream step: {e}",
-                seq_id=self.sequence.seq_id, stage="stream"))
+            self._finish(FinishReason.ERROR, self._bug(e))
+
+    def _bug(self, e: Exception) -> CalfsmError:
+        """An unexpected exception in a step of this stream, logged; what the stream ends
+        with (a CalfsmError as it is, anything else as Internal)."""
+        log.exception("stream step of sequence %s failed", self.sequence.seq_id)
+        return e if isinstance(e, CalfsmError) else Internal(
+            f"unexpected {type(e).__name__} in a stream step: {e}",
+            seq_id=self.sequence.seq_id, stage="stream")
 
     def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
                 chain: JobHandle | None) -> _Outcome:
@@ -894,6 +895,13 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+def max_new_tokens(params: SamplingParams, max_seq: int, position: int,
+                   prompt_tokens: int) -> int:
+    """Tokens a stream can give at most: ``max_tokens``, bounded by the context left
+    after ``position`` and the prompt (at least one: the prefill's)."""
+    return max(1, min(params.max_tokens, max_seq - position - prompt_tokens + 1))
 
 
 #: what a step's end decided: (finish reason or None, its error, the next decode still to
