@@ -120,7 +120,7 @@ class DeviceExecutor:
         """
         job = self._accept(request)
         handle = job.handle         # the job drops it when it ends, maybe in start()
-        self._pipeline.start(job, wait=self.config.threaded)
+        self._pipeline.admission.start(job, wait=self.config.threaded)
         return handle
 
     def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
@@ -131,12 +131,12 @@ class DeviceExecutor:
         admitted while a graceful shutdown lets running streams finish."""
         job = self._accept(request, continuing=continuing)
         handle = job.handle
-        self._pipeline.start(job, wait=False)
+        self._pipeline.admission.start(job, wait=False)
         return handle
 
     def _accept(self, request: Request, *, continuing: bool = False) -> JobContext:
         try:
-            return self._pipeline.accept(request, self._pipeline.cancel,
+            return self._pipeline.admission.accept(request, self._pipeline.cancel,
                                          continuing=continuing)
         except CalfsmError as e:
             self._rejected(e)
@@ -283,9 +283,9 @@ class DeviceExecutor:
         self._runtime.begin_close(timeout)
         for job in self._pipeline.take_waiting():
             job.cancel_requested = True
-            self._pipeline.fail_before_submit(job, _shutdown_cancel(job, retry))
+            self._pipeline.outcomes.fail_before_submit(job, _shutdown_cancel(job, retry))
         self._pipeline.wake_waiters()
-        while self._pipeline.run_deferred():    # streams end, sequences are released
+        while self._pipeline.admission.run_deferred():    # streams end, sequences are released
             pass
         self._runtime.join_recovery(timeout)   # a recovery stops at its next step
         undrained = self._runtime.drain(timeout)
@@ -294,7 +294,7 @@ class DeviceExecutor:
             stage="shutdown", job_id=job.job_id, seq_id=job.seq_id,
             generation=job.generation))
         alive = self._runtime.stop(timeout)
-        while self._pipeline.run_deferred():    # what the drained jobs left to do
+        while self._pipeline.admission.run_deferred():    # what the drained jobs left to do
             pass
         self._life.fire_if_declared("close")
         if self.epoch is not None:
@@ -395,7 +395,7 @@ class DeviceExecutor:
 
     def on_device(self) -> list[JobContext]:
         """Jobs submitted whose Wait has not returned (recovery and tests look at it)."""
-        return self._pipeline.on_device()
+        return self._pipeline.device.on_device()
 
     def stats(self) -> ExecutorStats:
         counts, by_category = self._pipeline.counts()
@@ -419,7 +419,7 @@ class DeviceExecutor:
         self._control.check_progress()
         inflight, depth = self._pipeline.depths()
         life, p = self._life, self._pipeline
-        age, oldest = p.oldest_on_device()
+        age, oldest = p.device.oldest_on_device()
         suspect = oldest is not None and not oldest.ended and age > \
             self.service.suspect_after_s(oldest.kind, oldest.token_count)
         live_reason = None
@@ -480,24 +480,24 @@ class StreamSteps:
         """Prepare ``request`` (a stream's next step, its token a placeholder) while the
         step before it runs: a slot leased and the inputs written, no KV, no queue.
         None when that cannot be done now (the step then goes the ordinary way)."""
-        job = self._pipeline.stage(request, self._pipeline.cancel)
+        job = self._pipeline.overlap.stage(request, self._pipeline.cancel)
         return None if job is None else job.handle
 
     def release(self, handle: JobHandle, request: Request) -> bool:
         """Run a staged step with its real ``request`` (the token now known), validated
         as any request is: KV reserved and queued for submit at once. False if the step
         is gone (it has its outcome)."""
-        return self._pipeline.release_staged(handle.context, request)
+        return self._pipeline.overlap.release_staged(handle.context, request)
 
     def discard(self, handle: JobHandle) -> None:
         """A staged step that will not run: its slot comes back (outcome discarded)."""
-        self._pipeline.discard_staged(handle.context, Cancelled(
+        self._pipeline.overlap.discard_staged(handle.context, Cancelled(
             "a step prepared ahead was not needed", stage="stage",
             job_id=handle.job_id, seq_id=handle.seq_id))
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` soon on the admission side, outside every lock."""
-        self._pipeline.defer(fn)
+        self._pipeline.admission.defer(fn)
 
 
 def step_port(executor: DeviceExecutor) -> StreamSteps:

@@ -130,7 +130,7 @@ class ThreadRuntime(_Runtime):
         p = self.pipeline
         with self._cond:
             self._cond.wait_for(p.idle, timeout=timeout)
-        return p.on_device()
+        return p.device.on_device()
 
     def stop(self, timeout: float) -> list[str]:
         """Join the worker threads; returns the names of those still alive."""
@@ -194,49 +194,49 @@ class ThreadRuntime(_Runtime):
     def _submitter_loop(self) -> None:
         p, life, clock = self.pipeline, self.life, self.clock
         while True:
-            expired = p.take_expired()
+            expired = p.device.take_expired()
             for job in expired:
-                p.run_step(job, "queue", p.fail_queue_deadline)
+                p.device.run_step(job, "queue", p.device.fail_queue_deadline)
             if expired:
                 continue
-            job = p.claim()
+            job = p.device.claim()
             if job is None:
-                if life.closing and not p.has_queued():
+                if life.closing and not p.device.has_queued():
                     return
                 if p.broken is not None:
                     return
                 backoff = p.faults.backoff_until
                 if clock.virtual:
-                    if p.submittable() and backoff > clock.now():
+                    if p.device.submittable() and backoff > clock.now():
                         clock.advance_to(backoff)
                         continue
                     self._submit_bell.wait(0.05)   # deadlines move only when driven
                 else:
-                    self._submit_bell.wait(p.submit_wait_s())
+                    self._submit_bell.wait(p.device.submit_wait_s())
                 continue
             try:
-                p.run_step(job, "submit", p.submit)
+                p.device.run_step(job, "submit", p.device.submit)
             finally:
                 self._submitted_bell.ring()
 
     def _completion_loop(self) -> None:
         p, life = self.pipeline, self.life
         while True:
-            job = p.next_completion()
+            job = p.completion.next_completion()
             if job is None:
                 p.beat("completion")
                 if p.broken is not None:
                     return
-                if life.closing and ((p.inflight == 0 and not p.has_queued())
+                if life.closing and ((p.inflight == 0 and not p.device.has_queued())
                                      or time.monotonic() > self._close_deadline):
                     return
                 self._complete_bell.wait(0.05 if life.closing else None)
                 continue
             if life.closing and time.monotonic() > self._close_deadline \
                     and job.ended:
-                p.drop_completion(job)
+                p.completion.drop_completion(job)
                 return              # abandon a zombie: the device never let it go
-            p.run_completion(job)
+            p.completion.run_completion(job)
 
     def _admission_loop(self) -> None:
         """Admit parked jobs, head first, while they move; then sleep until a job parks,
@@ -245,15 +245,15 @@ class ThreadRuntime(_Runtime):
         while True:
             # during close() it keeps running what the draining jobs defer (a stream's
             # end, a sequence's release): close() waits for that to be done
-            if p.broken is not None or (self._stopping and not p.has_parked()
-                                        and not p.has_deferred()):
+            if p.broken is not None or (self._stopping and not p.admission.has_parked()
+                                        and not p.admission.has_deferred()):
                 return
-            if p.run_deferred():
+            if p.admission.run_deferred():
                 continue
-            p.expire_parked()
-            if p.has_parked() and p.admit_parked():
+            p.admission.expire_parked()
+            if p.admission.has_parked() and p.admission.admit_parked():
                 continue
-            wait = p.admission_wait_s()
+            wait = p.admission.wait_s()
             if clock.virtual and wait is not None:
                 wait = 0.05                       # deadlines move only when driven
             self._admit_bell.wait(wait)
@@ -304,32 +304,32 @@ class Steps:
         return self.pipeline.next_deadline() <= self.clock.now()
 
     def can_admit(self) -> bool:
-        return self.pipeline.can_admit()
+        return self.pipeline.admission.can_admit()
 
     def admission_fingerprint(self) -> int:
-        return self.pipeline.admission_fingerprint()
+        return self.pipeline.admission.fingerprint()
 
     def can_submit(self) -> bool:
-        return self.pipeline.submittable()
+        return self.pipeline.device.submittable()
 
     def can_complete(self) -> bool:
-        return self.pipeline.has_completions()
+        return self.pipeline.device.has_completions()
 
     def can_recover(self) -> bool:
         return self.control.recovery_due()
 
     def can_run_deferred(self) -> bool:
-        return self.pipeline.has_deferred()
+        return self.pipeline.admission.has_deferred()
 
     def run_deferred(self) -> bool:
-        return self.pipeline.run_deferred()
+        return self.pipeline.admission.run_deferred()
 
     def expire(self) -> None:
         self.pipeline.expire_waiting()
 
     def admit(self) -> bool:
         """Admit the head parked job; False if it must keep waiting."""
-        return self.pipeline.admit_parked()
+        return self.pipeline.admission.admit_parked()
 
     def submit(self) -> bool:
         return self.pipeline.submit_next()
@@ -378,11 +378,13 @@ class StepRuntime(_Runtime):
     def drain(self, timeout: float) -> list[JobContext]:
         """Finish submitted jobs here (bounded in wall time)."""
         p = self.pipeline
+        device = p.device
         deadline = time.monotonic() + timeout
-        while (p.has_completions() or p.has_queued()) and time.monotonic() <= deadline:
+        while (device.has_completions() or device.has_queued()) \
+                and time.monotonic() <= deadline:
             if not p.complete_next() and not p.submit_next():
                 break
-        return p.on_device()
+        return p.device.on_device()
 
     def stop(self, timeout: float) -> list[str]:
         return []

@@ -34,8 +34,8 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.job import JobHandle, Request
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
-from calfsm.pipeline import Pipeline
 from calfsm.scheduler import StepScheduler
+from calfsm.submission import Submission
 from tests.executor_helpers import (
     TINY,
     Call,
@@ -334,7 +334,7 @@ def _kill_submitter_when_armed(monkeypatch) -> threading.Event:
     queued (so the crash always meets a queued job). Patched on the public class: there
     is one executor in the test."""
     armed = threading.Event()
-    real = Pipeline.take_expired
+    real = Submission.take_expired
 
     def take_expired(self):
         if armed.is_set() and self.has_queued() \
@@ -342,7 +342,7 @@ def _kill_submitter_when_armed(monkeypatch) -> threading.Event:
             raise RuntimeError("injected: the submitter loop crashed")
         return real(self)
 
-    monkeypatch.setattr(Pipeline, "take_expired", take_expired)
+    monkeypatch.setattr(Submission, "take_expired", take_expired)
     return armed
 
 

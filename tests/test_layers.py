@@ -27,3 +27,29 @@ def test_type_only_imports_count_too() -> None:
     were one): the contract does not exclude type-only imports."""
     text = (ROOT / "pyproject.toml").read_text("utf-8")
     assert "exclude_type_checking_imports = false" in text
+
+
+#: the modules a job passes through between ``enqueue`` and its result
+CORE_PATH = ("core", "admission", "overlap", "submission", "completion", "outcomes",
+             "pipeline", "flow", "streams", "runtime", "kv", "buffers", "staging", "job")
+
+
+@pytest.mark.parametrize("module", CORE_PATH)
+def test_the_core_path_reads_in_one_sitting(module: str) -> None:
+    """Issue 21: no class on the core path over 40 methods, no function over 60 lines
+    (``Pipeline`` was one class of 97 methods and 1,346 lines before it was split)."""
+    import ast
+
+    tree = ast.parse((ROOT / "calfsm" / f"{module}.py").read_text("utf-8"))
+    too_big = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+            methods = [f for f in node.body
+                       if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)]
+            if len(methods) > 40:
+                too_big.append(f"class {node.name}: {len(methods)} methods")
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            lines = node.end_lineno - node.lineno + 1
+            if lines > 60:
+                too_big.append(f"{node.name}: {lines} lines")
+    assert not too_big, too_big

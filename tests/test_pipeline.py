@@ -4,10 +4,11 @@ built directly, h11-style, with no DeviceExecutor, no runtime and no thread.
 The lifecycle is the real :class:`~calfsm.lifecycle.Lifecycle` record moved to Ready by
 hand (start -> configured -> warmed, no warm-up run) with one epoch built on a simulated
 driver on a virtual clock; the policy decisions and drains the pipeline asks for are only
-recorded. The test calls each step itself, in order: ``accept`` -> ``start`` (validate,
-admit, prepare) -> ``claim`` / ``submit`` -> ``next_completion`` / ``run_completion``,
-and reads the books (queue depths, in-flight slots, pool and KV stats) between them.
-Only public methods of the pipeline are used.
+recorded. The test calls each step itself, in order: ``admission.accept`` ->
+``admission.start`` (validate, admit, prepare) -> ``device.claim`` / ``device.submit`` ->
+``completion.next_completion`` / ``completion.run_completion``, and reads the books
+(queue depths, in-flight slots, pool and KV stats) between them. Only public methods of
+the pipeline and its parts are used.
 """
 
 from __future__ import annotations
@@ -71,24 +72,24 @@ class Core:
     def start(self, request: Request) -> tuple[JobContext, JobHandle]:
         """accept + start without waiting: the job is queued, parked or failed. The
         handle is returned beside the job, which lets go of it when it ends."""
-        job = self.pipe.accept(request, self.pipe.cancel)
+        job = self.pipe.admission.accept(request, self.pipe.cancel)
         handle = job.handle
-        self.pipe.start(job, wait=False)
+        self.pipe.admission.start(job, wait=False)
         return job, handle
 
     def submit(self) -> JobContext:
         """Claim the head of the submit queue and submit it."""
-        job = self.pipe.claim()
+        job = self.pipe.device.claim()
         assert job is not None, "nothing to claim"
         assert self.pipe.inflight == 1
-        self.pipe.submit(job)
+        self.pipe.device.submit(job)
         assert job.state == JobState.SUBMITTED, job.state
         return job
 
     def complete(self) -> JobContext:
-        job = self.pipe.next_completion()
+        job = self.pipe.completion.next_completion()
         assert job is not None, "nothing to complete"
-        self.pipe.run_completion(job)
+        self.pipe.completion.run_completion(job)
         return job
 
     def run(self, request: Request) -> Any:
@@ -131,15 +132,15 @@ def test_a_prefill_and_a_decode_go_through_the_four_steps_with_the_reference_log
     assert pipe.idle() and core.infers() == 0
 
     job, handle = core.start(Request.prefill(3, [1, 2, 3]))
-    assert job.state == JobState.QUEUED and pipe.has_queued()
+    assert job.state == JobState.QUEUED and pipe.device.has_queued()
     assert not pipe.idle() and pipe.depths() == (0, 1)      # waiting, not in flight
     assert core.epoch.pool.stats().leased == 1 and core.epoch.kv.stats().open == 1
     assert core.infers() == 0                               # prepared, not submitted
 
     assert core.submit() is job
-    assert core.infers() == 1 and pipe.on_device() == [job]
-    assert pipe.depths() == (1, 0) and not pipe.has_queued()
-    assert pipe.claim() is None                             # the one in-flight slot is out
+    assert core.infers() == 1 and pipe.device.on_device() == [job]
+    assert pipe.depths() == (1, 0) and not pipe.device.has_queued()
+    assert pipe.device.claim() is None                             # the one in-flight slot is out
     assert not handle.done()
 
     assert core.complete() is job
@@ -170,7 +171,7 @@ def test_cancelling_a_queued_job_gives_back_its_lease_and_kv(core):
 
     assert handle.cancel()                  # the canceller is Pipeline.cancel
     assert isinstance(handle.exception(0), Cancelled)
-    assert not core.pipe.has_queued() and core.pipe.claim() is None
+    assert not core.pipe.device.has_queued() and core.pipe.device.claim() is None
     assert core.infers() == 0
     kv = core.epoch.kv.stats()
     assert kv.reserved == 1 and kv.rolled_back == 1
@@ -195,12 +196,12 @@ def test_a_job_cancelled_on_the_device_is_waited_for_and_its_result_dropped(core
 def test_a_job_past_its_queue_deadline_fails_before_submit():
     core = Core(queue_s=0.5)
     job, handle = core.start(Request.prefill(2, [1, 2]))
-    assert core.pipe.take_expired() == []               # not yet
+    assert core.pipe.device.take_expired() == []               # not yet
     assert core.pipe.next_deadline() == pytest.approx(job.timings.queued + 0.5)
     core.clock.advance(0.5)
-    assert core.pipe.take_expired() == [job]
-    assert core.pipe.claim() is None                    # taken out of the queue
-    core.pipe.fail_queue_deadline(job)
+    assert core.pipe.device.take_expired() == [job]
+    assert core.pipe.device.claim() is None                    # taken out of the queue
+    core.pipe.device.fail_queue_deadline(job)
     err = handle.exception(0)
     assert isinstance(err, DeadlineExceeded) and "queue deadline" in str(err), err
     assert core.infers() == 0
@@ -216,24 +217,24 @@ def test_parked_jobs_are_admitted_in_order_as_the_slot_frees():
     assert first.state == JobState.QUEUED
     second, second_h = core.start(Request.prefill(1, [3, 4]))
     third, third_h = core.start(Request.prefill(2, [5, 6]))
-    assert pipe.has_parked() and pipe.can_admit()
+    assert pipe.admission.has_parked() and pipe.admission.can_admit()
     assert second.state == JobState.ADMITTED         # its KV reserved, no slot
     assert third.state == JobState.CREATED           # behind it, untried
-    assert not pipe.admit_parked()              # the slot is still out: nothing moves
+    assert not pipe.admission.admit_parked()              # the slot is still out: nothing moves
     assert pipe.depths() == (0, 3)              # all three wait
 
     assert core.submit() is first and core.complete() is first
     assert first_h.exception(0) is None
     fourth, fourth_h = core.start(Request.prefill(3, [7, 8]))
     assert fourth.state == JobState.CREATED     # the slot is free, but it may not overtake
-    assert pipe.admit_parked()                  # the head goes first ...
+    assert pipe.admission.admit_parked()                  # the head goes first ...
     assert second.state == JobState.QUEUED and third.state != JobState.QUEUED
-    assert not pipe.admit_parked()              # ... and only the head
+    assert not pipe.admission.admit_parked()              # ... and only the head
     assert core.submit() is second and core.complete() is second
 
-    assert pipe.admit_parked() and third.state == JobState.QUEUED
+    assert pipe.admission.admit_parked() and third.state == JobState.QUEUED
     assert core.submit() is third and core.complete() is third
-    assert pipe.admit_parked() and not pipe.has_parked()
+    assert pipe.admission.admit_parked() and not pipe.admission.has_parked()
     assert core.submit() is fourth and core.complete() is fourth
     handles = (first_h, second_h, third_h, fourth_h)
     assert [h.result(0).seq_id for h in handles] == [0, 1, 2, 3]
@@ -245,11 +246,11 @@ def test_cancelling_a_parked_job_gives_back_its_kv():
     core = Core(slots_per_engine=1)
     first, first_h = core.start(Request.prefill(0, [1, 2]))
     _, parked_h = core.start(Request.prefill(1, [3, 4, 5]))
-    assert core.pipe.has_parked()
+    assert core.pipe.admission.has_parked()
     assert core.epoch.kv.stats().open == 2           # the parked job kept its reservation
     assert parked_h.cancel()
     assert isinstance(parked_h.exception(0), Cancelled)
-    assert not core.pipe.has_parked() and not core.pipe.admit_parked()
+    assert not core.pipe.admission.has_parked() and not core.pipe.admission.admit_parked()
     kv = core.epoch.kv.stats()
     assert kv.open == 1 and kv.rolled_back == 1
     assert core.submit() is first and core.complete() is first
@@ -269,7 +270,7 @@ def test_a_job_failing_validation_never_reaches_the_driver(core, request_):
     err = handle.exception(0)
     assert isinstance(err, InvalidArgument | DeadlineExceeded), err
     assert job.state == JobState.FAILED
-    assert not core.pipe.has_queued() and core.pipe.claim() is None
+    assert not core.pipe.device.has_queued() and core.pipe.device.claim() is None
     assert core.infers() == 0
     assert core.epoch.kv.stats().reserved == 0      # nothing was taken
     core.assert_books_as_built()

@@ -78,9 +78,9 @@ class Wired:
 
     def enqueue(self, request: Request) -> JobHandle:
         """What ``enqueue_nowait`` does: accept, then start without blocking."""
-        job = self.pipe.accept(request, self.pipe.cancel)
+        job = self.pipe.admission.accept(request, self.pipe.cancel)
         handle = job.handle
-        self.pipe.start(job, wait=False)
+        self.pipe.admission.start(job, wait=False)
         return handle
 
 

@@ -1,0 +1,422 @@
+"""Admission: accept -> validate -> KV reservation -> buffer lease -> prepare.
+
+The admission part owns the jobs that wait to be admitted (the parked queue, FIFO, and
+the head the admission step has taken out to admit), the deferred work that must run
+outside every lock, and the job ids. Admission is one path for both runtimes:
+:meth:`Admission.admit` with ``wait=False`` tries; with ``wait=True`` (the caller's
+thread in threaded mode) the KV coordinator and the pool wait for capacity inside the
+same step, FIFO, bounded by the admission deadline. A prepared job goes to the device
+side's submit queue (:meth:`calfsm.submission.Submission.queue`). A stream's next step
+prepared ahead is :mod:`calfsm.overlap`'s.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+from collections import deque
+from collections.abc import Callable
+
+from calfsm.core import READY, Core, job_ctx
+from calfsm.drivers.base import EngineSlot
+from calfsm.epoch import WARMUP_SEQ
+from calfsm.errors import (
+    CalfsmError,
+    Cancelled,
+    DeadlineExceeded,
+    ErrorCategory,
+    ExecutorBroken,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from calfsm.job import JobContext, JobHandle, Request
+from calfsm.kv import SeqState
+from calfsm.machines.job import JOB_MACHINE
+from calfsm.outcomes import Outcomes
+from calfsm.request import check_request
+from calfsm.submission import Submission
+
+__all__ = ["Admission"]
+
+log = logging.getLogger("calfsm.pipeline")
+
+_fire = JOB_MACHINE.fire
+_fire_if = JOB_MACHINE.fire_if_declared
+
+
+class Admission:
+    """The jobs waiting to be admitted, and the steps that admit them."""
+
+    def __init__(self, core: Core, outcomes: Outcomes, device: Submission) -> None:
+        self.core = core
+        self.outcomes = outcomes
+        self.device = device
+        self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
+        #: the parked head the admission step took out to admit: the step owns it (a
+        #: cancel only flags it, a drain does not take it) until it is queued or failed
+        self._admitting: JobContext | None = None
+        self._deferred: deque[Callable[[], None]] = deque()   # work to run outside locks
+        self._ids = itertools.count(1)
+
+    # ---- observation ---------------------------------------------------------------
+    def busy(self) -> bool:
+        """A job is parked or being admitted, or deferred work is left."""
+        return bool(self._parked or self._deferred or self._admitting)
+
+    def has_parked(self) -> bool:
+        return bool(self._parked)
+
+    def blocks_staging(self) -> bool:
+        """A job waits for admission: a slot taken ahead must never starve it."""
+        return bool(self._parked) or self._admitting is not None
+
+    def can_admit(self) -> bool:
+        """A job waits for admission and the device takes work (not Ready: the parked
+        jobs wait for the next generation)."""
+        return bool(self._parked) and self.core.life.state == READY
+
+    def fingerprint(self) -> int:
+        """Changes whenever something that could let a parked job proceed changed (KV
+        books, pool, generation, the parked jobs themselves)."""
+        life = self.core.life
+        epoch = life.epoch
+        return hash((len(self._parked), epoch.kv.stats() if epoch else None,
+                     epoch.pool.stats() if epoch else None, life.generation))
+
+    def deadlines(self) -> list[float]:
+        """The admission deadline of every parked job."""
+        now = self.core.clock.now()
+        with self.core.lock:
+            return [self.deadline(j, now) for j in self._parked]
+
+    def wait_s(self) -> float | None:
+        """How long the admission step may sleep: until the first parked job's admission
+        deadline (None: nothing parked)."""
+        now = self.core.clock.now()
+        first = min(self.deadlines(), default=None)
+        if first is None or math.isinf(first):
+            return None
+        return max(0.0, first - now)
+
+    # ---- deferred work -------------------------------------------------------------
+    def has_deferred(self) -> bool:
+        return bool(self._deferred)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` later on the admission side, holding no lock (a stream's replay
+        once the device is Ready, a sequence's release): callbacks that must not run
+        inside a lifecycle transition or a completion."""
+        with self.core.lock:
+            self._deferred.append(fn)
+        self.core.hooks.job_parked()
+
+    def run_deferred(self) -> bool:
+        """Run one deferred function; False if there was none."""
+        with self.core.lock:
+            if not self._deferred:
+                return False
+            fn = self._deferred.popleft()
+        try:
+            fn()
+        except Exception:
+            log.exception("deferred work %r raised", fn)
+        self.core.hooks.changed()       # idle counts deferred work
+        return True
+
+    # ---- accept --------------------------------------------------------------------
+    def accept(self, request: Request, canceller: Callable[[JobContext], None], *,
+               continuing: bool = False, staging: bool = False) -> JobContext:
+        """Gate, then make the job and its handle; raises only for a closed or non-Ready
+        executor, a full wait queue (or a bad ``request`` type). Every accepted job has
+        one outcome. ``continuing``: a running stream's next step (see JobContext).
+        Observers hear of the job (job_accepted) or of the refusal (job_refused) here,
+        holding no lock; ``staging``: a step prepared ahead, announced only when it is
+        released, and a refusal is not the caller's."""
+        try:
+            job = self._make_job(request, canceller, continuing)
+        except CalfsmError as e:
+            if not staging:
+                self.outcomes.observers.job_refused(e, request)
+            raise
+        if staging:
+            job.announced = False           # at its release, if it is released
+        else:
+            self.outcomes.announce(job, request, staged=False)
+        return job
+
+    def _make_job(self, request: Request, canceller: Callable[[JobContext], None],
+                  continuing: bool) -> JobContext:
+        core = self.core
+        if not isinstance(request, Request):
+            raise InvalidArgument(f"enqueue takes a Request, got {type(request).__name__}",
+                                  stage="request")
+        if core.broken is not None:
+            raise ExecutorBroken(f"executor is broken: {core.broken}", stage="admission")
+        life = core.life
+        life.gate(continuing=continuing)
+        self.outcomes.enter_waiting(request, continuing, self.device.inflight)
+        now = core.clock.now()
+        deadline_s = request.deadline_s if request.deadline_s is not None \
+            else core.t.default_deadline_s
+        job = JobContext(
+            job_id=next(self._ids), request=request, generation=life.generation,
+            seq_id=request.seq_id, kind=request.kind, past_len=request.past_len,
+            token_count=request.token_count,
+            deadline=now + deadline_s if deadline_s > 0 else now)
+        job.engine = request.engine
+        job.timings.accepted = now
+        job.continuing = continuing
+        job.unready_mark = life.unready_s(now)
+        job.epoch = life.epoch
+        job.handle = JobHandle(job, canceller)
+        job.waiting = True
+        self.outcomes.count("accepted")
+        return job
+
+    def validate(self, job: JobContext) -> None:
+        """Spec 6.3 checks 1-6, once, before any resource is taken."""
+        ctx = job_ctx(job, None)
+        if job.deadline <= job.timings.accepted:
+            raise DeadlineExceeded("deadline already past at enqueue", stage="validate",
+                                   **ctx)
+        req = job.request
+        check_request(req, job.epoch.contract(job.kind), seq_limit=WARMUP_SEQ,
+                      context=dict(ctx, stage="validate"))
+        if req.engine is not EngineSlot.AUTO and req.engine not in self.core.engines:
+            raise InvalidArgument(f"engine {req.engine.name} not in use", stage="validate",
+                                  **ctx)
+
+    # ---- start: validate, admit, prepare -------------------------------------------
+    def start(self, job: JobContext, *, wait: bool) -> None:
+        """Validate, admit and prepare ``job``; every failure goes to its handle.
+
+        ``wait=False``: a job that cannot be admitted now is parked (FIFO) for
+        :meth:`admit_parked`; ``wait=True``: admission waits for capacity in this call."""
+        try:
+            self.validate(job)
+            if wait:
+                self.admit(job, wait=True)
+                self.prepare(job)
+                return
+            with self.core.lock:
+                parked = bool(self._parked)
+                if parked:
+                    self._parked.append(job)
+            if parked:
+                self.core.hooks.job_parked()
+                return
+            if self.admit(job, wait=False):
+                self.prepare(job)
+            else:
+                with self.core.lock:
+                    self._parked.append(job)
+                self.core.hooks.job_parked()
+        except CalfsmError as e:
+            self.failed_to_start(job, e)
+        except Exception as e:          # a bug must not strand an accepted job
+            log.error("unexpected error preparing job %s", job.job_id, exc_info=e,
+                      extra=job_ctx(job, "prepare"))
+            self.failed_to_start(job, Internal(
+                f"unexpected {type(e).__name__} while preparing: {e}",
+                category=ErrorCategory.UNKNOWN, **job_ctx(job, "prepare")))
+
+    def failed_to_start(self, job: JobContext, e: CalfsmError) -> None:
+        """A job that never reached the submit queue fails; a device error met on the
+        way is shown to the fault policy like one met at submit."""
+        core = self.core
+        life = core.life
+        stale = job.epoch is not None and (job.epoch.retired or job.epoch is not life.epoch)
+        if isinstance(e, Cancelled) and not job.cancel_requested and not life.closing:
+            # admission gave up because the device left Ready, not because of a cancel
+            if core.broken is not None:
+                e = ExecutorBroken(f"executor is broken: {core.broken}",
+                                   **job_ctx(job, "admission"))
+            else:
+                e = Unavailable(f"device is {life.state} ({life.reason or 'recovering'})",
+                                retry_after_s=life.retry_after_s,
+                                **job_ctx(job, "admission"))
+        elif stale and not isinstance(e, Cancelled):
+            # the device was reset under this preparation: say so, not "bad state"
+            e = Unavailable(f"the device was reset while the job was prepared ({e})",
+                            retry_after_s=life.retry_after_s,
+                            calrt_code=e.calrt_code, **job_ctx(job, e.stage or "prepare"))
+        try:
+            if e.calrt_code is not None and not stale and not isinstance(e, Cancelled):
+                core.decide(e)          # before the caller hears
+        finally:
+            self.outcomes.fail_before_submit(job, e)
+
+    def deadline(self, job: JobContext, now: float) -> float:
+        """``min(deadline, accepted + admission budget)``, the budget extended by the time
+        the executor spent out of Ready since the job was accepted: a job that waited
+        through a recovery is not charged for it (its own deadline still holds). While
+        the executor is not Ready only the job's own deadline can pass, and a running
+        stream's next step (``continuing``) is bounded by its own deadline alone: its
+        stream was admitted, and a step that waits its turn must not fail it."""
+        life = self.core.life
+        if job.continuing or life.state != READY:
+            return job.deadline
+        paused = life.unready_s(now) - job.unready_mark
+        return min(job.deadline, job.timings.accepted + self.core.t.admission_s + paused)
+
+    def admit(self, job: JobContext, *, wait: bool) -> bool:
+        """KV reservation, then a buffer lease. ``wait=False``: False when either must
+        wait (what was taken is kept for the next try); raises on errors."""
+        clock = self.core.clock
+        epoch = job.epoch
+        deadline = self.deadline(job, clock.now())
+        if not wait and clock.now() >= deadline:
+            raise DeadlineExceeded("admission deadline passed",
+                                   **job_ctx(job, "admission"))
+        # the request's engine, else AUTO: the pool lends from the engine with the most
+        # free slots, so ping/pong stays even (the submitter runs one job per engine)
+        engine = job.engine
+        if wait:
+            cancelled = self._cancel_probe(job)
+            job.kv = epoch.kv.reserve(job.seq_id, job.past_len, job.token_count, deadline,
+                                      job_id=job.job_id, cancelled=cancelled)
+            _fire(job, "admit")
+            job.lease = epoch.pool.acquire_wait(job.kind, deadline, cancelled=cancelled,
+                                                clock=clock, engine=engine)
+        else:
+            if job.kv is None:
+                job.kv = epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
+                                              job_id=job.job_id)
+                if job.kv is None:
+                    return False
+                _fire(job, "admit")
+            try:
+                job.lease = epoch.pool.acquire(job.kind, engine)
+            except ResourceExhausted:
+                return False
+        job.timings.admitted = clock.now()
+        return True
+
+    def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
+        core = self.core
+        life = core.life
+        return lambda: job.cancel_requested or life.closing or life.state != READY \
+            or core.broken is not None
+
+    def prepare(self, job: JobContext) -> None:
+        """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""
+        clock = self.core.clock
+        _fire(job, "prepare")
+        lease = job.lease
+        lease.bind(job_id=job.job_id, seq_id=job.seq_id)
+        t0 = clock.now()
+        lease.load(job.seq_id, job.request.tokens, job.request.positions)
+        now = clock.now()
+        job.timings.h2d_ms = (now - t0) * 1e3
+        self.device.queue(job, now, "prepare")
+
+    # ---- the parked queue ----------------------------------------------------------
+    def admit_parked(self) -> bool:
+        """Try to admit the head parked job (FIFO). True if it moved (or failed).
+
+        The head is taken out while it is admitted (``_admitting``), so a cancel or a
+        drain meanwhile cannot fail it under this step's hands: the step looks at the
+        cancel flag and the lifecycle once admission returns, and fails the job itself
+        (the soak found the race: a cancel landing mid-admission fired ``admit`` on a
+        failed job)."""
+        core = self.core
+        life = core.life
+        with core.lock:
+            if not self._parked or self._admitting is not None or life.state != READY:
+                return False            # not Ready: parked jobs wait for the generation
+            job = self._admitting = self._parked.popleft()
+        try:
+            if job.cancel_requested or life.closing:
+                raise Cancelled("cancelled while waiting for admission",
+                                **job_ctx(job, "admission"))
+            if job.epoch is not life.epoch:
+                self._rebind(job)       # held through a recovery: the new generation's
+            admitted = self.admit(job, wait=False)
+            with core.lock:
+                self._admitting = None
+                cancelled = job.cancel_requested or life.closing
+                gone = cancelled or life.state != READY
+                if not admitted and not gone:
+                    self._parked.appendleft(job)      # still the head: try again later
+                    return False
+            if gone and not cancelled and core.holdable(job):
+                self.hold([job])        # a drain began meanwhile: wait for the next one
+                return True
+            if gone:
+                raise Cancelled("cancelled while waiting for admission",
+                                **job_ctx(job, "admission"))
+            self.prepare(job)
+        except Exception as e:
+            with core.lock:
+                if self._admitting is job:
+                    self._admitting = None
+            if not isinstance(e, CalfsmError):
+                log.error("unexpected error admitting job %s", job.job_id, exc_info=e,
+                          extra=job_ctx(job, "admission"))
+                e = Internal(f"unexpected {type(e).__name__} while admitting: {e}",
+                             category=ErrorCategory.UNKNOWN, **job_ctx(job, "admission"))
+            self.failed_to_start(job, e)
+        return True
+
+    def expire_parked(self) -> None:
+        """Fail every parked job past its admission deadline."""
+        now = self.core.clock.now()
+        with self.core.lock:
+            late = [j for j in self._parked if self.deadline(j, now) <= now]
+            for j in late:
+                self._parked.remove(j)
+        for j in late:
+            self.failed_to_start(j, DeadlineExceeded(
+                "admission deadline passed", **job_ctx(j, "admission")))
+
+    def unpark(self, job: JobContext) -> bool:
+        """Take a cancelled job out of the parked queue; False if it is not there."""
+        with self.core.lock:
+            if job in self._parked:
+                self._parked.remove(job)
+                return True
+        return False
+
+    def take_parked(self) -> list[JobContext]:
+        """Remove and return every parked job."""
+        with self.core.lock:
+            jobs = list(self._parked)
+            self._parked.clear()
+        return jobs
+
+    def hold(self, jobs: list[JobContext]) -> None:
+        """Give back what ``jobs`` took in their generation (they never ran) and park them
+        at the head, in the order they were accepted, for the next generation."""
+        core = self.core
+        kept = []
+        for job in jobs:
+            kv_error = self.outcomes.give_back(job)
+            if kv_error is not None:        # the books are closed: it cannot wait
+                _fire_if(job, "fail")
+                self.outcomes.finish(job, kv_error, "failed")
+                core.decide(kv_error)
+                continue
+            job.kv = None
+            _fire_if(job, "hold")
+            job.queue_deadline = math.inf
+            kept.append(job)
+        kept.sort(key=lambda j: j.job_id)
+        with core.lock:
+            self._parked.extendleft(reversed(kept))
+        if kept:
+            core.hooks.job_parked()
+            core.hooks.changed()
+
+    def _rebind(self, job: JobContext) -> None:
+        """A job held through a recovery joins the current generation: checked against
+        its contract again (a model switch may have changed it), and its sequence, whose
+        KV the reset lost, starts afresh, as the job itself does (``past_len == 0``)."""
+        life = self.core.life
+        epoch = job.epoch = life.epoch
+        job.generation = life.generation
+        self.validate(job)
+        if epoch.kv.sequence_state(job.seq_id) is SeqState.UNKNOWN:
+            epoch.kv.reset_sequence(job.seq_id)

@@ -1,0 +1,259 @@
+"""The way back: the only caller of ``wait``, the output check, the KV commit, the result.
+
+:meth:`Completion.complete` is spec 6.5's order for one job: wait (holding no lock) ->
+status -> output check -> BF16->FP32 into the target -> KV commit -> undo slices -> the
+job's continuation (a stream's next step handed to the submitter) -> resolve -> return the
+lease. The in-flight slot is given back as soon as the wait returns, so the next job goes
+to the device before this one's host work. A Wait past the execution deadline (FI07), a
+completion of a retired generation (FI14) and every failure on the way have their own
+ends here; what they give back is the outcomes part's business.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from calfsm.core import Core, job_ctx
+from calfsm.errors import (
+    CalfsmError,
+    CalrtCode,
+    Cancelled,
+    DeadlineExceeded,
+    ErrorCategory,
+    Unavailable,
+    from_calrt,
+)
+from calfsm.job import InferenceResult, JobContext
+from calfsm.machines.job import JOB_MACHINE
+from calfsm.machines.lifecycle import LifecycleState
+from calfsm.outcomes import Outcomes, limited
+from calfsm.staging import check_output, read_output
+from calfsm.submission import Submission
+
+__all__ = ["Completion"]
+
+log = logging.getLogger("calfsm.pipeline")
+
+_fire = JOB_MACHINE.fire
+_fire_if = JOB_MACHINE.fire_if_declared
+
+
+class Completion:
+    """The complete step and its failures (see the module docstring)."""
+
+    def __init__(self, core: Core, outcomes: Outcomes, device: Submission) -> None:
+        self.core = core
+        self.outcomes = outcomes
+        self.device = device
+        self._completing = 0        # jobs out of the complete queue, step not yet done
+
+    def busy(self) -> bool:
+        """A job was given out for completion and its step has not returned."""
+        return bool(self._completing)
+
+    def next_completion(self) -> JobContext | None:
+        """Pop the oldest submitted job whose Wait is due; run it with
+        :meth:`run_completion`."""
+        with self.core.lock:
+            job = self.device.pop_completion()
+            if job is not None:
+                self._completing += 1
+            return job
+
+    def drop_completion(self, job: JobContext) -> None:
+        """Give up a job :meth:`next_completion` gave out without completing it (a
+        shutdown abandoning a zombie the device never let go)."""
+        with self.core.lock:
+            self._completing -= 1
+        self.core.hooks.changed()
+
+    def run_completion(self, job: JobContext) -> None:
+        """The complete step of a job :meth:`next_completion` gave out. Until it returns
+        (the job resolved, its callbacks run) the pipeline is not idle: a stream's
+        one-shot sequence is released from those callbacks."""
+        try:
+            self.device.run_step(job, "complete", self.complete)
+        finally:
+            with self.core.lock:
+                self._completing -= 1
+            self.core.hooks.changed()
+
+    def completion_timeout_s(self, job: JobContext) -> float:
+        """How long the Wait of ``job`` may block (its execution deadline; a slice for a
+        job already given up)."""
+        if job.ended:
+            return self.core.t.zombie_wait_s
+        return max(0.0, job.execution_deadline - self.core.clock.now())
+
+    def complete(self, job: JobContext) -> None:
+        """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
+        if job.lease is None:       # abandoned by a shutdown that could not drain it
+            return
+        core = self.core
+        clock, life = core.clock, core.life
+        slot = job.lease.slot
+        zombie = job.ended         # already failed by its execution deadline
+        t0 = clock.now()
+        rc = core.driver.wait(slot.out, self.completion_timeout_s(job))
+        t1 = clock.now()
+        core.heartbeat["completion"] = t1
+        job.timings.device_wait_ms += (t1 - t0) * 1e3
+        if rc == CalrtCode.TIMEOUT:
+            if not zombie:
+                self._execution_timeout(job)
+            if life.state == LifecycleState.FAILED and not life.closing:
+                log.error("abandoning job %s on a failed device; its buffers stay "
+                          "quarantined until the process exits", job.job_id,
+                          extra=job_ctx(job, "wait"))
+                return
+            self.device.wait_again(job)     # keep waiting: the device still owns it
+            return
+        self.device.release_inflight(job)   # the device is free: the next job goes first
+        core.hooks.after_device_freed()
+        job.lease.mark_off_device()
+        if zombie:
+            self._late_completion(job, rc)
+            return
+        logits = self._output(job, rc)
+        if logits is None:
+            return
+        self._succeed(job, logits, t1)
+
+    def _output(self, job: JobContext, rc: int) -> Any:
+        """Read and check the output of a job whose Wait returned ``rc`` (the slices are
+        undone in the same device-lock section); None when the job ended on the way."""
+        core = self.core
+        slot = job.lease.slot
+        contract = slot.contract
+        undo_error: CalfsmError | None = None
+        with core.device_lock:      # no reset between the fence check and device calls
+            current = job.epoch is core.life.epoch and not job.epoch.retired
+            if current and rc == 0:
+                reading = read_output(core.driver, slot.out, contract)
+                try:                # input slices are done with: the job ran (see below)
+                    job.lease.undo_slices()
+                except CalfsmError as e:    # the slot goes to quarantine on return (FI15)
+                    undo_error = e
+        if undo_error is not None:
+            log.warning("undo_slices failed after the job ran: %s", undo_error,
+                        extra=undo_error.context())
+        if not current:
+            self._late_completion(job, rc)
+            return None
+        _fire(job, "complete")
+        try:
+            if rc != 0:
+                raise from_calrt(rc, "wait", **job_ctx(job, None))
+            t2 = core.clock.now()
+            logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
+                                  job.request.target, job_ctx(job, None))
+            job.timings.d2h_ms = (core.clock.now() - t2) * 1e3
+        except CalfsmError as e:
+            self._completion_failed(job, e)
+            return None
+        return logits
+
+    def _succeed(self, job: JobContext, logits: Any, waited: float) -> None:
+        """The job ran and its output is good: KV commit, continuation, resolve, lease.
+
+        Spec 6.5 orders KV commit -> undo slices -> resolve -> return the lease. The
+        slices were undone in :meth:`_output`, in the same device-lock section as the
+        output reads (one lock trip per job): the commit is host bookkeeping of a KV the
+        device has already written, and the undo touches only this slot's tensor views,
+        so the two commute. The result is resolved before the lease goes back."""
+        core = self.core
+        t3 = core.clock.now()
+        try:
+            job.epoch.kv.commit(job.kv)
+        except CalfsmError as e:
+            # the books are closed and the sequence is Unknown (e.g. a rewinding prefill
+            # whose trim failed): the logits are right, but the caller must not go on
+            # with a sequence whose KV nobody vouches for
+            self._kv_commit_failed(job, e)
+            return
+        self._continue(job, logits)
+        now = core.clock.now()
+        job.timings.completed = now
+        job.timings.postprocess_ms = (now - t3) * 1e3
+        lease, job.lease = job.lease, None
+        self.outcomes.leave_waiting(job)
+        if JOB_MACHINE.fire(job, "succeed"):
+            self.outcomes.succeeded(job, InferenceResult(
+                job.job_id, job.seq_id, job.generation, job.kind, job.token_count, logits,
+                job.timings))
+        else:                                       # cancelled after submit (FI12)
+            _fire(job, "fail")
+            self.outcomes.dropped(job, Cancelled(
+                "cancelled after submit; the job ran, its result was dropped",
+                **job_ctx(job, "complete")))
+        job.epoch.pool.release(lease)
+        core.hooks.job_parked()         # a slot and KV came free: admission may go on
+        core.service.observe(job.kind, job.token_count, job.timings.queued, waited)
+        core.faults.succeeded()
+
+    def _continue(self, job: JobContext, logits: Any) -> None:
+        """Run the job's continuation (a stream's next step: sample, then hand the step
+        prepared ahead to the submitter) before the job resolves: the device gets its
+        next step before the caller's callbacks run. A continuation that raises is a bug
+        of its owner, logged; its stream then goes on the ordinary way."""
+        cont, job.continuation = job.continuation, None
+        if cont is None or job.cancel_requested:
+            return
+        try:
+            cont(job, logits)
+        except Exception:
+            log.exception("the continuation of job %s raised", job.job_id,
+                          extra=job_ctx(job, "continue"))
+
+    def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
+        """The job ran and its slot is clean, but its KV could not be committed."""
+        lease, job.lease = job.lease, None
+        _fire(job, "fail")
+        self.core.decide(err)                  # before the caller hears
+        self.outcomes.finish(job, err, "failed")
+        job.epoch.pool.release(lease)
+
+    def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
+        """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
+        Unknown (the device ran), the slot is quarantined, the fault policy decides."""
+        # the raw output, for observers (a dump sink): the slot is quarantined below, so
+        # its host arrays stay as the device left them
+        outcomes = self.outcomes
+        output = job.lease.slot.logits_bf16 if outcomes.observers.jobs else None
+        outcomes.withhold(job, str(err))
+        _fire(job, "quarantine")
+        self.core.decide(err)                  # before the caller hears
+        outcomes.finish(job, err, "quarantined", output=output)
+
+    def _execution_timeout(self, job: JobContext) -> None:
+        """Wait timed out past the execution deadline (FI07): no logits, KV Unknown,
+        the buffers stay with the device (quarantined, kept alive), admission stops and
+        recovery decides; the job's caller is told now."""
+        err = DeadlineExceeded("execution deadline passed; the job may still be running "
+                               "on the device", category=ErrorCategory.TRANSIENT,
+                               calrt_code=int(CalrtCode.TIMEOUT), **job_ctx(job, "wait"))
+        job.epoch.kv.mark_unknown(job.kv, "execution timeout")
+        _fire(job, "quarantine")
+        # the drain begins before the caller hears
+        self.core.drain(f"execution deadline passed for job {job.job_id}")
+        self.outcomes.finish(job, err, "quarantined")
+
+    def _late_completion(self, job: JobContext, rc: int) -> None:
+        """Wait returned for a job already failed by its execution deadline, or for a job
+        of a retired generation (FI14): resolve only its own job, touch nothing of the
+        current generation (no KV, no pool slot, no metric of it)."""
+        old = job.epoch
+        if old is not self.core.life.epoch or old.retired:
+            self.outcomes.count("stale_completions")
+            limited.warning("stale_completion", "stale completion of generation %s fenced",
+                            job.generation, extra={
+                "job_id": job.job_id, "seq_id": job.seq_id, "generation": job.generation,
+                "calrt_code": rc, "stage": "stale_completion"})
+        self.outcomes.withhold(
+            job, "completion after the job was given up or its generation reset")
+        if not job.ended:
+            _fire_if(job, "quarantine")
+            self.outcomes.finish(job, Unavailable(
+                f"completion of generation {job.generation} arrived after a reset; "
+                "result discarded", **job_ctx(job, "stale_completion")), "quarantined")
