@@ -236,9 +236,14 @@ def test_disconnected_clients_cancel_only_their_own_streams():
     async def leave_before_the_first_token(c: httpx.AsyncClient, i: int) -> None:
         # a prefill of 6000 tokens takes 0.3 s on this device: the client is gone first
         body = {"model": MODEL, "prompt": [i] + [1] * 5999, "stream": True} | params
-        with pytest.raises(httpx.ReadTimeout):
+        try:
             async with c.stream("POST", "/v1/completions", json=body, timeout=0.1) as r:
-                await r.aread()
+                answer = await r.aread()
+        except httpx.ReadTimeout:
+            return                              # gone before the first token
+        # once, beside two busy processes, this answered in time: say with what
+        pytest.fail(f"the server answered before the client left: {r.status_code} "
+                    f"{answer[:300]!r}")
 
     async def clients() -> list[Any]:
         async with httpx.AsyncClient(base_url=srv.url, timeout=20) as c:
