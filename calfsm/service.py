@@ -24,6 +24,10 @@ token (a prefill of ``n`` tokens costs about ``decode + n * per_token``). The
   it (:mod:`calfsm.capacity`); before the first completion of a kind it is the
   expectation.
 
+Both learn the cost per prefilled token only from prefills whose tokens are expected
+(by the manifest) to cost at least one step: a short prefill's excess over a step is the
+host's jitter, and extrapolated to a long prompt it turns milliseconds into minutes.
+
 A hang is then caught after about ten expected steps (1 s for a 10 ms decode), well
 inside the admission and queue budgets of the jobs waiting behind it (10 s by default),
 so those jobs wait for the recovery instead of expiring with the hung one.
@@ -110,10 +114,17 @@ class ServiceModel:
                 # (pessimism costs a few early 429s; optimism would cost 504s)
                 self._measured_decode = step
             self._decode_s = max(self._decode_s, step)
-        if warmup.prefill_tokens > 0:
+        if self._teaches_per_token(warmup.prefill_tokens):
             step = max(warmup.decode_s, default=self._decode_s)
             per_token = max(0.0, warmup.prefill_s - step) / warmup.prefill_tokens
             self._token_s = max(self._token_s, per_token)
+
+    def _teaches_per_token(self, tokens: int) -> bool:
+        """Whether a prefill of ``tokens`` says what a token costs: only when its tokens
+        are expected to cost at least a step. In a shorter one the host's jitter is the
+        whole of the excess: under load a 3-token warm-up 60 ms late priced a token at
+        20 ms, and so a 6000-token prompt at two minutes (admission refused it)."""
+        return tokens > 0 and tokens * self._token_s >= self._decode_s
 
     def execution_timeout_s(self, kind: TaskKind, tokens: int) -> float:
         """How long ``wait`` may take before the job is given up as hung (FI07)."""
@@ -138,7 +149,7 @@ class ServiceModel:
         if kind is TaskKind.DECODE:
             m = self._measured_decode
             self._measured_decode = added if m is None else m + _ALPHA * (added - m)
-        elif tokens > 0:
+        elif self._teaches_per_token(tokens):
             per_token = max(0.0, added - self.decode_service_s()) / tokens
             m = self._measured_token
             self._measured_token = per_token if m is None else m + _ALPHA * (per_token - m)

@@ -13,10 +13,12 @@ import pytest
 
 from calfsm.capacity import finish_times
 from calfsm.errors import ResourceExhausted
+from calfsm.manifest import TaskKind
 from calfsm.observe import Observer
 from calfsm.sampling import SamplingParams
+from calfsm.service import ServiceModel, WarmupTiming
 from calfsm.streams import FinishReason
-from tests.executor_helpers import drive, make_executor
+from tests.executor_helpers import TINY, drive, make_executor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -114,3 +116,20 @@ def test_a_running_streams_step_has_no_admission_budget_of_its_own():
         streams = [ex.generate(PROMPT, SamplingParams(max_tokens=20)) for _ in range(6)]
         drive(ex, lambda: all(s.done() for s in streams))
         assert [s.result(0).finish_reason for s in streams] == [FinishReason.LENGTH] * 6
+
+
+def test_a_late_short_prefill_does_not_price_a_long_prompt_as_minutes():
+    """Under load the 3-token warm-up prefill came 60 ms late, and one 2-token prefill
+    took 30 ms from the queue (2 ms a decode): taken as 20 ms and 14 ms a token, a
+    6000-token prompt was priced at minutes, and a server refused it (429) against its
+    60 s deadline. A prefill teaches the cost per token only when its
+    tokens are expected to cost at least a step (TINY: 0.2 ms a token, 10 ms a step, so
+    50 tokens); a long one does."""
+    svc = ServiceModel(TINY.timing, execution_timeout_s=None)
+    svc.calibrate(WarmupTiming(3, 0.070, (0.002,)))   # a warm-up 60 ms late, 3 tokens
+    assert svc.expected_s(TaskKind.PREFILL_IDS, 6000) == pytest.approx(0.010 + 6000 * 200e-6)
+    svc.observe(TaskKind.DECODE, 1, queued=0.0, done=0.002)
+    svc.observe(TaskKind.PREFILL_IDS, 2, queued=1.0, done=1.030)
+    assert svc.service_s(TaskKind.PREFILL_IDS, 6000) == pytest.approx(0.002 + 6000 * 200e-6)
+    svc.observe(TaskKind.PREFILL_IDS, 100, queued=2.0, done=2.052)    # 0.5 ms a token
+    assert svc.service_s(TaskKind.PREFILL_IDS, 6000) == pytest.approx(0.002 + 6000 * 500e-6)
