@@ -2,10 +2,14 @@
 
 The admission part owns the jobs that wait to be admitted (the parked queue, FIFO, and
 the head the admission step has taken out to admit), the deferred work that must run
-outside every lock, and the job ids. Admission is one path for both runtimes:
-:meth:`Admission.admit` with ``wait=False`` tries; with ``wait=True`` (the caller's
-thread in threaded mode) the KV coordinator and the pool wait for capacity inside the
-same step, FIFO, bounded by the admission deadline. A prepared job goes to the device
+outside every lock, and the job ids. There is one admission queue, for both runtimes
+and every caller: :meth:`Admission.admit` only tries (the KV books and the pool grant
+now or refuse, and never wait), and a job that cannot be admitted now is parked, FIFO,
+for the admission step (:meth:`Admission.admit_parked`), which tries the head again
+when capacity comes free and fails what passed its admission deadline
+(:meth:`Admission.expire_parked`). A caller that must block until its job is admitted
+(the threaded :meth:`~calfsm.executor.DeviceExecutor.enqueue`) waits on the job
+(:meth:`Admission.wait_admitted`), not on the books. A prepared job goes to the device
 side's submit queue (:meth:`calfsm.submission.Submission.queue`). A stream's next step
 prepared ahead is :mod:`calfsm.overlap`'s.
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import itertools
 import logging
 import math
+import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -68,6 +73,11 @@ class Admission:
 
     def has_parked(self) -> bool:
         return bool(self._parked)
+
+    def parked(self) -> int:
+        """Jobs in the admission queue (the head being admitted now included)."""
+        with self.core.lock:
+            return len(self._parked) + (self._admitting is not None)
 
     def blocks_staging(self) -> bool:
         """A job waits for admission: a slot taken ahead must never starve it."""
@@ -190,17 +200,12 @@ class Admission:
                                   **ctx)
 
     # ---- start: validate, admit, prepare -------------------------------------------
-    def start(self, job: JobContext, *, wait: bool) -> None:
-        """Validate, admit and prepare ``job``; every failure goes to its handle.
-
-        ``wait=False``: a job that cannot be admitted now is parked (FIFO) for
-        :meth:`admit_parked`; ``wait=True``: admission waits for capacity in this call."""
+    def start(self, job: JobContext) -> None:
+        """Validate, admit and prepare ``job``; every failure goes to its handle. A job
+        that cannot be admitted now (or that would pass one parked before it) is parked
+        (FIFO) for :meth:`admit_parked`."""
         try:
             self.validate(job)
-            if wait:
-                self.admit(job, wait=True)
-                self.prepare(job)
-                return
             with self.core.lock:
                 parked = bool(self._parked)
                 if parked:
@@ -208,7 +213,7 @@ class Admission:
             if parked:
                 self.core.hooks.job_parked()
                 return
-            if self.admit(job, wait=False):
+            if self.admit(job):
                 self.prepare(job)
             else:
                 with self.core.lock:
@@ -262,44 +267,53 @@ class Admission:
         paused = life.unready_s(now) - job.unready_mark
         return min(job.deadline, job.timings.accepted + self.core.t.admission_s + paused)
 
-    def admit(self, job: JobContext, *, wait: bool) -> bool:
-        """KV reservation, then a buffer lease. ``wait=False``: False when either must
-        wait (what was taken is kept for the next try); raises on errors."""
+    def admit(self, job: JobContext) -> bool:
+        """KV reservation, then a buffer lease, now: False when either must wait (what
+        was taken is kept for the next try); raises on errors."""
         clock = self.core.clock
         epoch = job.epoch
-        deadline = self.deadline(job, clock.now())
-        if not wait and clock.now() >= deadline:
+        if clock.now() >= self.deadline(job, clock.now()):
             raise DeadlineExceeded("admission deadline passed",
                                    **job_ctx(job, "admission"))
-        # the request's engine, else AUTO: the pool lends from the engine with the most
-        # free slots, so ping/pong stays even (the submitter runs one job per engine)
-        engine = job.engine
-        if wait:
-            cancelled = self._cancel_probe(job)
-            job.kv = epoch.kv.reserve(job.seq_id, job.past_len, job.token_count, deadline,
-                                      job_id=job.job_id, cancelled=cancelled)
-            _fire(job, "admit")
-            job.lease = epoch.pool.acquire_wait(job.kind, deadline, cancelled=cancelled,
-                                                clock=clock, engine=engine)
-        else:
+        if job.kv is None:
+            job.kv = epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
+                                          job_id=job.job_id)
             if job.kv is None:
-                job.kv = epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
-                                              job_id=job.job_id)
-                if job.kv is None:
-                    return False
-                _fire(job, "admit")
-            try:
-                job.lease = epoch.pool.acquire(job.kind, engine)
-            except ResourceExhausted:
                 return False
+            _fire(job, "admit")
+        try:
+            # the request's engine, else AUTO: the pool lends from the engine with the
+            # most free slots, so ping/pong stays even (one job per engine at a time)
+            job.lease = epoch.pool.acquire(job.kind, job.engine)
+        except ResourceExhausted:
+            return False
         job.timings.admitted = clock.now()
         return True
 
-    def _cancel_probe(self, job: JobContext) -> Callable[[], bool]:
-        core = self.core
-        life = core.life
-        return lambda: job.cancel_requested or life.closing or life.state != READY \
-            or core.broken is not None
+    def wait_admitted(self, job: JobContext, handle: JobHandle) -> None:
+        """Block the calling thread until ``job`` has left the admission queue: queued
+        for the device, or ended (failed, cancelled, past its admission deadline). It
+        waits on the job, holding no lock: the admission step ends every parked job in
+        time, and a job's end always resolves its handle. On a virtual clock, which
+        nobody may be advancing, the admission deadline is also kept in real seconds
+        (as many as the virtual ones left): the job is then failed here."""
+        clock = self.core.clock
+        with self.core.lock:
+            if self._admitting is not job and job not in self._parked:
+                return                  # admitted at once (the common case), or ended
+            left = threading.Event()
+            job.on_admitted = left.set
+            limit = max(0.0, self.deadline(job, clock.now()) - clock.now()) \
+                if clock.virtual else None
+        handle.add_done_callback(lambda _h: left.set())    # at once if it has ended
+        if left.wait(limit):
+            return
+        if self.unpark(job):
+            self.failed_to_start(job, DeadlineExceeded(
+                "admission deadline passed (virtual clock not advanced)",
+                **job_ctx(job, "admission")))
+        else:
+            left.wait()                 # being admitted now: that step ends it
 
     def prepare(self, job: JobContext) -> None:
         """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""
@@ -312,6 +326,8 @@ class Admission:
         now = clock.now()
         job.timings.h2d_ms = (now - t0) * 1e3
         self.device.queue(job, now, "prepare")
+        if job.on_admitted is not None:        # a caller blocks until it is admitted
+            job.on_admitted()
 
     # ---- the parked queue ----------------------------------------------------------
     def admit_parked(self) -> bool:
@@ -334,7 +350,7 @@ class Admission:
                                 **job_ctx(job, "admission"))
             if job.epoch is not life.epoch:
                 self._rebind(job)       # held through a recovery: the new generation's
-            admitted = self.admit(job, wait=False)
+            admitted = self.admit(job)
             with core.lock:
                 self._admitting = None
                 cancelled = job.cancel_requested or life.closing

@@ -41,17 +41,10 @@ Locking: one pool lock (``pool_mu`` in the spec), never held across a runtime ca
 Lease operations that call the runtime (slice, CSR, KV sequence) take no pool lock: a
 lease has one owner at a time, that is what move-only means.
 
-Blocking acquire: :meth:`BufferPool.acquire_wait` queues first-come-first-served per
-(kind, engine) and each waiter sleeps on its own condition of the pool lock. A returned
-slot wakes only the head of the queue that may take it (and the head of that kind's
-``AUTO`` queue, which may take any engine's slot); a head that leaves (served, deadline,
-cancel) wakes the next one if a slot is free for it. :meth:`BufferPool.wake_all` and
-:meth:`BufferPool.retire` wake everyone. ``stats().wakeups`` counts the wake-ups.
-
-On a virtual clock a waiter sleeps at most the virtual time left until the deadline, in
-real seconds, and re-reads the clock on every wake-up; whoever advances a virtual clock
-while threads wait should call :meth:`BufferPool.wake_all` so they re-check their
-deadlines. Deterministic step schedulers use the non-blocking :meth:`BufferPool.acquire`.
+Lending never waits: :meth:`BufferPool.acquire` lends a free slot now or raises
+ResourceExhausted. Who waits for a slot, in what order and until when is the executor's
+admission queue (:mod:`calfsm.admission`); a slot coming back calls ``on_freed()`` (set
+by the owner, no lock held) so that queue tries again.
 """
 
 from __future__ import annotations
@@ -59,7 +52,6 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -68,14 +60,11 @@ import attrs
 import ml_dtypes
 import numpy as np
 
-from calfsm.clock import Clock, RealClock
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
 from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver, EngineSlot
 from calfsm.errors import (
     CalfsmError,
-    Cancelled,
-    DeadlineExceeded,
     InvalidArgument,
     LeaseError,
     ManifestError,
@@ -102,9 +91,6 @@ log = logging.getLogger(__name__)
 #: the warnings a fault storm repeats, a burst per minute each (calfsm/lograte.py)
 _limited = RateLimitedLog(log)
 
-#: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
-_MAX_WAIT_S = min(threading.TIMEOUT_MAX, 3600.0)
-
 
 class SlotState(enum.StrEnum):
     FREE = "free"
@@ -123,8 +109,6 @@ class PoolStats:
     leased: int
     quarantined: int
     retired: bool = False
-    waiting: int = 0   #: blocked ``acquire_wait`` callers
-    wakeups: int = 0   #: times a blocked caller woke from its sleep, ever
 
 
 @attrs.define(eq=False, slots=True, repr=False)
@@ -487,8 +471,7 @@ class BufferPool:
     """Every buffer slot of one generation, and the free/leased/quarantined bookkeeping.
 
     Build with :meth:`build`. ``acquire`` never blocks (ResourceExhausted when nothing is
-    free); ``acquire_wait`` waits on the pool's condition until a release, the deadline,
-    cancellation or retirement.
+    free).
     """
 
     def __init__(self, driver: Driver, generation: int, slots: Iterable[BufferSlot]) -> None:
@@ -504,10 +487,6 @@ class BufferPool:
             if s.engine not in engines:
                 engines.append(s.engine)
         self._n_free = len(self._slots)
-        #: blocked acquirers per (kind, engine), served first-come-first-served; each
-        #: sleeps on its own condition of the pool lock
-        self._waiting: dict[tuple[TaskKind, EngineSlot], deque[threading.Condition]] = {}
-        self._n_wakeups = 0
         self._n_leased = 0
         self._n_quarantined = 0
         self._retired = False
@@ -517,6 +496,9 @@ class BufferPool:
         for s in self._slots:
             self._usable[s.kind] = self._usable.get(s.kind, 0) + 1
         self.on_exhausted: Callable[[TaskKind, str], None] | None = None
+        #: called (no lock held) when a slot came back free: the owner's admission
+        #: queue may try again
+        self.on_freed: Callable[[], None] | None = None
 
     # ---- construction ---------------------------------------------------------------------
     @classmethod
@@ -584,83 +566,12 @@ class BufferPool:
         with self._lock:
             if self._retired:
                 self._refuse_retired()
-            slot = None if self._waiting.get((kind, engine)) else self._take(kind, engine)
+            slot = self._take(kind, engine)
             if slot is None:
                 raise ResourceExhausted(f"no free {kind.value} buffer slot "
                                         f"(engine {engine.name})", stage="lease",
                                         generation=self.generation)
             return self._lend(slot)
-
-    def acquire_wait(self, kind: TaskKind, deadline: float, *,
-                     engine: EngineSlot = EngineSlot.AUTO,
-                     cancelled: Callable[[], bool] | None = None,
-                     clock: Clock | None = None) -> BufferLease:
-        """Lease a slot, waiting in FIFO order (never polling) until one is returned to
-        this caller. ``deadline`` is in ``clock`` time (default: a :class:`RealClock`).
-        Raises DeadlineExceeded, Cancelled (``cancelled()`` true at a wake-up; wake waiters
-        with :meth:`wake_all`) or Unavailable (pool retired). ``cancelled`` is called with
-        the pool lock held: it must be a cheap flag read that takes no lock."""
-        clock = clock or _REAL
-        # On a virtual clock nobody may advance it: bound the wait in real time too.
-        real_limit = (time.monotonic() + (deadline - clock.now())
-                      if getattr(clock, "virtual", False) else None)
-        key = (kind, engine)
-        ticket: threading.Condition | None = None  # our place in the FIFO, only to wait
-        with self._lock:
-            try:
-                while True:
-                    if self._retired:
-                        self._refuse_retired()
-                    if cancelled is not None and cancelled():
-                        raise Cancelled("cancelled while waiting for a buffer slot",
-                                        stage="lease", generation=self.generation)
-                    # first come, first served: a returned slot goes to the oldest
-                    # waiter, never to a thread that arrived later (no starvation)
-                    waiting = self._waiting.get(key)
-                    if (not waiting) if ticket is None else waiting[0] is ticket:
-                        slot = self._take(kind, engine)
-                        if slot is not None:
-                            return self._lend(slot)
-                    left = deadline - clock.now()
-                    if real_limit is not None:
-                        left = min(left, real_limit - time.monotonic())
-                    if left <= 0:
-                        raise DeadlineExceeded(f"no {kind.value} buffer slot before the "
-                                               "deadline", stage="lease",
-                                               generation=self.generation)
-                    if ticket is None:
-                        ticket = threading.Condition(self._lock)
-                        self._waiting.setdefault(key, deque()).append(ticket)
-                    ticket.wait(min(left, _MAX_WAIT_S))  # the loop re-checks everything
-                    self._n_wakeups += 1
-            finally:
-                if ticket is not None:
-                    queue = self._waiting[key]
-                    was_head = queue[0] is ticket
-                    queue.remove(ticket)
-                    if was_head:
-                        self._wake_head_locked(key)  # pass the head role on
-
-    def _wake_head_locked(self, key: tuple[TaskKind, EngineSlot]) -> None:
-        """Wake the head waiter of ``key`` alone, if a slot it may take is free: only
-        the head may take one (FIFO), so waking anyone else is waste."""
-        queue = self._waiting.get(key)
-        if not queue:
-            return
-        kind, engine = key
-        engines = self._kinds[kind] if engine is EngineSlot.AUTO else (engine,)
-        if any(self._free[(kind, e)] for e in engines):
-            queue[0].notify()
-
-    def _wake_every_locked(self) -> None:
-        for queue in self._waiting.values():
-            for ticket in queue:
-                ticket.notify()
-
-    def wake_all(self) -> None:
-        """Wake every ``acquire_wait`` so it re-checks cancellation and its deadline."""
-        with self._lock:
-            self._wake_every_locked()
 
     # ---- returning ------------------------------------------------------------------------
     def _own(self, lease: BufferLease) -> _LeaseCore:
@@ -719,6 +630,7 @@ class BufferPool:
           fact logged, False returned;
         - pool retired: the slot is quarantined (retired), False returned.
         """
+        freed = False
         with self._lock:
             core = self._own(lease)
             slot = core.slot
@@ -740,12 +652,12 @@ class BufferPool:
                     self._free[(slot.kind, slot.engine)].append(slot)
                     self._n_leased -= 1
                     self._n_free += 1
-                    # FIFO: only a head may take it; the engine's own queue and the
-                    # kind's AUTO queue both may (at most two wake-ups, one wins)
-                    self._wake_head_locked((slot.kind, slot.engine))
-                    if slot.engine is not EngineSlot.AUTO:
-                        self._wake_head_locked((slot.kind, EngineSlot.AUTO))
-                    return True
+                    freed = True
+        if freed:
+            hook = self.on_freed
+            if hook is not None:
+                hook()
+            return True
         if on_device:
             err = LeaseError(f"{slot!r} returned while its job may still be on the device; "
                              "slot quarantined", stage="lease", job_id=core.job_id,
@@ -780,7 +692,7 @@ class BufferPool:
         """After a reset: no slot of this generation is lent again. Free slots are retired
         and their device buffers destroyed (codes logged, not raised: after a
         configuration reset the handles are stale); leased ones become quarantined when
-        returned; waiters are woken with Unavailable. Calling it twice is harmless."""
+        returned. Calling it twice is harmless."""
         with self._lock:
             self._retired = True
             self.on_exhausted = None    # a retired pool serves nobody: nothing to report
@@ -793,7 +705,6 @@ class BufferPool:
                     freed.append(slot)
             self._n_free -= len(freed)
             self._n_quarantined += len(freed)
-            self._wake_every_locked()
         for slot in freed:
             _destroy(self.driver, slot)
 
@@ -809,9 +720,7 @@ class BufferPool:
     def stats(self) -> PoolStats:
         with self._lock:
             return PoolStats(self.generation, len(self._slots), self._n_free,
-                             self._n_leased, self._n_quarantined, self._retired,
-                             waiting=sum(map(len, self._waiting.values())),
-                             wakeups=self._n_wakeups)
+                             self._n_leased, self._n_quarantined, self._retired)
 
     def __repr__(self) -> str:
         s = self.stats()
@@ -819,8 +728,6 @@ class BufferPool:
                 f"leased={s.leased} quarantined={s.quarantined}"
                 f"{' retired' if s.retired else ''}>")
 
-
-_REAL = RealClock()
 
 
 def _host_array(t: TensorContract, generation: int, where: str) -> np.ndarray:

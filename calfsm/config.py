@@ -103,6 +103,8 @@ class ExecutorStats:
     generation: int
     leased: int
     errors_by_category: dict[str, int]
+    #: jobs in the admission queue now (waiting for KV or a buffer slot), of ``queued``
+    admitting: int = 0
 
 
 @attrs.frozen

@@ -65,7 +65,7 @@ class Epoch:
 def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: int, *,
                 max_inflight: int, slots_per_engine: int, token_budget: int | None,
                 engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
-                clock: Any = None, configure: bool = True) -> Epoch:
+                configure: bool = True) -> Epoch:
     """Resolve, configure and build an epoch. Raises a classified :class:`CalfsmError`.
 
     The manifest is resolved against the calbin's model list *before* the device is
@@ -90,7 +90,7 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     max_seq = max(s.max_seq for s in manifest.submodels)
     kv = KvCoordinator(driver, max_seq=max_seq,
                        token_budget=token_budget or max_seq * max(4, 2 * max_inflight),
-                       generation=generation, **({"clock": clock} if clock else {}))
+                       generation=generation)
     pool = BufferPool.build(
         driver, generation,
         {kind: (handles[kind], model.submodel(kind)) for kind in handles},

@@ -93,8 +93,7 @@ class DeviceExecutor:
             service=self.service,
             build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
-                                token_budget=cfg.token_budget, engines=engines,
-                                clock=self.clock))
+                                token_budget=cfg.token_budget, engines=engines))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
@@ -112,15 +111,19 @@ class DeviceExecutor:
     def enqueue(self, request: Request) -> JobHandle:
         """Validate, admit and prepare a job; return its handle.
 
-        In threaded mode this blocks the calling thread for KV admission and a buffer
-        (bounded by the admission deadline). Every failure is delivered through the
-        handle — ``handle.result()`` raises it — so each enqueued job has exactly one
-        outcome; only a closed, broken or non-Ready executor (and a request that is not a
+        In threaded mode this blocks the calling thread until the job is admitted (KV
+        and a buffer, in the one FIFO admission queue) or has ended, which its
+        admission deadline bounds. Every failure is delivered through the handle —
+        ``handle.result()`` raises it — so each enqueued job has exactly one outcome;
+        only a closed, broken or non-Ready executor (and a request that is not a
         :class:`Request`) raise here directly.
         """
         job = self._accept(request)
         handle = job.handle         # the job drops it when it ends, maybe in start()
-        self._pipeline.admission.start(job, wait=self.config.threaded)
+        admission = self._pipeline.admission
+        admission.start(job)
+        if self.config.threaded:
+            admission.wait_admitted(job, handle)
         return handle
 
     def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
@@ -131,7 +134,7 @@ class DeviceExecutor:
         admitted while a graceful shutdown lets running streams finish."""
         job = self._accept(request, continuing=continuing)
         handle = job.handle
-        self._pipeline.admission.start(job, wait=False)
+        self._pipeline.admission.start(job)
         return handle
 
     def _accept(self, request: Request, *, continuing: bool = False) -> JobContext:
@@ -404,7 +407,8 @@ class DeviceExecutor:
         return ExecutorStats(
             inflight=inflight, queued=queued, generation=self.generation,
             leased=epoch.pool.stats().leased if epoch else 0,
-            errors_by_category=by_category, **{k: counts[k] for k in COUNTERS})
+            errors_by_category=by_category, admitting=self._pipeline.admission.parked(),
+            **{k: counts[k] for k in COUNTERS})
 
     def health(self) -> Health:
         """Liveness and readiness (spec section 9), cheap and safe from any thread.

@@ -112,6 +112,9 @@ class JobContext:
     #: float32 logits once its output is checked and its KV committed, before its handle
     #: resolves (so the step after it can reach the submitter first); run once
     continuation: Callable[[JobContext, np.ndarray], None] | None = None
+    #: called once a parked job is queued for the device, by a caller that blocks until
+    #: its job is admitted (:meth:`calfsm.admission.Admission.wait_admitted`)
+    on_admitted: Callable[[], None] | None = None
 
 
 class JobHandle:

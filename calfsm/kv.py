@@ -1,35 +1,30 @@
-"""KV admission and transactions: bounded waits, reserve -> submit -> commit, or rollback,
-or Unknown (spec section 7).
+"""KV admission and transactions: reserve -> submit -> commit, or rollback, or Unknown
+(spec section 7).
 
 Theory of operation
 -------------------
 CalRT 0.7.6's ``KvManager::Apply()`` answers a bare bool, so the old adapter spun on it
 forever when the cache was full (S01) and aborted the server when a second apply failed
-(S02). The :class:`KvCoordinator` owns the KV manager for one generation and admits
-jobs through one FIFO queue guarded by one lock (the spec's ``admission_mu``); each
-waiter sleeps on its own condition of that lock, so a change wakes only whom it serves:
+(S02). The :class:`KvCoordinator` owns the KV manager for one generation: its books,
+guarded by one lock (the spec's ``admission_mu``), and every call that grows or shrinks
+a sequence on the device:
 
 - A request is validated first, before any runtime call: lengths (InvalidArgument),
   ``past_len + token_count <= max_seq`` and within uint32 (InvalidArgument; 40960 + one
-  decode on ``max_seq`` 40960 is rejected), the deadline (DeadlineExceeded), shutdown
-  (Unavailable), the sequence's state (Unknown or already reserved: FailedPrecondition),
-  a hole in the KV (``past_len`` above the committed length: InvalidArgument) and a
-  reservation larger than the whole token budget (ResourceExhausted).
-- Admission is first-come-first-served. Only the head of the queue talks to the
-  device: when the token budget has room it asks ``kv_can_allocate(1)`` and then
-  ``kv_apply(seq, target)`` once, *without* holding the lock. If either says no, it waits
-  until a commit, rollback, mark_unknown, sequence reset, shutdown or
-  :meth:`KvCoordinator.wake_all` notifies, or the deadline passes; each wake-up retries
-  once and re-checks the deadline (DeadlineExceeded), cancellation (Cancelled) and
-  shutdown (Unavailable). A change that lands while the head was calling the device is
-  not lost: a version counter makes it retry at once instead of sleeping. No polling.
-- No thundering herd: a grant, an end of a reservation, a reset or a waiter leaving
-  wakes at most the (new) head, and only when the token budget has room for it; the
-  others sleep until they are the head. Their own deadline bounds each sleep, and
-  ``wake_all``, ``shutdown`` and ``fence`` wake everyone (to see a cancel, a moved
-  virtual clock or the shutdown). ``stats().wakeups`` counts the wake-ups.
-- :meth:`KvCoordinator.try_reserve` is the same admission without waiting, for the
-  deterministic step scheduler: None when it would have to wait.
+  decode on ``max_seq`` 40960 is rejected), shutdown (Unavailable), the sequence's
+  state (Unknown or already reserved: FailedPrecondition), a hole in the KV
+  (``past_len`` above the committed length: InvalidArgument) and a reservation larger
+  than the whole token budget (ResourceExhausted).
+- Admission never waits here: :meth:`KvCoordinator.try_reserve` grants now or answers
+  None (the token budget is short, the device has no room, or another admission is
+  talking to the device). Only one admission talks to the device at a time: when the
+  token budget has room it asks ``kv_can_allocate(1)`` and then ``kv_apply(seq,
+  target)`` once, *without* holding the lock. Who waits, in what order and until when is
+  the executor's admission queue (:mod:`calfsm.admission`): one queue for every job, so
+  these books keep no waiters, read no clock and never sleep.
+- Whatever may let a refused admission through — the end of a reservation, a sequence
+  reset or truncated, a refused grow given up — calls ``on_freed()`` (set by the owner;
+  no lock held), so the admission queue tries again then and not before.
 
 A granted :class:`KvReservation` follows the KV machine (:mod:`calfsm.machines.kv`):
 ``mark_submitted`` after ``infer`` succeeded; ``commit`` after the device finished and
@@ -39,8 +34,8 @@ the output checked out (the sequence's committed length becomes ``target_len``);
 from Reserved or Submitted when the outcome cannot be proven: the sequence is then
 refused until :meth:`KvCoordinator.reset_sequence` (``kv_release(seq, 0)``). An illegal
 operation raises :class:`~calfsm.errors.IllegalTransition` from the machine and changes
-nothing. Every end of a reservation gives its tokens back to the budget and wakes the
-head.
+nothing. Every end of a reservation gives its tokens back to the budget (and calls
+``on_freed``).
 
 Rewinding: ``past_len`` below the committed length is allowed (a new prompt on a reused
 sequence id: the job overwrites positions from ``past_len`` on). ``old_len`` is then
@@ -62,13 +57,6 @@ a reset). A reservation of another generation, or of another coordinator, handed
 :class:`~calfsm.errors.FailedPrecondition` and nothing changes: a stale completion must
 never touch the new generation's KV (FI14).
 
-Clocks: deadlines are in the coordinator's ``clock`` time. On a :class:`RealClock` a
-waiter's sleep is bounded by the time left. On a virtual clock a blocking
-:meth:`~KvCoordinator.reserve` never hangs either: it waits at most the *virtual* time
-left, measured in real seconds, and re-reads the virtual clock on every wake-up; whoever
-advances a virtual clock while threads wait should call :meth:`~KvCoordinator.wake_all`
-so they see their deadline pass. Deterministic step scheduling uses ``try_reserve``.
-
 Runtime calls are never made while holding the lock; machine triggers fire under it
 (listeners attached to the KV machine therefore run under the admission lock and must
 not call back into the coordinator).
@@ -79,20 +67,15 @@ from __future__ import annotations
 import enum
 import logging
 import threading
-import time
-from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import attrs
 
-from calfsm.clock import Clock, RealClock
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
 from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver
 from calfsm.errors import (
-    Cancelled,
-    DeadlineExceeded,
     FailedPrecondition,
     InvalidArgument,
     ResourceExhausted,
@@ -109,8 +92,6 @@ log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 _STAGE = "admission"
-#: longest single condition wait (``Condition.wait`` overflows past TIMEOUT_MAX)
-_MAX_WAIT_S = min(threading.TIMEOUT_MAX, 3600.0)
 
 
 class SeqState(enum.StrEnum):
@@ -156,8 +137,6 @@ class KvStats:
     rolled_back: int
     unknown: int
     open: int              #: granted and not ended
-    waiting: int           #: requests in the admission queue
-    wakeups: int           #: times a waiter woke from its sleep, ever (notified or timed out)
     budget_used: int
     token_budget: int
     sequences: int         #: sequences with KV or an open reservation
@@ -175,19 +154,12 @@ class _Seq:
     reason: str | None = None
 
 
-@attrs.define(slots=True, eq=False)
-class _Waiter:
-    seq_id: int
-    tokens: int
-    #: what it sleeps on (on the admission lock); made at its first wait
-    cond: threading.Condition | None = None
-
-
 class KvCoordinator:
-    """Bounded, FIFO KV admission and the KV transactions of one generation."""
+    """The KV books and transactions of one generation: reservations granted now or
+    refused, never waited for."""
 
     def __init__(self, driver: Driver, *, max_seq: int, token_budget: int,
-                 generation: int = 0, clock: Clock | None = None) -> None:
+                 generation: int = 0) -> None:
         if max_seq <= 0 or max_seq > _U32_MAX:
             raise InvalidArgument(f"max_seq must be in 1..2**32-1, got {max_seq}",
                                   stage=_STAGE, generation=generation)
@@ -198,11 +170,13 @@ class KvCoordinator:
         self.max_seq = max_seq
         self.token_budget = token_budget
         self.generation = generation
-        self.clock: Clock = clock or RealClock()
+        #: called (no lock held) when capacity may have come free for a refused
+        #: admission: the owner's admission queue tries again
+        self.on_freed: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._seqs: dict[int, _Seq] = {}
-        self._queue: deque[_Waiter] = deque()
-        self._version = 0
+        self._asking = False                 #: an admission is calling the device
+        self._turned_away = False            #: one was refused meanwhile
         self._budget_used = 0
         self._shutdown = False
         self._fenced = False                 #: retired by a reset: never touch the device
@@ -210,7 +184,6 @@ class KvCoordinator:
         #: reservations ended, by their terminal state (Committed, RolledBack, Unknown)
         self._ended: dict[str, int] = dict.fromkeys(KV_MACHINE.terminal, 0)
         self._n_open = 0
-        self._n_wakeups = 0
 
     # ---- validation -----------------------------------------------------------------------
     def _ctx(self, seq_id: Any, job_id: Any) -> dict[str, Any]:
@@ -250,9 +223,8 @@ class KvCoordinator:
                                     f"of {self.token_budget}", **self._ctx(seq_id, job_id))
         return target
 
-    def _enqueue_locked(self, seq_id: int, past_len: int, token_count: int,
-                        job_id: int | None) -> _Waiter:
-        """Stateful admission checks and joining the queue (lock held)."""
+    def _check_locked(self, seq_id: int, past_len: int, job_id: int | None) -> None:
+        """The stateful admission checks (lock held)."""
         if self._shutdown:
             raise Unavailable("KV coordinator is shut down", **self._ctx(seq_id, job_id))
         seq = self._seqs.get(seq_id)
@@ -271,47 +243,25 @@ class KvCoordinator:
             raise InvalidArgument(f"past_len {past_len} leaves a hole: sequence {seq_id} "
                                   f"has {committed} committed positions",
                                   **self._ctx(seq_id, job_id))
-        if seq is None:
-            seq = self._seqs[seq_id] = _Seq()
-        seq.busy = True
-        w = _Waiter(seq_id, token_count)
-        self._queue.append(w)
-        return w
 
-    def _leave_locked(self, w: _Waiter) -> None:
-        was_head = bool(self._queue) and self._queue[0] is w
-        try:
-            self._queue.remove(w)
-        except ValueError:
-            pass
-        seq = self._seqs.get(w.seq_id)
+    def _done_asking_locked(self, seq_id: int) -> bool:
+        """The device call of an admission is over; True if one was turned away
+        meanwhile (it may try again now)."""
+        self._asking = False
+        seq = self._seqs.get(seq_id)
         if seq is not None:
             seq.busy = False
             if seq.open is None and seq.alloc == 0 and seq.committed == 0 \
                     and seq.state is SeqState.READY:
-                del self._seqs[w.seq_id]
-        if was_head:
-            self._wake_head_locked()  # pass the head role on: nobody is stranded
+                del self._seqs[seq_id]
+        turned_away, self._turned_away = self._turned_away, False
+        return turned_away
 
-    def _wake_head_locked(self) -> None:
-        """Something changed that lets the head try: wake it alone, if the token budget
-        has room for it (only the head may take capacity, so waking others is waste). A
-        head that is not asleep (calling the device) sees the change by the version."""
-        if self._queue:
-            head = self._queue[0]
-            if head.cond is not None and \
-                    self._budget_used + head.tokens <= self.token_budget:
-                head.cond.notify()
-
-    def _wake_every_locked(self) -> None:
-        self._version += 1
-        for w in self._queue:
-            if w.cond is not None:
-                w.cond.notify()
-
-    def _can_try_locked(self, w: _Waiter) -> bool:
-        return (bool(self._queue) and self._queue[0] is w
-                and self._budget_used + w.tokens <= self.token_budget)
+    def _freed(self) -> None:
+        """Tell the owner capacity may have come free (never with the lock held)."""
+        hook = self.on_freed
+        if hook is not None:
+            hook()
 
     def _device_grow(self, seq_id: int, target: int) -> bool:
         """Ask the device for room (no lock held): ``canAllocate(1)`` then one ``Apply``.
@@ -319,108 +269,52 @@ class KvCoordinator:
         return bool(self.driver.kv_can_allocate(1)) and bool(
             self.driver.kv_apply(seq_id, target))
 
-    def _grant_locked(self, w: _Waiter, past_len: int, target: int,
+    def _grant_locked(self, seq_id: int, past_len: int, target: int, token_count: int,
                       job_id: int | None) -> KvReservation:
-        seq = self._seqs[w.seq_id]
-        self._queue.remove(w)
+        seq = self._seqs[seq_id]
         seq.busy = False
-        r = KvReservation(seq_id=w.seq_id, job_id=job_id, old_len=past_len,
-                          target_len=target, tokens=w.tokens, generation=self.generation,
+        r = KvReservation(seq_id=seq_id, job_id=job_id, old_len=past_len,
+                          target_len=target, tokens=token_count, generation=self.generation,
                           prev_len=seq.committed, owner=self)
         seq.open = r
         seq.alloc = max(seq.alloc, target)
-        self._budget_used += w.tokens
+        self._budget_used += token_count
         self._n_reserved += 1
         self._n_open += 1
-        self._wake_head_locked()  # the next waiter is now the head
         return r
 
-    # ---- admission --------------------------------------------------------------------------
-    def reserve(self, seq_id: int, past_len: int, token_count: int, deadline: float, *,
-                job_id: int | None = None,
-                cancelled: Callable[[], bool] | None = None) -> KvReservation:
-        """Reserve KV for ``token_count`` tokens after ``past_len``, waiting (FIFO, on a
-        condition variable) until the device has room or ``deadline`` (clock time).
-
-        ``cancelled`` is polled at every wake-up (wake waiters with :meth:`wake_all` after
-        setting the flag: a waiter that is not the head is woken by nothing else); it is
-        called with the admission lock held, so it must be a cheap flag read that takes
-        no lock."""
-        target = self._validate(seq_id, past_len, token_count, job_id)
-        ctx = self._ctx(seq_id, job_id)
-        if deadline <= self.clock.now():
-            raise DeadlineExceeded("admission deadline already passed", **ctx)
-        # On a virtual clock nobody may advance it: bound the wait in real time too.
-        real_limit = (time.monotonic() + (deadline - self.clock.now())
-                      if getattr(self.clock, "virtual", False) else None)
-        lock = self._lock
-        with lock:  # held except around the device calls: two lock trips when uncontended
-            w = self._enqueue_locked(seq_id, past_len, token_count, job_id)
-            try:
-                while True:
-                    if self._shutdown:
-                        raise Unavailable("KV coordinator shut down while waiting", **ctx)
-                    if cancelled is not None and cancelled():
-                        raise Cancelled("cancelled while waiting for KV", **ctx)
-                    if not self._can_try_locked(w):
-                        self._wait_locked(w, deadline, real_limit, ctx)
-                        continue
-                    version = self._version
-                    lock.release()
-                    try:
-                        granted = self._device_grow(seq_id, target)
-                    finally:
-                        lock.acquire()
-                    if granted:
-                        return self._grant_locked(w, past_len, target, job_id)
-                    if self._version == version:  # nothing changed since we asked
-                        self._wait_locked(w, deadline, real_limit, ctx)
-            except BaseException:
-                self._leave_locked(w)
-                raise
-
-    def _wait_locked(self, w: _Waiter, deadline: float, real_limit: float | None,
-                     ctx: dict[str, Any]) -> None:
-        left = deadline - self.clock.now()
-        if real_limit is not None:
-            left = min(left, real_limit - time.monotonic())
-        if left <= 0:
-            raise DeadlineExceeded("no KV capacity before the admission deadline", **ctx)
-        if w.cond is None:
-            w.cond = threading.Condition(self._lock)
-        w.cond.wait(min(left, _MAX_WAIT_S))  # re-checked in the caller's loop
-        self._n_wakeups += 1
-
+    # ---- admission ----------------------------------------------------------------------
     def try_reserve(self, seq_id: int, past_len: int, token_count: int, *,
                     job_id: int | None = None) -> KvReservation | None:
-        """Reserve now or return None when :meth:`reserve` would have to wait (earlier
-        requests queued, token budget short, or the device has no room). Raises for
-        everything :meth:`reserve` raises except the deadline."""
+        """Reserve KV for ``token_count`` tokens after ``past_len`` now, or return None:
+        the token budget is short, the device has no room, or another admission is
+        calling the device (``on_freed`` follows whatever may change that). Raises for a
+        bad request, a sequence that cannot take one, or a shut-down coordinator."""
         target = self._validate(seq_id, past_len, token_count, job_id)
         with self._lock:
-            w = self._enqueue_locked(seq_id, past_len, token_count, job_id)
-            if not self._can_try_locked(w):
-                self._leave_locked(w)
+            self._check_locked(seq_id, past_len, job_id)
+            if self._asking:
+                self._turned_away = True
                 return None
+            if self._budget_used + token_count > self.token_budget:
+                return None
+            self._asking = True
+            self._seqs.setdefault(seq_id, _Seq()).busy = True
+        granted = False
         try:
             granted = self._device_grow(seq_id, target)
-        except BaseException:
+        finally:
             with self._lock:
-                self._leave_locked(w)
-            raise
-        with self._lock:
-            if granted:
-                return self._grant_locked(w, past_len, target, job_id)
-            self._leave_locked(w)
-            return None
-
-    def wake_all(self) -> None:
-        """Wake every waiter so it re-checks cancellation, shutdown and its deadline (and
-        the head retries the device: call it too when capacity was freed elsewhere)."""
-        with self._lock:
-            self._wake_every_locked()
-
-    notify = wake_all
+                if granted:
+                    self._asking = False
+                    r = self._grant_locked(seq_id, past_len, target, token_count, job_id)
+                    retry = self._turned_away
+                    self._turned_away = False
+                else:
+                    retry = self._done_asking_locked(seq_id)
+            if retry:
+                self._freed()
+        return r if granted else None
 
     # ---- transactions -------------------------------------------------------------------------
     def _fire_locked(self, r: KvReservation, trigger: str) -> _Seq:
@@ -446,8 +340,6 @@ class KvCoordinator:
         seq.open = None
         self._budget_used -= r.tokens
         self._n_open -= 1
-        self._version += 1
-        self._wake_head_locked()
 
     def mark_submitted(self, r: KvReservation) -> None:
         """``infer`` succeeded: from now on the device may have written the KV."""
@@ -462,11 +354,14 @@ class KvCoordinator:
             seq = self._fire_locked(r, "commit")
             seq.committed = r.target_len
             trim = seq.alloc > r.target_len
-            if not trim:
+            if trim:
+                seq.busy = True
+            else:
                 self._end_locked(r, seq)
-                return
-            seq.busy = True
-        self._release_and_end(r, seq, r.target_len, "commit")
+        if trim:
+            self._release_and_end(r, seq, r.target_len, "commit")
+        else:
+            self._freed()
 
     def rollback(self, r: KvReservation) -> None:
         """Undo a reservation whose job the device cannot have run (state Reserved):
@@ -488,6 +383,7 @@ class KvCoordinator:
             if code != 0:
                 self._to_unknown_locked(seq, f"kv_release on {what} returned {code}")
             self._end_locked(r, seq)
+        self._freed()
         if code != 0:
             raise from_calrt(code, f"kv_{what}", seq_id=r.seq_id, job_id=r.job_id,
                              generation=r.generation)
@@ -500,6 +396,7 @@ class KvCoordinator:
             r.reason = reason
             self._to_unknown_locked(seq, reason)
             self._end_locked(r, seq)
+        self._freed()
         _limited.warning("kv_unknown", "KV of sequence %d is Unknown: %s", r.seq_id, reason,
                          extra={"seq_id": r.seq_id, "job_id": r.job_id,
                            "generation": r.generation, "stage": "kv"})
@@ -529,8 +426,7 @@ class KvCoordinator:
                 del self._seqs[seq_id]
             else:
                 self._to_unknown_locked(seq, f"kv_release on reset returned {code}")
-            self._version += 1
-            self._wake_head_locked()  # the device may have room now
+        self._freed()                   # the device may have room now
         if code != 0:
             raise from_calrt(code, "kv_reset", **ctx)
 
@@ -571,8 +467,7 @@ class KvCoordinator:
                 seq.alloc = min(seq.alloc, keep_len)
             else:
                 self._to_unknown_locked(seq, f"kv_release on truncate returned {code}")
-            self._version += 1
-            self._wake_head_locked()  # the device may have room now
+        self._freed()                   # the device may have room now
         if code != 0:
             raise from_calrt(code, "kv_truncate", seq_id=seq_id, generation=self.generation)
 
@@ -595,11 +490,10 @@ class KvCoordinator:
         self.shutdown()
 
     def shutdown(self) -> None:
-        """Refuse new reservations and wake every waiter with Unavailable. Open
-        reservations can still be committed, rolled back or marked Unknown (drain)."""
+        """Refuse new reservations (Unavailable). Open reservations can still be
+        committed, rolled back or marked Unknown (drain)."""
         with self._lock:
             self._shutdown = True
-            self._wake_every_locked()
 
     # ---- introspection ----------------------------------------------------------------------
     def sequence_length(self, seq_id: int) -> int:
@@ -654,7 +548,6 @@ class KvCoordinator:
                 committed=self._ended[KvState.COMMITTED],
                 rolled_back=self._ended[KvState.ROLLED_BACK],
                 unknown=self._ended[KvState.UNKNOWN], open=self._n_open,
-                waiting=len(self._queue), wakeups=self._n_wakeups,
                 budget_used=self._budget_used, token_budget=self.token_budget,
                 sequences=len(self._seqs),
                 unknown_sequences=sum(s.state is SeqState.UNKNOWN
@@ -663,6 +556,6 @@ class KvCoordinator:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"<KvCoordinator gen={s.generation} open={s.open} waiting={s.waiting} "
+        return (f"<KvCoordinator gen={s.generation} open={s.open} "
                 f"budget={s.budget_used}/{s.token_budget}>")
 

@@ -339,6 +339,8 @@ class PipelineControl(Protocol):
 
     def wake_waiters(self) -> None: ...
 
+    def capacity_freed(self) -> None: ...
+
     def device_barrier(self) -> None: ...
 
     def idle_on_device(self) -> bool: ...
@@ -559,6 +561,8 @@ class DeviceLifecycle:
             if self._warmup:
                 self._service.calibrate(warm_up(self.driver, epoch, self._service))
             epoch.pool.on_exhausted = _on_exhausted(self)
+            # KV or a slot back: the admission queue's head may go on
+            epoch.kv.on_freed = epoch.pool.on_freed = self.pipeline.capacity_freed
         except CalfsmError as e:
             return e
         with life.locked():
@@ -727,7 +731,7 @@ def _on_exhausted(owner: DeviceLifecycle) -> Callable[[TaskKind, str], None]:
 
 
 def epoch_builder(driver: Driver, *, max_inflight: int, slots_per_engine: int,
-                  token_budget: int | None, engines: tuple[EngineSlot, ...], clock: Any
+                  token_budget: int | None, engines: tuple[EngineSlot, ...]
                   ) -> Callable[..., Epoch]:
     """``build(manifest, calbin, generation, configure=True)`` with one executor's
     settings."""
@@ -735,5 +739,5 @@ def epoch_builder(driver: Driver, *, max_inflight: int, slots_per_engine: int,
               configure: bool = True) -> Epoch:
         return build_epoch(driver, manifest, calbin, generation, configure=configure,
                            max_inflight=max_inflight, slots_per_engine=slots_per_engine,
-                           token_budget=token_budget, engines=engines, clock=clock)
+                           token_budget=token_budget, engines=engines)
     return build

@@ -121,7 +121,7 @@ class Overlap:
                 lease.undo_slices()
                 job.epoch.pool.release(lease)
                 _fire(job, "unstage")
-                admission.start(job, wait=False)
+                admission.start(job)
                 return True
             job.kv = kv
             _fire(job, "admit")

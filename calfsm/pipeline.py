@@ -178,9 +178,6 @@ class Pipeline:
         if removed:
             self.outcomes.fail_before_submit(job, Cancelled("cancelled before submit",
                                                             **job_ctx(job, "cancel")))
-        elif job.epoch is not None:
-            job.epoch.kv.wake_all()
-            job.epoch.pool.wake_all()
 
     def take_waiting(self) -> list[JobContext]:
         """Remove and return every job that has not reached the device."""
@@ -212,12 +209,15 @@ class Pipeline:
                 self.outcomes.fail_before_submit(job, _copy(err))
         self.admission.hold(held)
 
+    def capacity_freed(self) -> None:
+        """The KV books or the pool gave something back: the admission step runs if a
+        job waits for it (a cheap check on every token's commit; no wake-up otherwise)."""
+        if self.admission.has_parked():
+            self.core.hooks.job_parked()
+
     def wake_waiters(self) -> None:
-        """Wake every job blocked for admission, so it sees a changed lifecycle."""
-        epoch = self.core.life.epoch
-        if epoch is not None:
-            epoch.kv.wake_all()
-            epoch.pool.wake_all()
+        """Wake whoever waits for the pipeline to change (a drain, a close), so it sees
+        a changed lifecycle. Nobody waits inside the KV books or the pool."""
         self.core.hooks.changed()
 
     def break_(self, reason: str) -> None:
@@ -230,7 +230,7 @@ class Pipeline:
                 f"executor is broken: {reason}", **job_ctx(job, "broken")))
         self.abandon(stuck, lambda job: ExecutorBroken(f"executor is broken: {reason}",
                                                        **job_ctx(job, "broken")))
-        self.wake_waiters()             # callers blocked in admission give up now
+        self.wake_waiters()
 
     def abandon(self, jobs: list[JobContext],
                 error: Callable[[JobContext], CalfsmError]) -> None:

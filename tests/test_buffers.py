@@ -3,7 +3,6 @@ generation retirement."""
 
 from __future__ import annotations
 
-import threading
 from typing import Any
 
 import numpy as np
@@ -20,13 +19,10 @@ from hypothesis.stateful import (
 )
 
 from calfsm.buffers import BufferLease, BufferPool, PoolStats, SlotState
-from calfsm.clock import RealClock, VirtualClock
 from calfsm.drivers.base import EngineSlot
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
-    Cancelled,
-    DeadlineExceeded,
     Internal,
     InvalidArgument,
     LeaseError,
@@ -35,12 +31,6 @@ from calfsm.errors import (
     Unsupported,
 )
 from calfsm.manifest import TaskKind, builtin_manifest
-from tests.waiters import (
-    check_wake_all_and_stop_reach_everyone,
-    join_all,
-    queue_in_order,
-    served_after_a_cancelled_head,
-)
 
 TINY = builtin_manifest("tiny")
 PREFILL = TINY.submodel(TaskKind.PREFILL_IDS)
@@ -335,50 +325,25 @@ def test_write_inputs_copies_and_checks_lengths():
         dec.write_inputs([1, 2], [0, 1])
 
 
-# ---- blocking acquire -----------------------------------------------------------------
+# ---- a slot coming back ---------------------------------------------------------------
 
-def test_acquire_wait_gets_the_slot_released_by_another_thread():
-    _, pool = make_pool()
-    held = pool.acquire(TaskKind.DECODE)
-    got: list[BufferLease] = []
-    waiting = threading.Event()
-
-    def cancelled() -> bool:
-        waiting.set()  # called under the pool lock right before each wait
-        return False
-
-    t = threading.Thread(target=lambda: got.append(
-        pool.acquire_wait(TaskKind.DECODE, RealClock().now() + 30, cancelled=cancelled)))
-    t.start()
-    assert waiting.wait(10)
-    pool.release(held)
-    t.join(10)
-    assert got and got[0].kind is TaskKind.DECODE
-
-
-def test_acquire_wait_deadline_cancel_and_retire():
-    _, pool = make_pool()
-    pool.acquire(TaskKind.DECODE)
-    clock = VirtualClock(10.0)
-    with pytest.raises(DeadlineExceeded):
-        pool.acquire_wait(TaskKind.DECODE, 10.0, clock=clock)
-    with pytest.raises(Cancelled):
-        pool.acquire_wait(TaskKind.DECODE, 99.0, clock=clock, cancelled=lambda: True)
-    errors: list[BaseException] = []
-    entered = threading.Event()
-
-    def wait() -> None:
-        try:
-            pool.acquire_wait(TaskKind.DECODE, 1e9, cancelled=lambda: entered.set() or False)
-        except CalfsmError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=wait)
-    t.start()
-    assert entered.wait(10)
-    pool.retire()
-    t.join(10)
-    assert len(errors) == 1 and isinstance(errors[0], Unavailable)
+def test_a_slot_back_in_the_free_list_calls_on_freed_and_a_quarantined_one_does_not():
+    """``acquire`` never waits: who waits is the executor's admission queue, which
+    ``on_freed`` tells when a slot is free again (no lock held: the hook may read the
+    pool). A slot that does not come back free calls nothing."""
+    _, pool = make_pool(slots_per_engine=2)
+    seen: list[int] = []
+    pool.on_freed = lambda: seen.append(pool.stats().free)
+    a, b = pool.acquire(TaskKind.DECODE), pool.acquire(TaskKind.DECODE)
+    with pytest.raises(ResourceExhausted):
+        pool.acquire(TaskKind.DECODE)
+    assert seen == []
+    free_before = pool.stats().free
+    pool.release(a)
+    assert seen == [free_before + 1]
+    pool.quarantine(b, "wait timed out")
+    assert seen == [free_before + 1]
+    assert_invariant(pool)
 
 
 # ---- retire ----------------------------------------------------------------------------
@@ -547,14 +512,6 @@ TestPoolMachine = PoolMachine.TestCase
 TestPoolMachine.settings = settings(max_examples=60, stateful_step_count=40, deadline=None)
 
 
-def test_acquire_wait_on_a_virtual_clock_nobody_advances_is_bounded():
-    _, pool = make_pool()
-    pool.acquire(TaskKind.DECODE)
-    clock = VirtualClock(0.0)
-    with pytest.raises(DeadlineExceeded):
-        pool.acquire_wait(TaskKind.DECODE, 0.05, clock=clock)  # ~50 ms real, then gives up
-
-
 # ---- against the simulated device ----------------------------------------------------
 
 def sim_pool(**kw):
@@ -607,110 +564,6 @@ def test_fi15_on_the_simulated_device_dirty_slot_never_comes_back():
         pool.acquire(TaskKind.PREFILL_IDS)
     assert assert_invariant(pool) == PoolStats(0, total=2, free=1, leased=0, quarantined=1)
     assert "destroy_buffers" not in trace_calls(driver)  # its host arrays stay alive
-
-
-def test_blocking_acquire_is_first_come_first_served() -> None:
-    """A returned slot goes to the oldest waiter; a later thread (or a non-blocking
-    acquire) cannot barge in front of it, so no caller starves under contention."""
-    import threading
-    import time as _time
-
-    _, pool = make_pool(slots_per_engine=1)
-    held = pool.acquire(TaskKind.DECODE)
-    order: list[str] = []
-    leases: dict[str, object] = {}
-
-    def waiter(name: str) -> None:
-        lease = pool.acquire_wait(TaskKind.DECODE, _time.monotonic() + 30)
-        order.append(name)
-        leases[name] = lease
-
-    def queued(n: int) -> None:
-        limit = _time.monotonic() + 10
-        while pool.stats().waiting < n:
-            assert _time.monotonic() < limit, "waiter never queued"
-            _time.sleep(0.001)
-
-    a = threading.Thread(target=waiter, args=("A",))
-    a.start()
-    queued(1)
-    b = threading.Thread(target=waiter, args=("B",))
-    b.start()
-    queued(2)
-    pool.release(held)
-    with pytest.raises(ResourceExhausted):
-        pool.acquire(TaskKind.DECODE)          # cannot jump the queue
-    a.join(10)
-    assert order == ["A"]
-    pool.release(leases["A"])
-    b.join(10)
-    assert order == ["A", "B"]
-    pool.release(leases["B"])
-    assert_invariant(pool)
-
-
-
-
-def queue_acquirers(pool: BufferPool, n: int, *, engine: EngineSlot = EngineSlot.AUTO,
-                    **kw):
-    """``n`` threads queued in order in ``acquire_wait(DECODE)`` on ``engine``."""
-    return queue_in_order(
-        n, lambda i, cancelled: pool.acquire_wait(TaskKind.DECODE, RealClock().now() + 30,
-                                                  engine=engine, cancelled=cancelled),
-        **kw)
-
-def test_each_return_wakes_only_the_head_not_the_herd() -> None:
-    """50 waiters for one slot: each return wakes the next waiter alone, so the wake-ups
-    stay within a few per grant (notify_all made ~n per grant)."""
-    n = 50
-    _, pool = make_pool(slots_per_engine=1)
-    held = pool.acquire(TaskKind.DECODE)
-    threads, outcomes = queue_acquirers(pool, n, then=pool.release)
-    assert pool.stats().waiting == n and pool.stats().wakeups == 0
-    pool.release(held)
-    join_all(threads)
-    assert [i for i, _ in outcomes] == list(range(n))  # FIFO kept
-    s = assert_invariant(pool)
-    assert (s.waiting, s.leased) == (0, 0)
-    assert s.wakeups <= 3 * n + n, f"{s.wakeups} wake-ups for {n} grants"
-    assert s.wakeups == n  # in this chain: one each, nobody woken to find no slot
-
-
-def test_a_cancelled_head_passes_a_free_slot_on() -> None:
-    _, pool = make_pool(slots_per_engine=1)
-    held = pool.acquire(TaskKind.DECODE)
-    lease = served_after_a_cancelled_head(lambda n, **kw: queue_acquirers(pool, n, **kw),
-                                          lambda: pool.release(held))
-    assert lease.valid
-    pool.release(lease)
-    assert assert_invariant(pool).waiting == 0
-
-
-def test_a_returned_slot_reaches_a_waiter_for_its_engine_or_for_any() -> None:
-    """A PING slot serves the head waiting for PING or the head waiting for any engine;
-    a waiter for PONG is not woken by it."""
-    _, pool = make_pool(engines=(EngineSlot.PING, EngineSlot.PONG))
-    held = [pool.acquire(TaskKind.DECODE, e) for e in (EngineSlot.PING, EngineSlot.PONG)]
-    t_any, any_out = queue_acquirers(pool, 1)
-    t_pong, pong_out = queue_acquirers(pool, 1, engine=EngineSlot.PONG)
-    pool.release(held[0])
-    join_all(t_any)
-    assert any_out[0][1].engine is EngineSlot.PING and not pong_out
-    before = pool.stats().wakeups
-    pool.release(any_out[0][1])   # a PING slot: nobody waiting may take it
-    assert pool.stats().wakeups == before and t_pong[0].is_alive()
-    pool.release(held[1])
-    join_all(t_pong)
-    assert pong_out[0][1].engine is EngineSlot.PONG
-    pool.release(pong_out[0][1])
-
-
-def test_retire_and_wake_all_reach_the_waiters_behind_the_head() -> None:
-    _, pool = make_pool(slots_per_engine=1)
-    pool.acquire(TaskKind.DECODE)
-    check_wake_all_and_stop_reach_everyone(
-        lambda n, **kw: queue_acquirers(pool, n, **kw), pool.wake_all, pool.retire,
-        lambda: pool.stats().waiting, Unavailable)
 
 
 def test_load_programs_the_slot_for_one_job() -> None:

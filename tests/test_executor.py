@@ -392,7 +392,7 @@ def test_defect_a_dead_submitter_fails_jobs_still_in_admission(monkeypatch, slot
         if slots == 2:
             ex.enqueue(_prefill(seq=2))       # queued: both prefill slots are out now
         blocked = Call(ex.enqueue, _prefill(seq=3))          # waits for a prefill slot
-        assert eventually(lambda: ex.epoch.pool.stats().waiting == 1)
+        assert eventually(lambda: ex.stats().admitting == 1)
         armed.set()
         with contextlib.suppress(ExecutorBroken):   # a decode slot is free: queued,
             ex.enqueue(Request.decode(0, first.greedy(), 3))   # it wakes the submitter

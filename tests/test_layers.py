@@ -53,3 +53,24 @@ def test_the_core_path_reads_in_one_sitting(module: str) -> None:
             if lines > 60:
                 too_big.append(f"{node.name}: {lines} lines")
     assert not too_big, too_big
+
+
+@pytest.mark.parametrize("module", ["kv", "buffers"])
+def test_the_books_never_wait_and_read_no_clock(module: str) -> None:
+    """Issue 21, item 4: the KV books and the pool grant now or refuse. Who waits, and
+    until when, is the admission queue's (calfsm/admission.py): these modules import no
+    clock and construct no condition variable, event or timed wait."""
+    import ast
+
+    tree = ast.parse((ROOT / "calfsm" / f"{module}.py").read_text("utf-8"))
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [a.name for a in node.names if a.name in ("time", "calfsm.clock")]
+        elif isinstance(node, ast.ImportFrom) and node.module in ("time", "calfsm.clock"):
+            found.append(node.module)
+        elif isinstance(node, ast.Attribute) and node.attr in (
+                "Condition", "Event", "Semaphore", "sleep", "monotonic", "wait",
+                "wait_for"):
+            found.append(node.attr)
+    assert not found, found

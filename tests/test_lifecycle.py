@@ -131,6 +131,9 @@ class FakePipeline:
     def wake_waiters(self) -> None:
         self.asked.append("wake_waiters")
 
+    def capacity_freed(self) -> None:
+        pass
+
     def device_barrier(self) -> None:
         self.asked.append("device_barrier")
 
@@ -156,8 +159,7 @@ class Control:
         self.device = DeviceLifecycle(
             self.driver, self.life, FaultPolicy(RecoveryPolicy(**policy)), self.pipeline,
             build=epoch_builder(self.driver, max_inflight=1, slots_per_engine=2,
-                                token_budget=None, engines=(EngineSlot.AUTO,),
-                                clock=self.clock),
+                                token_budget=None, engines=(EngineSlot.AUTO,)),
             warmup=True, service=ServiceModel(TINY.timing, execution_timeout_s=None))
         self.device.on_recovery_due = self._due
 

@@ -47,8 +47,7 @@ class Core:
         self.life.fire("start")
         calbin = Calbin.from_manifest(TINY)
         self.epoch = build_epoch(self.driver, TINY, calbin, 1, max_inflight=1,
-                                 slots_per_engine=slots_per_engine, token_budget=None,
-                                 clock=self.clock)
+                                 slots_per_engine=slots_per_engine, token_budget=None)
         self.life.install(self.epoch)
         self.life.fire("configured")
         self.life.warmed(TINY, calbin)
@@ -74,7 +73,7 @@ class Core:
         handle is returned beside the job, which lets go of it when it ends."""
         job = self.pipe.admission.accept(request, self.pipe.cancel)
         handle = job.handle
-        self.pipe.admission.start(job, wait=False)
+        self.pipe.admission.start(job)
         return job, handle
 
     def submit(self) -> JobContext:

@@ -70,8 +70,7 @@ class Wired:
         self.control = DeviceLifecycle(
             driver, life, faults, self.pipe, warmup=True, service=service,
             build=epoch_builder(driver, max_inflight=1, slots_per_engine=2,
-                                token_budget=None, engines=(EngineSlot.AUTO,),
-                                clock=driver.clock))
+                                token_budget=None, engines=(EngineSlot.AUTO,)))
         self.runtime = runtime(self.pipe, self.control, life)
         self.control.start(TINY, Calbin.from_manifest(TINY))
         self.runtime.start()
@@ -80,7 +79,7 @@ class Wired:
         """What ``enqueue_nowait`` does: accept, then start without blocking."""
         job = self.pipe.admission.accept(request, self.pipe.cancel)
         handle = job.handle
-        self.pipe.admission.start(job, wait=False)
+        self.pipe.admission.start(job)
         return handle
 
 

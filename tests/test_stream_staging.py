@@ -142,7 +142,7 @@ def assert_all_back(ex: DeviceExecutor, sched: StepScheduler) -> None:
     epoch = ex.epoch
     kv = epoch.kv.stats()
     assert epoch.pool.stats().leased == 0, epoch.pool.stats()
-    assert kv.open == kv.waiting == kv.budget_used == 0, kv
+    assert kv.open == ex.stats().admitting == kv.budget_used == 0, kv
     assert kv.reserved == kv.committed + kv.rolled_back + kv.unknown, kv
     assert epoch.kv.sequences() == (), epoch.kv.sequences()
     assert ex.lifecycle_state == "Ready"

@@ -117,12 +117,13 @@ def assert_freed(ex: DeviceExecutor) -> None:
 
     def quiet() -> bool:
         kv = epoch.kv.stats()
-        return ex.idle() and epoch.pool.stats().leased == 0 and kv.open == kv.waiting == 0
+        return (ex.idle() and epoch.pool.stats().leased == 0
+                and kv.open == ex.stats().admitting == 0)
 
     drive(ex, quiet, timeout=10)
     kv = epoch.kv.stats()
     assert epoch.pool.stats().leased == 0, epoch.pool.stats()
-    assert kv.open == kv.waiting == kv.budget_used == 0, kv
+    assert kv.open == ex.stats().admitting == kv.budget_used == 0, kv
     assert kv.reserved == kv.committed + kv.rolled_back + kv.unknown, kv
     assert epoch.kv.sequences() == (), epoch.kv.sequences()
     assert ex.idle()
