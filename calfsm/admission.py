@@ -276,8 +276,9 @@ class Admission:
             raise DeadlineExceeded("admission deadline passed",
                                    **job_ctx(job, "admission"))
         if job.kv is None:
+            # a running stream's next step may follow its step before, still open
             job.kv = epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
-                                          job_id=job.job_id)
+                                          job_id=job.job_id, chain=job.continuing)
             if job.kv is None:
                 return False
             _fire(job, "admit")

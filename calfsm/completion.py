@@ -1,12 +1,13 @@
 """The way back: the only caller of ``wait``, the output check, the KV commit, the result.
 
 :meth:`Completion.complete` is spec 6.5's order for one job: wait (holding no lock) ->
-status -> output check -> BF16->FP32 into the target -> KV commit -> undo slices -> the
-job's continuation (a stream's next step handed to the submitter) -> resolve -> return the
-lease. The in-flight slot is given back as soon as the wait returns, so the next job goes
-to the device before this one's host work. A Wait past the execution deadline (FI07), a
-completion of a retired generation (FI14) and every failure on the way have their own
-ends here; what they give back is the outcomes part's business.
+status -> output check -> BF16->FP32 into the target -> undo slices -> the job's
+continuation (a stream's next step handed to the submitter, its KV chained after this
+job's) -> KV commit -> resolve -> return the lease. The in-flight slot is given back as
+soon as the wait returns, so the next job goes to the device before this one's host
+work. A Wait past the execution deadline (FI07), a completion of a retired generation
+(FI14) and every failure on the way have their own ends here; what they give back is
+the outcomes part's business.
 """
 
 from __future__ import annotations
@@ -155,7 +156,7 @@ class Completion:
         return logits
 
     def _succeed(self, job: JobContext, logits: Any, waited: float) -> None:
-        """The job ran and its output is good: KV commit, continuation, resolve, lease.
+        """The job ran and its output is good: continuation, KV commit, resolve, lease.
 
         Spec 6.5 orders KV commit -> undo slices -> resolve -> return the lease. The
         slices were undone in :meth:`_output`, in the same device-lock section as the
@@ -164,15 +165,23 @@ class Completion:
         so the two commute. The result is resolved before the lease goes back."""
         core = self.core
         t3 = core.clock.now()
+        kv = job.kv
+        # the next step first: it is reserved chained after this one (calfsm/kv.py), so
+        # it need not wait for this commit. Not after a rewinding prefill, whose commit
+        # may trim on the device and fail: a step must never follow a KV nobody vouches for
+        early = kv.prev_len <= kv.target_len
+        if early:
+            self._continue(job, logits)
         try:
-            job.epoch.kv.commit(job.kv)
+            job.epoch.kv.commit(kv)
         except CalfsmError as e:
             # the books are closed and the sequence is Unknown (e.g. a rewinding prefill
             # whose trim failed): the logits are right, but the caller must not go on
             # with a sequence whose KV nobody vouches for
             self._kv_commit_failed(job, e)
             return
-        self._continue(job, logits)
+        if not early:
+            self._continue(job, logits)
         now = core.clock.now()
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
@@ -187,8 +196,9 @@ class Completion:
             self.outcomes.dropped(job, Cancelled(
                 "cancelled after submit; the job ran, its result was dropped",
                 **job_ctx(job, "complete")))
+        # the slot and the KV came free: their on_freed wakes the admission step, and
+        # only when a job waits for them (no wake-up per token otherwise)
         job.epoch.pool.release(lease)
-        core.hooks.job_parked()         # a slot and KV came free: admission may go on
         core.service.observe(job.kind, job.token_count, job.timings.queued, waited)
         core.faults.succeeded()
 

@@ -109,8 +109,9 @@ class JobContext:
     handle: JobHandle | None = None
     epoch: Any = None                    # the executor generation record it belongs to
     #: a stream's next step, decided on the completion side: called with the job and its
-    #: float32 logits once its output is checked and its KV committed, before its handle
-    #: resolves (so the step after it can reach the submitter first); run once
+    #: float32 logits once its output is checked, before its KV commit (the next step's
+    #: is chained after it) and before its handle resolves (so the step after it
+    #: reaches the submitter first); run once
     continuation: Callable[[JobContext, np.ndarray], None] | None = None
     #: called once a parked job is queued for the device, by a caller that blocks until
     #: its job is admitted (:meth:`calfsm.admission.Admission.wait_admitted`)

@@ -46,8 +46,15 @@ the normal case (``past_len`` == committed) rollback releases to ``old_len``.
 :meth:`KvCoordinator.truncate_sequence` drops a sequence's tail at once instead
 (``kv_release`` to the kept length), so its capacity comes back before the next job.
 
+Chained reservations: a stream's next step may be reserved while the step before it
+still runs (``try_reserve(..., chain=True)``: the sequence's open reservation ends where
+the new one begins). At most one is chained per sequence; it commits only after the one
+before it (it becomes the open one then), and ends with it when that one rolls back or
+goes Unknown. So nothing on a token's way waits for its predecessor's commit.
+
 Capacity invariant (checked by the stateful tests): for every sequence that is not
-Unknown, the device allocation is ``max(committed, target of its open reservation)``;
+Unknown, the device allocation is ``max(committed, target of its open reservation,
+target of the one chained after it)``;
 the token budget in use is the sum of the open reservations' tokens and returns to zero
 when nothing is open; ``reserved == committed + rolled_back + unknown + open``.
 
@@ -92,6 +99,8 @@ log = logging.getLogger(__name__)
 _limited = RateLimitedLog(log)
 
 _STAGE = "admission"
+#: the states of a reservation another may be chained after
+_CHAINABLE = (KvState.RESERVED, KvState.SUBMITTED)
 
 
 class SeqState(enum.StrEnum):
@@ -150,6 +159,8 @@ class _Seq:
     alloc: int = 0                       #: what we believe the device has allocated
     state: SeqState = SeqState.READY
     open: KvReservation | None = None
+    #: the reservation chained after ``open`` (the next step, reserved while it runs)
+    next: KvReservation | None = None
     busy: bool = False                   #: being admitted or reset
     reason: str | None = None
 
@@ -223,8 +234,10 @@ class KvCoordinator:
                                     f"of {self.token_budget}", **self._ctx(seq_id, job_id))
         return target
 
-    def _check_locked(self, seq_id: int, past_len: int, job_id: int | None) -> None:
-        """The stateful admission checks (lock held)."""
+    def _check_locked(self, seq_id: int, past_len: int, job_id: int | None,
+                      chain: bool) -> KvReservation | None:
+        """The stateful admission checks (lock held). Returns the open reservation the
+        new one is chained after (``chain``, and it ends exactly at ``past_len``)."""
         if self._shutdown:
             raise Unavailable("KV coordinator is shut down", **self._ctx(seq_id, job_id))
         seq = self._seqs.get(seq_id)
@@ -233,6 +246,10 @@ class KvCoordinator:
                 raise FailedPrecondition(
                     f"KV of sequence {seq_id} is Unknown ({seq.reason}); reset the sequence "
                     "before using it again", **self._ctx(seq_id, job_id))
+            before = seq.open
+            if chain and before is not None and seq.next is None and not seq.busy \
+                    and before.target_len == past_len and before.state in _CHAINABLE:
+                return before
             if seq.open is not None or seq.busy:
                 raise FailedPrecondition(f"sequence {seq_id} already has an open KV "
                                          "reservation", **self._ctx(seq_id, job_id))
@@ -243,6 +260,7 @@ class KvCoordinator:
             raise InvalidArgument(f"past_len {past_len} leaves a hole: sequence {seq_id} "
                                   f"has {committed} committed positions",
                                   **self._ctx(seq_id, job_id))
+        return None
 
     def _done_asking_locked(self, seq_id: int) -> bool:
         """The device call of an admission is over; True if one was turned away
@@ -270,14 +288,28 @@ class KvCoordinator:
             self.driver.kv_apply(seq_id, target))
 
     def _grant_locked(self, seq_id: int, past_len: int, target: int, token_count: int,
-                      job_id: int | None) -> KvReservation:
+                      job_id: int | None, after: KvReservation | None
+                      ) -> KvReservation | None:
         seq = self._seqs[seq_id]
         seq.busy = False
+        seq.alloc = max(seq.alloc, target)
+        if after is not None and seq.open is not after and not (
+                seq.open is None and after.state == KvState.COMMITTED):
+            # the reservation it follows ended otherwise while the device grew the
+            # sequence: what the device now holds for it is not known
+            if seq.state is not SeqState.UNKNOWN:
+                self._to_unknown_locked(seq, "a chained reservation raced the end of the "
+                                        "one before it")
+            return None
+        # chained after a reservation still open, it rolls back to where that one ends
         r = KvReservation(seq_id=seq_id, job_id=job_id, old_len=past_len,
                           target_len=target, tokens=token_count, generation=self.generation,
-                          prev_len=seq.committed, owner=self)
-        seq.open = r
-        seq.alloc = max(seq.alloc, target)
+                          prev_len=past_len if after is not None else seq.committed,
+                          owner=self)
+        if seq.open is None:
+            seq.open = r
+        else:
+            seq.next = r
         self._budget_used += token_count
         self._n_reserved += 1
         self._n_open += 1
@@ -285,14 +317,20 @@ class KvCoordinator:
 
     # ---- admission ----------------------------------------------------------------------
     def try_reserve(self, seq_id: int, past_len: int, token_count: int, *,
-                    job_id: int | None = None) -> KvReservation | None:
+                    job_id: int | None = None, chain: bool = False
+                    ) -> KvReservation | None:
         """Reserve KV for ``token_count`` tokens after ``past_len`` now, or return None:
         the token budget is short, the device has no room, or another admission is
         calling the device (``on_freed`` follows whatever may change that). Raises for a
-        bad request, a sequence that cannot take one, or a shut-down coordinator."""
+        bad request, a sequence that cannot take one, or a shut-down coordinator.
+
+        ``chain``: the sequence's open reservation may still be running if it ends at
+        ``past_len`` (a stream's next step, reserved while the step before it runs): the
+        new one is chained after it, becomes the open one when it commits, and ends with
+        it if it ends any other way (rolled back or Unknown). One chained at a time."""
         target = self._validate(seq_id, past_len, token_count, job_id)
         with self._lock:
-            self._check_locked(seq_id, past_len, job_id)
+            after = self._check_locked(seq_id, past_len, job_id, chain)
             if self._asking:
                 self._turned_away = True
                 return None
@@ -305,16 +343,18 @@ class KvCoordinator:
             granted = self._device_grow(seq_id, target)
         finally:
             with self._lock:
+                r = None
                 if granted:
                     self._asking = False
-                    r = self._grant_locked(seq_id, past_len, target, token_count, job_id)
+                    r = self._grant_locked(seq_id, past_len, target, token_count, job_id,
+                                           after)
                     retry = self._turned_away
                     self._turned_away = False
                 else:
                     retry = self._done_asking_locked(seq_id)
             if retry:
                 self._freed()
-        return r if granted else None
+        return r
 
     # ---- transactions -------------------------------------------------------------------------
     def _fire_locked(self, r: KvReservation, trigger: str) -> _Seq:
@@ -326,7 +366,7 @@ class KvCoordinator:
                 f"generation {self.generation}", seq_id=r.seq_id, job_id=r.job_id,
                 generation=r.generation, stage="kv")
         seq = self._seqs.get(r.seq_id)
-        if seq is None or seq.open is not r:  # cannot happen through the public API
+        if seq is None or (seq.open is not r and seq.next is not r):  # not via the API
             KV_MACHINE.require(r, trigger)  # an illegal trigger is named first
             raise FailedPrecondition(f"KV reservation of sequence {r.seq_id} is not open",
                                      seq_id=r.seq_id, job_id=r.job_id,
@@ -337,7 +377,10 @@ class KvCoordinator:
     def _end_locked(self, r: KvReservation, seq: _Seq) -> None:
         """Close a reservation's books (its state is already terminal)."""
         self._ended[r.state] += 1
-        seq.open = None
+        if seq.open is r:
+            seq.open, seq.next = seq.next, None     # the chained one is the open one now
+        else:
+            seq.next = None
         self._budget_used -= r.tokens
         self._n_open -= 1
 
@@ -351,38 +394,62 @@ class KvCoordinator:
         becomes ``target_len``; the tokens go back to the budget. If the device allocation
         was longer (a rewound sequence) it is trimmed with ``kv_release``."""
         with self._lock:
+            self._refuse_out_of_order_locked(r)
             seq = self._fire_locked(r, "commit")
             seq.committed = r.target_len
-            trim = seq.alloc > r.target_len
+            keep = r.target_len if seq.next is None else seq.next.target_len
+            trim = seq.alloc > keep
             if trim:
                 seq.busy = True
             else:
                 self._end_locked(r, seq)
         if trim:
-            self._release_and_end(r, seq, r.target_len, "commit")
+            self._release_and_end(r, seq, keep, "commit")
         else:
             self._freed()
+
+    def _refuse_out_of_order_locked(self, r: KvReservation) -> None:
+        seq = self._seqs.get(r.seq_id)
+        if seq is not None and seq.next is r:
+            raise FailedPrecondition(
+                f"KV reservation of sequence {r.seq_id} at {r.old_len} commits after the one "
+                "before it", seq_id=r.seq_id, job_id=r.job_id, generation=r.generation,
+                stage="kv")
 
     def rollback(self, r: KvReservation) -> None:
         """Undo a reservation whose job the device cannot have run (state Reserved):
         ``kv_release(seq, keep_len)`` gives back what it grew (``keep_len`` is
-        ``old_len``, or the committed length for a rewinding reservation)."""
+        ``old_len``, or the committed length for a rewinding reservation). A
+        reservation chained after it is rolled back with it (it could only follow);
+        a chained one rolled back alone gives back to where the one before it ends."""
         with self._lock:
+            seq = self._seqs.get(r.seq_id)
+            chained = seq is not None and seq.next is r
+            after = seq.next if seq is not None and seq.open is r else None
+            if after is not None:
+                KV_MACHINE.require(after, "rollback")   # refused before any change
             seq = self._fire_locked(r, "rollback")
+            if after is not None:
+                KV_MACHINE.fire(after, "rollback")
+                self._end_locked(after, seq)
+            if chained:             # off the books now: the one before it goes on
+                self._end_locked(r, seq)
             seq.busy = True
-        self._release_and_end(r, seq, r.prev_len, "rollback")
+        self._release_and_end(r, seq, r.prev_len, "rollback", ended=chained)
 
-    def _release_and_end(self, r: KvReservation, seq: _Seq, keep: int, what: str) -> None:
+    def _release_and_end(self, r: KvReservation, seq: _Seq, keep: int, what: str, *,
+                         ended: bool = False) -> None:
         """Shrink the device allocation to ``keep`` (outside the lock; the sequence is
-        marked busy meanwhile), then close the books. A failed release leaves the
-        sequence Unknown and raises the classified error."""
+        marked busy meanwhile), then close the books (unless ``ended`` already). A
+        failed release leaves the sequence Unknown and raises the classified error."""
         code = self._release(r.seq_id, keep)
         with self._lock:
             seq.busy = False
             seq.alloc = keep
             if code != 0:
                 self._to_unknown_locked(seq, f"kv_release on {what} returned {code}")
-            self._end_locked(r, seq)
+            if not ended:
+                self._end_locked(r, seq)
         self._freed()
         if code != 0:
             raise from_calrt(code, f"kv_{what}", seq_id=r.seq_id, job_id=r.job_id,
@@ -392,9 +459,15 @@ class KvCoordinator:
         """The job's effect on the KV cannot be proven (a failure after submit, or an
         ambiguous submit): the sequence is refused until :meth:`reset_sequence`."""
         with self._lock:
+            seq = self._seqs.get(r.seq_id)
+            after = seq.next if seq is not None and seq.open is r else None
             seq = self._fire_locked(r, "mark_unknown")
             r.reason = reason
             self._to_unknown_locked(seq, reason)
+            if after is not None:       # chained after it: it cannot go on either
+                KV_MACHINE.fire(after, "mark_unknown")
+                after.reason = reason
+                self._end_locked(after, seq)
             self._end_locked(r, seq)
         self._freed()
         _limited.warning("kv_unknown", "KV of sequence %d is Unknown: %s", r.seq_id, reason,
@@ -536,6 +609,12 @@ class KvCoordinator:
         with self._lock:
             seq = self._seqs.get(seq_id)
             return seq.open if seq else None
+
+    def chained_reservation(self, seq_id: int) -> KvReservation | None:
+        """The reservation chained after the open one (the next step), if any."""
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            return seq.next if seq else None
 
     @property
     def is_shutdown(self) -> bool:

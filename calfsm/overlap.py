@@ -2,9 +2,14 @@
 
 The overlap part owns the staged steps: each holds a buffer slot with its inputs written
 (the token a placeholder) and no KV. When the token is known the step is released: the
-real request is checked as any request is and must be the step that was staged, its KV is
-reserved, and it joins the submit queue. A staged step that will not run is discarded
-with everything it took given back.
+real request is checked as any request is and must be the step that was staged, its KV
+is reserved chained after the step before it (:mod:`calfsm.kv`), whose own KV has not
+been committed yet, and it joins the submit queue. A staged step that will not run is
+discarded with everything it took given back.
+
+Why no KV at staging: a stream may take its ordinary path for the same position while a
+staging is still under way (the staged step then comes too late and is discarded), and
+a reservation taken ahead would then stand in that path's way.
 """
 
 from __future__ import annotations
@@ -114,8 +119,9 @@ class Overlap:
                 raise Unavailable(f"device is {life.state}",
                                   retry_after_s=life.retry_after_s,
                                   **job_ctx(job, "stage"))
+            # chained after the step before it, whose KV commits after this call
             kv = job.epoch.kv.try_reserve(job.seq_id, job.past_len, job.token_count,
-                                          job_id=job.job_id)
+                                          job_id=job.job_id, chain=True)
             if kv is None:          # KV must wait: give the slot back, take the queue
                 lease, job.lease = job.lease, None
                 lease.undo_slices()

@@ -243,9 +243,10 @@ class Sequence:
                 after: JobHandle | None = None) -> JobHandle | None:
         """Run a staged step with its real request; None (nothing run) if the sequence
         cannot take it now or the step is gone — the caller then runs it the ordinary
-        way. ``after``: the sequence's running job, whose KV is committed and whose
-        handle has not resolved yet (a stream's continuation): the step follows it
-        without the sequence going Open in between."""
+        way. ``after``: the sequence's running job, whose output is checked and whose
+        handle has not resolved yet (a stream's continuation; its KV commits right
+        after, the step's own KV is chained after it): the step follows it without the
+        sequence going Open in between."""
         with self._lock:
             if self._kv_lost():
                 ok = False
@@ -625,11 +626,12 @@ class Stream:
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
     def _continue(self, job: JobContext, logits: np.ndarray) -> None:
-        """The job's continuation (see :class:`~calfsm.job.JobContext`): its KV is
-        committed and its handle not yet resolved. Decide what follows and, when the next
-        decode was prepared ahead, hand it to the submitter now, before the job's
-        callbacks run; what is left (waking the consumer, an ending, a next step that
-        must go the ordinary way) happens in :meth:`_step_done`."""
+        """The job's continuation (see :class:`~calfsm.job.JobContext`): its output is
+        checked (its KV commits right after) and its handle not yet resolved. Decide
+        what follows and, when the next decode was prepared ahead, hand it to the
+        submitter now, before the job's callbacks run; what is left (waking the
+        consumer, an ending, a next step that must go the ordinary way) happens in
+        :meth:`_step_done`."""
         try:
             outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
                                    chain=job.handle)

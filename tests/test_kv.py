@@ -329,6 +329,64 @@ def test_shutdown_refuses_new_reserves_and_open_ones_still_end():
     assert kv.stats().open == 0 and kv.stats().shutdown
 
 
+# ---- chained reservations: the next step reserved while the one before it runs -----
+
+def test_a_chained_reservation_follows_the_running_one_and_commits_after_it():
+    driver, kv = coordinator()
+    r1 = kv.try_reserve(1, 0, 4, job_id=1)
+    kv.mark_submitted(r1)
+    with pytest.raises(FailedPrecondition, match="open KV reservation"):
+        kv.try_reserve(1, 4, 1, job_id=2)                   # not asked to chain
+    with pytest.raises(FailedPrecondition, match="open KV reservation"):
+        kv.try_reserve(1, 3, 1, job_id=2, chain=True)       # not where it ends
+    r2 = kv.try_reserve(1, 4, 1, job_id=2, chain=True)
+    assert (r2.old_len, r2.target_len, r2.prev_len) == (4, 5, 4)
+    assert kv.chained_reservation(1) is r2 and kv.open_reservation(1) is r1
+    assert driver.kv_allocated(1) == 5 and kv.stats().open == 2
+    with pytest.raises(FailedPrecondition, match="open KV reservation"):
+        kv.try_reserve(1, 5, 1, job_id=3, chain=True)       # one chained at a time
+    with pytest.raises(FailedPrecondition, match="after the one before it"):
+        kv.commit(r2)
+    assert r2.state == KvState.RESERVED
+    kv.mark_submitted(r2)                                   # it may run before r1 commits
+    kv.commit(r1)
+    assert kv.open_reservation(1) is r2 and kv.chained_reservation(1) is None
+    assert kv.sequence_length(1) == 4 and driver.kv_allocated(1) == 5
+    kv.commit(r2)
+    assert kv.sequence_length(1) == 5 and kv.stats().budget_used == 0
+
+
+@pytest.mark.parametrize("how", ["rollback", "unknown"])
+def test_a_chained_reservation_ends_with_the_one_before_it(how):
+    driver, kv = coordinator()
+    r1 = kv.try_reserve(1, 0, 4)
+    r2 = kv.try_reserve(1, 4, 1, chain=True)
+    if how == "rollback":
+        kv.rollback(r1)
+        assert (r1.state, r2.state) == (KvState.ROLLED_BACK, KvState.ROLLED_BACK)
+        assert driver.kv_allocated(1) == 0 and kv.sequence_state(1) is SeqState.READY
+    else:
+        kv.mark_unknown(r1, "wait timed out")
+        assert (r1.state, r2.state) == (KvState.UNKNOWN, KvState.UNKNOWN)
+        assert kv.sequence_state(1) is SeqState.UNKNOWN
+    s = kv.stats()
+    assert (s.open, s.budget_used) == (0, 0)
+    with pytest.raises(IllegalTransition):
+        kv.rollback(r2)                 # its owner's give-back finds it ended: refused
+
+
+def test_a_chained_reservation_rolled_back_alone_gives_back_to_where_its_predecessor_ends():
+    driver, kv = coordinator()
+    r1 = kv.try_reserve(1, 0, 4)
+    kv.mark_submitted(r1)
+    r2 = kv.try_reserve(1, 4, 2, chain=True)
+    assert driver.kv_allocated(1) == 6
+    kv.rollback(r2)
+    assert driver.kv_allocated(1) == 4 and kv.chained_reservation(1) is None
+    kv.commit(r1)
+    assert kv.sequence_length(1) == 4 and kv.stats().open == 0
+
+
 # ---- concurrency: many threads, capacity conserved -------------------------------------
 
 def test_concurrent_reserve_commit_rollback_conserve_capacity():
@@ -393,18 +451,26 @@ def test_concurrent_reserve_commit_rollback_conserve_capacity():
 
 
 class KvMachine(RuleBasedStateMachine):
-    """try_reserve / mark_submitted / commit / rollback / mark_unknown / reset_sequence in
-    any order against a small device and budget: the coordinator's books, the device's
-    allocations and the token budget always agree."""
+    """try_reserve (chained after a running one too) / mark_submitted / commit / rollback
+    / mark_unknown / reset_sequence in any order against a small device and budget: the
+    coordinator's books, the device's allocations and the token budget always agree."""
 
     open = Bundle("open")
     SEQS = 4
+    LIVE = (KvState.RESERVED, KvState.SUBMITTED)
 
     def __init__(self) -> None:
         super().__init__()
         self.driver = sim(kv_capacity=40, trace=False)
         self.kv = KvCoordinator(self.driver, max_seq=64, token_budget=16)
-        self.live: set[int] = set()
+        self.granted: list[KvReservation] = []
+
+    def _granted(self, r: KvReservation | None, seq: int, before: int):
+        if r is None:  # would wait: budget or device short, nothing changed
+            assert self.driver.kv_allocated(seq) == before
+            return None
+        self.granted.append(r)
+        return r
 
     @rule(target=open, seq=st.integers(0, SEQS - 1), count=st.integers(1, 12),
           rewind=st.booleans())
@@ -416,12 +482,27 @@ class KvMachine(RuleBasedStateMachine):
                 self.kv.try_reserve(seq, past, count)
             return None
         before = self.driver.kv_allocated(seq)
-        r = self.kv.try_reserve(seq, past, count)
-        if r is None:  # would wait: budget or device short, nothing changed
-            assert self.driver.kv_allocated(seq) == before
+        return self._granted(self.kv.try_reserve(seq, past, count), seq, before)
+
+    @rule(target=open, r=open, count=st.integers(1, 4))
+    def chain(self, r, count):
+        """The next step reserved while ``r`` runs: legal only after the open one, once."""
+        if r is None or r.target_len + count > 64:
             return None
-        self.live.add(id(r))
-        return r
+        seq = r.seq_id
+        legal = (r.state in self.LIVE and self.kv.open_reservation(seq) is r
+                 and self.kv.chained_reservation(seq) is None
+                 and self.kv.sequence_state(seq) is not SeqState.UNKNOWN)
+        if not legal:
+            if self.kv.sequence_state(seq) is SeqState.READY \
+                    and self.kv.sequence_length(seq) >= r.target_len:
+                return None         # an ordinary reservation there: not this rule's
+            with pytest.raises((FailedPrecondition, InvalidArgument)):
+                self.kv.try_reserve(seq, r.target_len, count, chain=True)
+            return None
+        before = self.driver.kv_allocated(seq)
+        return self._granted(self.kv.try_reserve(seq, r.target_len, count, chain=True),
+                             seq, before)
 
     @rule(r=open)
     def submit(self, r):
@@ -432,22 +513,34 @@ class KvMachine(RuleBasedStateMachine):
     def end(self, r, how):
         if r is None:
             return
-        legal = {"commit": r.state == KvState.SUBMITTED,
-                 "rollback": r.state == KvState.RESERVED, "unknown": True}[how]
         op = {"commit": self.kv.commit, "rollback": self.kv.rollback,
               "unknown": lambda x: self.kv.mark_unknown(x, "test")}[how]
+        if r.state not in self.LIVE:        # ended with the one it was chained after
+            with pytest.raises((IllegalTransition, FailedPrecondition)):
+                op(r)
+            return
+        chained = self.kv.chained_reservation(r.seq_id) is r
+        if how == "commit" and chained:
+            with pytest.raises(FailedPrecondition, match="after the one before it"):
+                op(r)
+            self.kv.mark_unknown(r, "test")
+            return
+        legal = {"commit": r.state == KvState.SUBMITTED,
+                 "rollback": r.state == KvState.RESERVED, "unknown": True}[how]
+        after = None if chained else self.kv.chained_reservation(r.seq_id)
+        if how == "rollback" and legal and after is not None \
+                and after.state != KvState.RESERVED:
+            legal = False               # a submitted step cannot be rolled back under
         if not legal:
             state = r.state
             with pytest.raises(IllegalTransition):
                 op(r)
             assert r.state == state
-            if r.state == KvState.RESERVED:
-                self.kv.rollback(r)
-            else:
-                self.kv.mark_unknown(r, "test")
+            self.kv.mark_unknown(r, "test")
         else:
             op(r)
-        self.live.discard(id(r))
+        if after is not None and how != "commit":
+            assert after.state not in self.LIVE     # it ended with the one before it
 
     @rule(seq=st.integers(0, SEQS - 1))
     def reset(self, seq):
@@ -461,20 +554,25 @@ class KvMachine(RuleBasedStateMachine):
     @invariant()
     def capacity_conserved(self):
         s = self.kv.stats()
-        opened = [self.kv.open_reservation(q) for q in range(self.SEQS)]
-        opened = [r for r in opened if r is not None]
-        assert s.open == len(opened) == len(self.live)
+        live = [r for r in self.granted if r.state in self.LIVE]
+        held = [r for q in range(self.SEQS)
+                for r in (self.kv.open_reservation(q), self.kv.chained_reservation(q))
+                if r is not None]
+        assert s.open == len(held) == len(live)
+        assert {id(r) for r in held} == {id(r) for r in live}
         assert s.reserved == s.committed + s.rolled_back + s.unknown + s.open
-        assert s.budget_used == sum(r.tokens for r in opened) <= s.token_budget
-        if not opened:
-            assert s.budget_used == 0
+        assert s.budget_used == sum(r.tokens for r in live) <= s.token_budget
         for q in range(self.SEQS):
             r = self.kv.open_reservation(q)
+            nxt = self.kv.chained_reservation(q)
+            assert nxt is None or (r is not None and nxt.old_len == r.target_len)
             committed = self.kv.sequence_length(q)
             dev = self.driver.kv_allocated(q)
             if self.kv.sequence_state(q) is SeqState.UNKNOWN:
                 continue
             expected = committed + (r.growth if r is not None else 0)
+            if nxt is not None:
+                expected = max(expected, nxt.target_len)
             assert dev == expected == self.kv.allocation(q), (q, dev, expected)
 
 
