@@ -7,12 +7,15 @@ Run from the repository root::
 
     python bench/bench_critical_path.py            # 3 runs of 150 tokens, ~15 s
     python bench/bench_critical_path.py --load 2   # the same beside two busy processes
+    python bench/bench_critical_path.py --hops     # and the stream's path hop by hop
 
 Each run prints the P50 and P90 of that gap for both paths, side by side. On the 2-core
-VM of 2026-12-01 the stream's gap was 160-250 us at P50 against the direct loop's
-35-54 us; the stream's splits into reading and checking the output and committing the
-KV (~53 us), sampling (~20 us), releasing the prepared next step (~40 us) and the OS
-waking the submitter thread (~50-60 us), which only the submitter may cross (spec 6.4).
+VM of 2026-12-02 (quiet, two rounds of three runs) the stream's gap was 129-317 us at
+P50 against the direct loop's 27-146 us (the machine was noisy: the same direct loop
+moved 5x between runs); ``--hops`` split the stream's into reading and checking the
+output (46-103 us), sampling (9-20 us), releasing the prepared next step: its check,
+token write, chained KV reservation and queueing (60-134 us), and the OS waking the
+submitter thread (27-62 us), which only the submitter may cross (spec 6.4).
 """
 
 from __future__ import annotations
@@ -68,16 +71,88 @@ class GapProbe:
         return gaps[skip:]
 
 
+class Hops:
+    """Stamps the points of the stream's token path between ``wait`` and the next
+    ``infer`` into a probe's events (``--hops``): the output checked (BF16 -> FP32 row),
+    the token sampled, the next step queued for the submitter. Installed by wrapping
+    the three functions, in this benchmark only."""
+
+    POINTS = ("wait", "checked", "sampled", "queued", "infer")
+
+    def __init__(self, probe: GapProbe) -> None:
+        import calfsm.completion as completion
+        from calfsm.sampling import Sampler
+        from calfsm.submission import Submission
+
+        self._undo: list[tuple[Any, str, Any]] = []
+        for owner, name, label in ((completion, "check_output", "checked"),
+                                   (Sampler, "sample", "sampled"),
+                                   (Submission, "queue", "queued")):
+            self._wrap(owner, name, label, probe.events)
+
+    def _wrap(self, owner: Any, name: str, label: str, events: list) -> None:
+        real = getattr(owner, name)
+        before = label == "queued"          # queue hands off: stamp on the way in
+
+        def stamped(*a: Any, **kw: Any) -> Any:
+            if before:
+                events.append((label, time.perf_counter()))
+                return real(*a, **kw)
+            out = real(*a, **kw)
+            events.append((label, time.perf_counter()))
+            return out
+
+        setattr(owner, name, stamped)
+        self._undo.append((owner, name, real))
+
+    def remove(self) -> None:
+        for owner, name, real in reversed(self._undo):
+            setattr(owner, name, real)
+
+    @staticmethod
+    def split_us(events: list[tuple[str, float]], skip: int = 5) -> dict[str, float]:
+        """Median microseconds of each hop, over the tokens whose whole path was seen
+        in order (wait, checked, sampled, queued, infer)."""
+        hops: dict[str, list[float]] = {}
+        seen: dict[str, float] = {}
+        n = 0
+        for label, t in events:
+            if label == "wait":
+                seen = {"wait": t}
+            elif seen and label not in seen:
+                seen[label] = t
+                if label == "infer":
+                    if all(p in seen for p in Hops.POINTS):
+                        n += 1
+                        if n > skip:
+                            for a, b in zip(Hops.POINTS, Hops.POINTS[1:]):
+                                hops.setdefault(f"{a} -> {b}", []).append(
+                                    (seen[b] - seen[a]) * 1e6)
+                    seen = {}
+        return {k: statistics.median(v) for k, v in hops.items()}
+
+
 def _driver(decode_s: float) -> GapProbe:
     return GapProbe(SimDriver(MANIFEST, clock=RealClock(),
                               latency=LatencyModel.fixed(decode_s=decode_s)))
 
 
-def stream_gaps(tokens: int, decode_s: float) -> list[float]:
+def stream_gaps(tokens: int, decode_s: float, hops: dict[str, float] | None = None
+                ) -> list[float]:
+    """The stream's gaps; with ``hops`` (a dict) also the median of each hop, filled in
+    (a separate run: the stamps cost a little themselves)."""
     drv = _driver(decode_s)
     with DeviceExecutor(drv, MANIFEST, ExecutorConfig()) as ex:
-        drv.events.clear()
-        list(ex.generate(PROMPT, SamplingParams(max_tokens=tokens)))
+        probe = Hops(drv) if hops is not None else None
+        try:
+            drv.events.clear()
+            list(ex.generate(PROMPT, SamplingParams(max_tokens=tokens)))
+        finally:
+            if probe is not None:
+                probe.remove()
+    if hops is not None:
+        hops.update(Hops.split_us(drv.events))
+        return []
     return drv.gaps_us()
 
 
@@ -98,6 +173,9 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=150)
     ap.add_argument("--decode-ms", type=float, default=10.0)
+    ap.add_argument("--hops", action="store_true",
+                    help="after the runs, one more stream run with the path split hop by "
+                         "hop (output check, sampling, queueing, the submitter's wake-up)")
     add_load_option(ap)
     args = ap.parse_args()
     with cpu_load(args.load):
@@ -113,6 +191,11 @@ def _runs(args: argparse.Namespace) -> int:
               f"P90 {_pct(s, 0.9):.0f} us; direct P50 {statistics.median(d):.0f} us "
               f"P90 {_pct(d, 0.9):.0f} us; stream - direct at P50 "
               f"{statistics.median(s) - statistics.median(d):.0f} us")
+    if args.hops:
+        hops: dict[str, float] = {}
+        stream_gaps(args.tokens, args.decode_ms * 1e-3, hops)
+        print("stream's path hop by hop, median us (a separate run with stamps): "
+              + "; ".join(f"{k} {v:.0f}" for k, v in hops.items()))
     return 0
 
 
