@@ -60,6 +60,11 @@ class Admission:
         self.outcomes = outcomes
         self.device = device
         self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
+        #: the first admission deadline among the parked jobs, and what it was computed
+        #: from: deadlines only move when the queue or the lifecycle does, so the
+        #: admission step need not compute every one of them at every step
+        self._parked_version = 0
+        self._first: tuple[tuple[object, ...], float] = ((), math.inf)
         #: the parked head the admission step took out to admit: the step owns it (a
         #: cancel only flags it, a drain does not take it) until it is queued or failed
         self._admitting: JobContext | None = None
@@ -96,18 +101,35 @@ class Admission:
         return hash((len(self._parked), epoch.kv.stats() if epoch else None,
                      epoch.pool.stats() if epoch else None, life.generation))
 
-    def deadlines(self) -> list[float]:
-        """The admission deadline of every parked job."""
+    def first_deadline(self) -> float:
+        """The earliest admission deadline among the parked jobs (inf: none)."""
         now = self.core.clock.now()
         with self.core.lock:
-            return [self.deadline(j, now) for j in self._parked]
+            return self._first_deadline_locked(now)
+
+    def _first_deadline_locked(self, now: float) -> float:
+        """Cached: a parked job's deadline is fixed while the lifecycle stays in one state
+        (out of Ready it is the job's own; in Ready its budget's extension, the time spent
+        out of Ready, does not grow), so it is recomputed only when the queue, the state
+        or that time changed — not at every step over a thousand waiting jobs."""
+        life = self.core.life
+        ready = life.state == READY
+        key = (self._parked_version, life.state, life.unready_s(now) if ready else None)
+        cached_key, first = self._first
+        if key != cached_key:
+            first = min((self.deadline(j, now) for j in self._parked), default=math.inf)
+            self._first = (key, first)
+        return first
+
+    def _parked_changed_locked(self) -> None:
+        self._parked_version += 1
 
     def wait_s(self) -> float | None:
         """How long the admission step may sleep: until the first parked job's admission
         deadline (None: nothing parked)."""
         now = self.core.clock.now()
-        first = min(self.deadlines(), default=None)
-        if first is None or math.isinf(first):
+        first = self.first_deadline()
+        if math.isinf(first):
             return None
         return max(0.0, first - now)
 
@@ -210,6 +232,7 @@ class Admission:
                 parked = bool(self._parked)
                 if parked:
                     self._parked.append(job)
+                    self._parked_changed_locked()
             if parked:
                 self.core.hooks.job_parked()
                 return
@@ -218,6 +241,7 @@ class Admission:
             else:
                 with self.core.lock:
                     self._parked.append(job)
+                    self._parked_changed_locked()
                 self.core.hooks.job_parked()
         except CalfsmError as e:
             self.failed_to_start(job, e)
@@ -345,6 +369,7 @@ class Admission:
             if not self._parked or self._admitting is not None or life.state != READY:
                 return False            # not Ready: parked jobs wait for the generation
             job = self._admitting = self._parked.popleft()
+            self._parked_changed_locked()
         try:
             if job.cancel_requested or life.closing:
                 raise Cancelled("cancelled while waiting for admission",
@@ -358,6 +383,7 @@ class Admission:
                 gone = cancelled or life.state != READY
                 if not admitted and not gone:
                     self._parked.appendleft(job)      # still the head: try again later
+                    self._parked_changed_locked()
                     return False
             if gone and not cancelled and core.holdable(job):
                 self.hold([job])        # a drain began meanwhile: wait for the next one
@@ -382,9 +408,12 @@ class Admission:
         """Fail every parked job past its admission deadline."""
         now = self.core.clock.now()
         with self.core.lock:
+            if self._first_deadline_locked(now) > now:
+                return                  # none is late (the common step: no scan)
             late = [j for j in self._parked if self.deadline(j, now) <= now]
             for j in late:
                 self._parked.remove(j)
+            self._parked_changed_locked()
         for j in late:
             self.failed_to_start(j, DeadlineExceeded(
                 "admission deadline passed", **job_ctx(j, "admission")))
@@ -394,6 +423,7 @@ class Admission:
         with self.core.lock:
             if job in self._parked:
                 self._parked.remove(job)
+                self._parked_changed_locked()
                 return True
         return False
 
@@ -402,6 +432,7 @@ class Admission:
         with self.core.lock:
             jobs = list(self._parked)
             self._parked.clear()
+            self._parked_changed_locked()
         return jobs
 
     def hold(self, jobs: list[JobContext]) -> None:
@@ -423,6 +454,7 @@ class Admission:
         kept.sort(key=lambda j: j.job_id)
         with core.lock:
             self._parked.extendleft(reversed(kept))
+            self._parked_changed_locked()
         if kept:
             core.hooks.job_parked()
             core.hooks.changed()

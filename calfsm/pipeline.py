@@ -53,7 +53,6 @@ submit can race a reset.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 from calfsm.admission import Admission
@@ -154,8 +153,7 @@ class Pipeline:
     def next_deadline(self) -> float:
         """Earliest deadline a parked or queued job waits for."""
         with self.core.lock:
-            return min(self.admission.deadlines() + self.device.queue_deadlines(),
-                       default=math.inf)
+            return min([self.admission.first_deadline(), *self.device.queue_deadlines()])
 
     # ---- what the lifecycle's procedures use (calfsm.lifecycle.PipelineControl) ----
     def device_barrier(self) -> None:
