@@ -291,7 +291,6 @@ class KvCoordinator:
                       job_id: int | None, after: KvReservation | None
                       ) -> KvReservation | None:
         seq = self._seqs[seq_id]
-        seq.busy = False
         seq.alloc = max(seq.alloc, target)
         if after is not None and seq.open is not after and not (
                 seq.open is None and after.state == KvState.COMMITTED):
@@ -343,15 +342,9 @@ class KvCoordinator:
             granted = self._device_grow(seq_id, target)
         finally:
             with self._lock:
-                r = None
-                if granted:
-                    self._asking = False
-                    r = self._grant_locked(seq_id, past_len, target, token_count, job_id,
-                                           after)
-                    retry = self._turned_away
-                    self._turned_away = False
-                else:
-                    retry = self._done_asking_locked(seq_id)
+                r = self._grant_locked(seq_id, past_len, target, token_count, job_id,
+                                       after) if granted else None
+                retry = self._done_asking_locked(seq_id)
             if retry:
                 self._freed()
         return r
@@ -371,6 +364,11 @@ class KvCoordinator:
             raise FailedPrecondition(f"KV reservation of sequence {r.seq_id} is not open",
                                      seq_id=r.seq_id, job_id=r.job_id,
                                      generation=r.generation, stage="kv")
+        if trigger == "commit" and seq.next is r:
+            raise FailedPrecondition(
+                f"KV reservation of sequence {r.seq_id} at {r.old_len} commits after the one "
+                "before it", seq_id=r.seq_id, job_id=r.job_id, generation=r.generation,
+                stage="kv")
         KV_MACHINE.fire(r, trigger)  # an illegal trigger raises before any change
         return seq
 
@@ -394,7 +392,6 @@ class KvCoordinator:
         becomes ``target_len``; the tokens go back to the budget. If the device allocation
         was longer (a rewound sequence) it is trimmed with ``kv_release``."""
         with self._lock:
-            self._refuse_out_of_order_locked(r)
             seq = self._fire_locked(r, "commit")
             seq.committed = r.target_len
             keep = r.target_len if seq.next is None else seq.next.target_len
@@ -407,14 +404,6 @@ class KvCoordinator:
             self._release_and_end(r, seq, keep, "commit")
         else:
             self._freed()
-
-    def _refuse_out_of_order_locked(self, r: KvReservation) -> None:
-        seq = self._seqs.get(r.seq_id)
-        if seq is not None and seq.next is r:
-            raise FailedPrecondition(
-                f"KV reservation of sequence {r.seq_id} at {r.old_len} commits after the one "
-                "before it", seq_id=r.seq_id, job_id=r.job_id, generation=r.generation,
-                stage="kv")
 
     def rollback(self, r: KvReservation) -> None:
         """Undo a reservation whose job the device cannot have run (state Reserved):

@@ -399,7 +399,6 @@ class Stretches:
 
     def __init__(self, gc_pauses: GcPauses) -> None:
         self.spans: list[tuple[float, float, float]] = []     # (start, end, held)
-        self.parts: list[tuple[float, float, float, float]] = []  # wall, cpu, blocked, starved
         self.longest_blocking = (0.0, "")
         self._gc = gc_pauses
 
@@ -418,7 +417,6 @@ class Stretches:
             held = max(min(wall, cpu + calls.blocked),
                        max(cpu, wall - other_gc - starved))
             self.spans.append((t0, t1, held))
-            self.parts.append((wall, cpu, calls.blocked, starved))
             self.longest_blocking = max(self.longest_blocking, calls.longest)
 
     def call(self, fn: Callable[..., Any], *args: Any) -> Any:
