@@ -317,6 +317,17 @@ class BufferLease:
             slot.positions[:n] = pos
         return n
 
+    def write_token(self, token: int) -> None:
+        """Put ``token`` in the slot's one-token input, whose position :meth:`load`
+        wrote (a decode prepared ahead, its token now known: checked against the
+        vocabulary by the caller, :func:`calfsm.request.check_token`)."""
+        core = self._live()
+        if core.slot.kind is not TaskKind.DECODE:
+            raise InvalidArgument(f"write_token is for a decode slot, not "
+                                  f"{core.slot.kind.value}", stage="prepare",
+                                  **self._ctx(core))
+        core.slot.tokens[0] = token
+
     # ---- device-side settings -------------------------------------------------------------
     def slice(self, tensor_name: str, offset_bytes: int, size_bytes: int) -> None:
         """Set the active region of a tensor of this slot.

@@ -13,6 +13,7 @@ the outcomes part's business.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from calfsm.core import Core, job_ctx
@@ -25,7 +26,7 @@ from calfsm.errors import (
     Unavailable,
     from_calrt,
 )
-from calfsm.job import InferenceResult, JobContext
+from calfsm.job import InferenceResult, JobContext, Successor
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.outcomes import Outcomes, limited
@@ -43,10 +44,13 @@ _fire_if = JOB_MACHINE.fire_if_declared
 class Completion:
     """The complete step and its failures (see the module docstring)."""
 
-    def __init__(self, core: Core, outcomes: Outcomes, device: Submission) -> None:
+    def __init__(self, core: Core, outcomes: Outcomes, device: Submission,
+                 follow: Callable[[JobContext, Successor], None]) -> None:
         self.core = core
         self.outcomes = outcomes
         self.device = device
+        #: runs what a continuation decided (the overlap part's)
+        self._follow = follow
         self._completing = 0        # jobs out of the complete queue, step not yet done
 
     def busy(self) -> bool:
@@ -203,18 +207,22 @@ class Completion:
         core.faults.succeeded()
 
     def _continue(self, job: JobContext, logits: Any) -> None:
-        """Run the job's continuation (a stream's next step: sample, then hand the step
-        prepared ahead to the submitter) before the job resolves: the device gets its
-        next step before the caller's callbacks run. A continuation that raises is a bug
-        of its owner, logged; its stream then goes on the ordinary way."""
+        """Run the job's continuation (a stream's decision: sample, record) before the
+        job resolves, and then what it decided: the step prepared ahead goes to the
+        submitter with its token, so the device gets its next step before the caller's
+        callbacks run. A continuation that raises is a bug of its owner, logged; its
+        stream then goes on the ordinary way."""
         cont, job.continuation = job.continuation, None
         if cont is None or job.cancel_requested:
             return
         try:
-            cont(job, logits)
+            successor = cont(job, logits)
         except Exception:
             log.exception("the continuation of job %s raised", job.job_id,
                           extra=job_ctx(job, "continue"))
+            return
+        if successor is not None:
+            self._follow(job, successor)
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """The job ran and its slot is clean, but its KV could not be committed."""

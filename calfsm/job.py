@@ -13,7 +13,7 @@ import asyncio
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import attrs
 import numpy as np
@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from calfsm.buffers import BufferLease
     from calfsm.kv import KvReservation
 
-__all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request"]
+__all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request", "Successor"]
 
 log = logging.getLogger("calfsm.job")
 
@@ -110,12 +110,24 @@ class JobContext:
     epoch: Any = None                    # the executor generation record it belongs to
     #: a stream's next step, decided on the completion side: called with the job and its
     #: float32 logits once its output is checked, before its KV commit (the next step's
-    #: is chained after it) and before its handle resolves (so the step after it
-    #: reaches the submitter first); run once
-    continuation: Callable[[JobContext, np.ndarray], None] | None = None
+    #: is chained after it) and before its handle resolves; run once. It only decides:
+    #: a :class:`Successor` it returns is run by the core itself (the step after it
+    #: reaches the submitter first), so nothing on the way back climbs out of the core
+    continuation: Callable[[JobContext, np.ndarray], Successor | None] | None = None
     #: called once a parked job is queued for the device, by a caller that blocks until
     #: its job is admitted (:meth:`calfsm.admission.Admission.wait_admitted`)
     on_admitted: Callable[[], None] | None = None
+
+
+class Successor(NamedTuple):
+    """What a job's continuation decided: run ``staged`` (a step prepared ahead for the
+    position this job fills) with ``token`` in place of its placeholder, then defer
+    ``then`` (preparing the step after it) to the admission side. The core checks the
+    token and that ``staged`` is that step before anything reaches the device."""
+
+    staged: JobHandle
+    token: int
+    then: Callable[[], None] | None = None
 
 
 class JobHandle:

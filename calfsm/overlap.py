@@ -15,6 +15,7 @@ a reservation taken ahead would then stand in that path's way.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from calfsm.admission import Admission
 from calfsm.core import READY, Core, job_ctx
@@ -27,9 +28,9 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from calfsm.job import JobContext, Request
+from calfsm.job import JobContext, Request, Successor
 from calfsm.machines.job import JOB_MACHINE
-from calfsm.request import check_request
+from calfsm.request import check_request, check_token
 
 __all__ = ["Overlap"]
 
@@ -100,20 +101,54 @@ class Overlap:
         return job
 
     def release_staged(self, job: JobContext, request: Request) -> bool:
-        """The token of a staged step is known: write it, reserve the step's KV and
-        queue it for submit. False if the step is gone (a drain or close took it: it has
-        its outcome). A step whose KV must wait goes the ordinary way (parked)."""
+        """The token of a staged step is known: run the step with its real ``request``
+        (checked as any request is, and against the step that was staged), its KV
+        reserved and the step queued for submit. False if the step is gone (a drain or
+        close took it: it has its outcome). A step whose KV must wait goes the ordinary
+        way (parked)."""
+        return self._release(job, request, self._checked)
+
+    def follow(self, job: JobContext, successor: Successor) -> None:
+        """Run what the continuation of ``job`` decided (:class:`~calfsm.job.Successor`),
+        on its way back: the staged step must be the one for the position ``job``
+        fills; its request was checked when it was staged, so only the token is new,
+        and only it is checked and written."""
+        staged, token, then = successor
+        if self._release(staged.context, (token, job), self._with_token) \
+                and then is not None:
+            self.admission.defer(then)
+
+    def _checked(self, job: JobContext, request: Request) -> Request:
+        self._check(job, request)
+        job.lease.write_inputs(request.tokens, request.positions)
+        return request
+
+    def _with_token(self, job: JobContext, given: tuple[int, JobContext]) -> Request:
+        token, before = given
+        if (job.seq_id, job.past_len) != (before.seq_id, before.past_len + before.token_count):
+            raise InvalidArgument(
+                f"the step staged for sequence {job.seq_id} at {job.past_len} does not "
+                f"follow job {before.job_id} (sequence {before.seq_id}, ending at "
+                f"{before.past_len + before.token_count})", **job_ctx(job, "stage"))
+        request = job.request.with_token(token)
+        check_token(request, job.epoch.contract(job.kind), job_ctx(job, "stage"))
+        job.lease.write_token(request.tokens.item(0))
+        return request
+
+    def _release(self, job: JobContext, given: Any,
+                 resolve: Callable[[JobContext, Any], Request]) -> bool:
         if not self._unstage(job):
             return False
         core, admission = self.core, self.admission
         job.timings.released = core.clock.now()
-        # it runs (or ends) from here: a job accepted, with its real request
-        admission.outcomes.announce(
-            job, request if isinstance(request, Request) else job.request, staged=True)
+        request = None
         try:
-            self._check(job, request)
-            job.request = request
-            job.lease.write_inputs(request.tokens, request.positions)
+            try:
+                request = job.request = resolve(job, given)
+            finally:
+                # it runs (or ends) from here: a job accepted, with its real request
+                admission.outcomes.announce(job, request if request is not None else (
+                    given if isinstance(given, Request) else job.request), staged=True)
             life = core.life
             if life.state != READY or job.epoch is not life.epoch:
                 raise Unavailable(f"device is {life.state}",

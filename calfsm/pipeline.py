@@ -87,7 +87,7 @@ class Pipeline:
         self.device = Submission(core, self.outcomes, lambda jobs: self.admission.hold(jobs))
         self.admission = Admission(core, self.outcomes, self.device)
         self.overlap = Overlap(core, self.admission)
-        self.completion = Completion(core, self.outcomes, self.device)
+        self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow)
 
     # ---- what the parts share, read by the lifecycle and the runtimes --------------
     @property

@@ -33,7 +33,7 @@ from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
-__all__ = ["EMBED_DTYPES", "Request", "check_embeds", "check_request"]
+__all__ = ["EMBED_DTYPES", "Request", "check_embeds", "check_request", "check_token"]
 
 _I64 = np.dtype(np.int64)
 _I64_MIN, _I64_MAX = -2**63, 2**63 - 1
@@ -239,11 +239,28 @@ class Request:
         embedding tensor) at positions ``past_len...``."""
         return cls(seq_id, TaskKind.PREFILL_EMBEDS, embeds, past_len=past_len, **kw)
 
+    def with_token(self, token: int) -> Request:
+        """This decode with ``token`` in place of its own (a step prepared ahead with a
+        placeholder): every other field as it was checked. The token is checked to be
+        an integer here; against the vocabulary by :func:`check_token`."""
+        if self.kind is not TaskKind.DECODE:
+            raise _bad(f"with_token is for a decode, not a {self.kind.value}",
+                       seq_id=self.seq_id)
+        new = _new(Request)
+        for name in _FIELDS:
+            _set(new, name, getattr(self, name))
+        _set(new, "tokens", _one(token, "token"))
+        return new
+
     @classmethod
     def decode(cls, seq_id: int, token: int, position: int, **kw: Any) -> Request:
         """One decode step: ``token`` at ``position``."""
         return cls(seq_id, TaskKind.DECODE, _one(token, "token"),
                    _one(position, "position"), position, **kw)
+
+
+_new = object.__new__
+_FIELDS = tuple(f.name for f in attrs.fields(Request))
 
 
 def check_request(request: Request, contract: SubmodelContract, *, seq_limit: int,
@@ -305,6 +322,17 @@ def check_request(request: Request, contract: SubmodelContract, *, seq_limit: in
     if target is not None and target.shape[0] < vocab:
         raise InvalidArgument(f"target holds {target.shape[0]} elements, fewer than the "
                               f"vocabulary of {vocab}", **context)
+
+
+def check_token(request: Request, contract: SubmodelContract,
+                context: Mapping[str, Any]) -> None:
+    """A decode's one token against ``contract``'s vocabulary: what
+    :func:`check_request` checks of a request whose other fields were checked before
+    (:meth:`Request.with_token`). Raises InvalidArgument with ``context``."""
+    token = request.tokens.item(0)
+    if not 0 <= token < contract.vocab:
+        raise InvalidArgument(f"token ids must be in [0, {contract.vocab}), got "
+                              f"[{token}, {token}]", **context)
 
 
 def check_embeds(embeds: np.ndarray, contract: SubmodelContract,

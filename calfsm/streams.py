@@ -61,7 +61,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.flow import Flow
-from calfsm.job import JobContext, JobHandle, drop_tracebacks
+from calfsm.job import JobContext, JobHandle, Successor, drop_tracebacks
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
@@ -161,6 +161,9 @@ class Sequence:
         self._lock = threading.Condition(threading.Lock())
         self._position = 0
         self._last: JobHandle | None = None
+        #: the job ``_last`` was booked to follow (:meth:`follow`) until it has ended: a
+        #: step that fails as it is released ends before the step it follows
+        self._prev: JobHandle | None = None
         #: a job is being started (Busy, not yet in ``_last``): close() waits for it
         self._starting = False
         self._settled: JobHandle | None = None      # the last job already booked
@@ -239,38 +242,46 @@ class Sequence:
         """Run ``fn()`` soon on the executor's admission side, outside every lock."""
         self._steps.defer(fn)
 
-    def release(self, staged: JobHandle, request: Request, *,
-                after: JobHandle | None = None) -> JobHandle | None:
+    def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
         """Run a staged step with its real request; None (nothing run) if the sequence
         cannot take it now or the step is gone — the caller then runs it the ordinary
-        way. ``after``: the sequence's running job, whose output is checked and whose
-        handle has not resolved yet (a stream's continuation; its KV commits right
-        after, the step's own KV is chained after it): the step follows it without the
-        sequence going Open in between."""
+        way."""
         with self._lock:
-            if self._kv_lost():
-                ok = False
-            elif after is not None:
-                ok = self.state == SequenceState.BUSY and self._last is after
-            elif self.state == SequenceState.OPEN:
+            ok = not self._kv_lost() and self.state == SequenceState.OPEN
+            if ok:
                 _fire(self, "start_job")
-                ok = True
-            else:
-                ok = False
-            self._starting = self._starting or ok
+                self._starting = True
         if not ok:
             self._steps.discard(staged)
             return None
         if not self._steps.release(staged, request):
             with self._lock:
-                if after is None:
-                    _fire_if(self, "job_ended")
+                _fire_if(self, "job_ended")
                 self._started_locked(None)
             return None
         with self._lock:
             self._started_locked(staged)
         staged.add_done_callback(self._job_done)
         return staged
+
+    def follow(self, staged: JobHandle, *, after: JobHandle) -> bool:
+        """Book ``staged`` (a step prepared by :meth:`stage`) as the sequence's job right
+        after ``after``, its running job, whose output is checked and whose handle has
+        not resolved yet: the sequence stays Busy, with no Open in between. The core
+        runs the step (a stream's continuation returns it). False, the step handed
+        back, if the sequence cannot take it (its KV is lost, or ``after`` is not its
+        running job)."""
+        with self._lock:
+            ok = not self._kv_lost() and self.state == SequenceState.BUSY \
+                and self._last is after
+            if ok:
+                self._prev = after
+                self._started_locked(staged)
+        if not ok:
+            self._steps.discard(staged)
+            return False
+        staged.add_done_callback(self._job_done)
+        return True
 
     def _check_lost_locked(self) -> None:
         """A reset lost this sequence's KV while it was idle: say so before a job fails."""
@@ -304,7 +315,12 @@ class Sequence:
             self._position = job.past_len + job.token_count
         elif self._kv_lost():
             _fire_if(self, "lose")
-        if handle is self._last:        # else a step chained after it runs: still Busy
+        if handle is self._prev:        # the step that followed it may have ended first
+            self._prev = None
+            ended = self._last is not None and self._last.done()
+        else:                           # else a step chained after it runs: still Busy
+            ended = handle is self._last and self._prev is None
+        if ended:
             _fire_if(self, "job_ended")
 
     def reset(self) -> None:
@@ -344,23 +360,27 @@ class Sequence:
             # a job being started now is the one to wait for, not the one before it
             # (its starter never blocks: this wait is short)
             self._lock.wait_for(lambda: not self._starting, timeout)
-            last = self._last
-        if wait and last is not None and not last.done():
-            try:
-                # exception(), not result(): the job's own error must not be raised
-                # here, or its traceback would hold this frame (and the sequence)
-                last.exception(timeout)
-            except CalfsmError:
-                pass                    # a timeout; its outcome is its caller's
-        if last is not None and not last.done():
-            # the device still writes this sequence's KV: release it (and the id) once
-            # the job has ended, never before
-            last.add_done_callback(self._after_last_job)
+            jobs = (self._prev, self._last)
+        for job in jobs:
+            if wait and job is not None and not job.done():
+                try:
+                    # exception(), not result(): the job's own error must not be raised
+                    # here, or its traceback would hold this frame (and the sequence)
+                    job.exception(timeout)
+                except CalfsmError:
+                    pass                # a timeout; its outcome is its caller's
+        self._after_last_job(None)
+
+    def _after_last_job(self, _handle: JobHandle | None) -> None:
+        """Release once no job of the sequence is left running: the device may still
+        write this sequence's KV until then (its callbacks run holding no lock)."""
+        with self._lock:
+            running = next((job for job in (self._prev, self._last)
+                            if job is not None and not job.done()), None)
+        if running is not None:
+            running.add_done_callback(self._after_last_job)
             return
         self._release()
-
-    def _after_last_job(self, _handle: JobHandle) -> None:
-        self._release()     # the job has ended (its callbacks run holding no lock)
 
     def _release(self) -> None:
         """Release the KV and give the id back (the sequence's last job has ended)."""
@@ -602,6 +622,13 @@ class Stream:
     def _started(self, handle: JobHandle, request: Request) -> None:
         """``handle`` runs ``request``, the stream's step in flight now: it carries the
         stream's continuation, and the step after it is prepared (deferred)."""
+        if self._track(handle, request):
+            self.sequence.defer(self._stage_next)
+
+    def _track(self, handle: JobHandle, request: Request) -> bool:
+        """Make ``handle`` (running ``request``) the step in flight: it carries the
+        stream's continuation and its end is the stream's. Whether the step after it
+        is worth preparing ahead."""
         handle.context.continuation = self._continue
         with self._lock:
             self._flow.handed_on(handle, request)
@@ -609,8 +636,7 @@ class Stream:
         if cancelled:
             handle.cancel()
         handle.add_done_callback(self._step_done)
-        if not cancelled and self._worth_staging():
-            self.sequence.defer(self._stage_next)
+        return not cancelled and self._worth_staging()
 
     def _worth_staging(self) -> bool:
         """Another decode may follow the step in flight."""
@@ -625,20 +651,24 @@ class Stream:
             lambda: self._ending or self._cancelled)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
-    def _continue(self, job: JobContext, logits: np.ndarray) -> None:
+    def _continue(self, job: JobContext, logits: np.ndarray) -> Successor | None:
         """The job's continuation (see :class:`~calfsm.job.JobContext`): its output is
         checked (its KV commits right after) and its handle not yet resolved. Decide
-        what follows and, when the next decode was prepared ahead, hand it to the
-        submitter now, before the job's callbacks run; what is left (waking the
-        consumer, an ending, a next step that must go the ordinary way) happens in
-        :meth:`_step_done`."""
+        what follows; when the next decode was prepared ahead, return it with its token
+        for the core to run now, before the job's callbacks. It calls nothing of the
+        executor: what is left (waking the consumer, an ending, a next step that must
+        go the ordinary way) happens in :meth:`_step_done`."""
+        successor = None
         try:
             outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
                                    chain=job.handle)
         except Exception as e:          # a bug: the stream ends, nobody is left waiting
             outcome = (FinishReason.ERROR, self._bug(e), None)
+        if isinstance(outcome[2], Successor):
+            successor, outcome = outcome[2], _GOES_ON
         with self._lock:
             self._decided = (job.job_id, outcome)
+        return successor
 
     def _step_done(self, handle: JobHandle) -> None:
         # the job holds the stream through its continuation: let go, however it ended
@@ -648,9 +678,12 @@ class Stream:
         handle.context.continuation = None
         try:
             with self._lock:
-                decided, self._decided = self._decided, None
-            outcome = decided[1] if decided is not None and decided[0] == handle.job_id \
-                else None
+                # only this job's own decision: a step that ended first (its successor,
+                # failed at submit before this job resolved) must not take it
+                decided = self._decided
+                outcome = None
+                if decided is not None and decided[0] == handle.job_id:
+                    self._decided, outcome = None, decided[1]
             err = handle.exception(0)
             if err is not None:
                 self._on_error(err)
@@ -677,7 +710,8 @@ class Stream:
         how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
         to run the ordinary way (its request and the step prepared for it). ``chain``:
         the step's handle when this runs as its continuation; a prepared next decode is
-        then released at once, after it."""
+        then booked after it and ``next`` is a :class:`~calfsm.job.Successor` for the
+        core to run."""
         if self._cancelled:
             return FinishReason.CANCELLED, None, None
         flow = self._flow
@@ -711,17 +745,17 @@ class Stream:
             return FinishReason.DEADLINE, DeadlineExceeded(
                 "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"), None
         staged = flow.take(position)
+        if chain is not None and staged is not None:
+            # the core runs it with its token, right after this continuation returns
+            if self.sequence.follow(staged, after=chain):
+                then = self._stage_next if self._track(
+                    staged, staged.context.request) else None
+                return None, None, Successor(staged, token, then)
+            staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
                                  target=flow.staged_row(staged), deadline_s=self._left())
-        if chain is None:
-            return None, None, (request, staged)
-        if staged is not None:
-            handle = self.sequence.release(staged, request, after=chain)
-            if handle is not None:
-                self._started(handle, request)
-                return None, None, None
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
-        return None, None, (request, None)
+        return None, None, (request, staged)
 
     def _deliver(self, outcome: _Outcome) -> None:
         """Run what :meth:`_decide` left (the next step the ordinary way), then wake the
@@ -907,9 +941,12 @@ def max_new_tokens(params: SamplingParams, max_seq: int, position: int,
 
 
 #: what a step's end decided: (finish reason or None, its error, the next decode still to
-#: run the ordinary way: (request, the step prepared for it) or None)
+#: run: the ordinary way, (request, the step prepared for it), or by the core, a
+#: Successor (only from a continuation), or None)
 _Outcome = tuple[FinishReason | None, CalfsmError | None,
-                 tuple[Request, JobHandle | None] | None]
+                 tuple[Request, JobHandle | None] | Successor | None]
+#: the stream goes on, its next step already running: nothing left to do but wake
+_GOES_ON: _Outcome = (None, None, None)
 
 
 def _settle(fut: asyncio.Future) -> None:

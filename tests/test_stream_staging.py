@@ -34,6 +34,7 @@ import pytest
 from calfsm.direct import DirectRunner, golden_prompts
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
+from calfsm.errors import Unavailable
 from calfsm.executor import DeviceExecutor
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
@@ -338,3 +339,84 @@ def test_a_drain_with_a_stream_step_staged_gives_the_slot_back_and_the_stream_re
         read_all(s, r)
         assert_all_back(ex, sched)
         books.assert_one_outcome_per_job()
+
+
+# ---- a prepared step that ends before the step it follows ----------------------------
+
+class FailingApply:
+    """The simulated device, except that growing sequence 0's KV to ``target`` the
+    first time raises a retryable Unavailable: the release of the step prepared for
+    that position fails there and then, on the way back of the step before it, before
+    that step has resolved, and the stream replays."""
+
+    def __init__(self, inner: SimDriver, target: int, error: Exception | None = None
+                 ) -> None:
+        self._inner = inner
+        self.target = target
+        self.error = error or Unavailable("kv_apply: the device is busy",
+                                          retry_after_s=0.0, stage="kv")
+        self.failed = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def kv_apply(self, seq_id: int, target: int) -> bool:
+        if seq_id == 0 and target == self.target and not self.failed:
+            self.failed += 1
+            raise self.error
+        return self._inner.kv_apply(seq_id, target)
+
+
+def test_a_staged_step_failing_at_release_leaves_its_predecessors_token_delivered_once(
+        runner):
+    """Each decision is taken by its own step's end only. The decode staged for the
+    sixth token's position fails as the core releases it (its KV reservation raises a
+    retryable error), inside the way back of the step before it, whose token the
+    stream has just recorded: that failure's callback runs first and must not take the
+    decision of the step before, or that step decides again when it resolves and
+    records its token twice (found with the submitter failing a released step before
+    its predecessor resolved: the replay then reproduced the wrong token). And the
+    sequence is released only after both steps ended."""
+    prompt = PROMPTS[0]
+    want = reference_stream(runner, prompt, GREEDY)
+    drv = FailingApply(SimDriver(TINY, seed=0, faults=FaultPlan.none(), trace=True),
+                       len(prompt) + 6)
+    with make_executor("step", driver=drv) as ex:
+        books = Books()
+        ex.add_observer(books)
+        sched = HoldingScheduler(ex, 0)
+        stream = ex.generate(prompt, GREEDY)
+        sched.run(settled(stream))
+        result = stream.result(0)
+        assert drv.failed == 1
+        assert result.finish_reason is FinishReason.LENGTH, result
+        assert list(result.tokens) == want and result.resumes == 1, (result, want)
+        read_all(stream, result)
+        books.assert_one_outcome_per_job()
+        assert_all_back(ex, sched)
+
+
+def test_a_stream_ended_by_its_staged_steps_release_frees_its_sequence_after_both_steps(
+        runner):
+    """The same failure, not retryable (the driver raised a plain exception): the
+    stream ends with it while the step before is still on its way back, its KV
+    reservation open. The one-shot sequence is released once both steps have ended,
+    not at the stream's end (its KV reset was refused then, and the id came back with
+    the KV still held)."""
+    prompt = PROMPTS[0]
+    want = reference_stream(runner, prompt, GREEDY)
+    drv = FailingApply(SimDriver(TINY, seed=0, faults=FaultPlan.none(), trace=True),
+                       len(prompt) + 6, RuntimeError("kv_apply broke"))
+    with make_executor("step", driver=drv) as ex:
+        books = Books()
+        ex.add_observer(books)
+        sched = HoldingScheduler(ex, 0)
+        stream = ex.generate(prompt, GREEDY)
+        sched.run(settled(stream))
+        result = stream.result(0)
+        assert result.finish_reason is FinishReason.ERROR, result
+        assert "kv_apply broke" in result.error.message
+        assert list(result.tokens) == want[:6], (result, want)
+        read_all(stream, result)
+        books.assert_one_outcome_per_job()
+        assert_all_back(ex, sched)
