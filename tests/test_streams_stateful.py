@@ -72,6 +72,8 @@ from calfsm.scheduler import StepScheduler
 from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream
 from tests.executor_helpers import TINY, make_executor, make_sim, two_in_flight
 
+#: chained reservations checked (see test_the_model_check_sees_chained_reservations)
+CHAINS_SEEN = [0]
 SEQS = 3                                   #: the executor's max_sequences
 #: evidence that two in flight holds on the simulated device, for the examples that
 #: draw max_inflight=2
@@ -206,6 +208,8 @@ class StreamMachine(RuleBasedStateMachine):
             # every job, whichever path made it (enqueue, staging), from its first move
             if id(job) not in self.jobs and job.handle is not None:
                 self.jobs[id(job)] = (job, job.handle)
+            if trigger == "prepare":
+                self._check_chain(job)
 
         self._listener = record
         JOB_MACHINE.add_listener(record)
@@ -493,6 +497,20 @@ class StreamMachine(RuleBasedStateMachine):
         return last is None or last.done()
 
     # ---- checks ----------------------------------------------------------------------------
+    def _check_chain(self, job: Any) -> None:
+        """A step prepared with its KV chained (a stream's next step, released on the
+        way back of the step before it, within one scheduler step): the reservation it
+        follows is its sequence's open one, still running, and ends where it begins."""
+        kv = job.epoch.kv
+        if job.kv is None or kv.chained_reservation(job.seq_id) is not job.kv:
+            return
+        open_ = kv.open_reservation(job.seq_id)
+        assert open_ is not None and open_.seq_id == job.seq_id, (job.kv, open_)
+        assert job.kv.old_len == open_.target_len == job.past_len, (job.kv, open_)
+        before = [h for j, h in self.jobs.values() if j.job_id == open_.job_id]
+        assert before and not before[0].done(), (open_, before)
+        CHAINS_SEEN[0] += 1
+
     def _check_step(self) -> None:
         self._check_jobs()
         self._check_books()
@@ -514,6 +532,20 @@ class StreamMachine(RuleBasedStateMachine):
         pool = epoch.pool.stats()
         assert pool.leased == holding, (pool, holding)
         assert pool.free + pool.leased + pool.quarantined == pool.total
+        # a chained reservation (a stream's next step, reserved while the step before it
+        # runs) exists only behind an open one, of the same sequence, starting where it
+        # ends, and belongs to a job that has not resolved
+        by_id = {job.job_id: handle for job, handle in self.jobs.values()}
+        for seq_id in range(SEQS):
+            nxt = epoch.kv.chained_reservation(seq_id)
+            if nxt is None:
+                continue
+            open_ = epoch.kv.open_reservation(seq_id)
+            assert open_ is not None, (seq_id, nxt)
+            assert nxt.seq_id == open_.seq_id == seq_id
+            assert nxt.old_len == open_.target_len, (open_, nxt)
+            owner = by_id.get(nxt.job_id)
+            assert owner is None or not owner.done(), (nxt, owner)
 
     def _check_streams(self) -> None:
         seqs = self._sequences()
@@ -804,3 +836,21 @@ def test_the_oracle_keeps_no_stale_record_after_a_stream_refused_busy():
         assert last.stream.result(0).finish_reason is FinishReason.LENGTH
     finally:
         m.teardown()
+
+
+def test_the_model_checks_chained_reservations():
+    """The chain check is not vacuous: a stream of eight tokens (faults all but never), driven
+    through the model's own rules, releases steps with their KV chained after the step
+    before, and every one is checked as it is prepared."""
+    machine = StreamMachine()
+    seen = CHAINS_SEEN[0]
+    try:
+        machine.start(fault_seed=0, sched_seed=0, rate=1e-9, inflight=1)
+        machine.generate(which=0, prompt=[1, 2, 3], sampling=SAMPLING[0], seed=0,
+                         max_tokens=8, stop_at=None, deadline=None, resume=True)
+        for _ in range(20):
+            machine.run_steps(40)
+            machine.checked()
+    finally:
+        machine.teardown()
+    assert CHAINS_SEEN[0] - seen >= 5
