@@ -131,7 +131,7 @@ class Overlap:
                 f"follow job {before.job_id} (sequence {before.seq_id}, ending at "
                 f"{before.past_len + before.token_count})", **job_ctx(job, "stage"))
         request = job.request.with_token(token)
-        check_token(request, job.epoch.contract(job.kind), job_ctx(job, "stage"))
+        check_token(request, job.epoch.contract(job.kind), lambda: job_ctx(job, "stage"))
         job.lease.write_token(request.tokens.item(0))
         return request
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import reprlib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -325,14 +325,15 @@ def check_request(request: Request, contract: SubmodelContract, *, seq_limit: in
 
 
 def check_token(request: Request, contract: SubmodelContract,
-                context: Mapping[str, Any]) -> None:
+                context: Callable[[], Mapping[str, Any]]) -> None:
     """A decode's one token against ``contract``'s vocabulary: what
     :func:`check_request` checks of a request whose other fields were checked before
-    (:meth:`Request.with_token`). Raises InvalidArgument with ``context``."""
+    (:meth:`Request.with_token`). Raises InvalidArgument with ``context()`` (built only
+    then: this runs once per token)."""
     token = request.tokens.item(0)
     if not 0 <= token < contract.vocab:
         raise InvalidArgument(f"token ids must be in [0, {contract.vocab}), got "
-                              f"[{token}, {token}]", **context)
+                              f"[{token}, {token}]", **context())
 
 
 def check_embeds(embeds: np.ndarray, contract: SubmodelContract,

@@ -62,6 +62,7 @@ from calfsm.errors import (
 )
 from calfsm.flow import Flow
 from calfsm.job import JobContext, JobHandle, Successor, drop_tracebacks
+from calfsm.kv import SeqState
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
@@ -294,7 +295,6 @@ class Sequence:
                               retry_after_s=self.executor.lifecycle.retry_after_s)
 
     def _kv_lost(self) -> bool:
-        from calfsm.kv import SeqState
         epoch = self.executor.epoch
         return epoch is not None and epoch.kv.sequence_state(self.seq_id) is SeqState.UNKNOWN
 

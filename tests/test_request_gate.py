@@ -18,6 +18,7 @@ import pytest
 
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import step_port
+from calfsm.job import Successor
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from tests.executor_helpers import TINY, calls, drive, make_executor
@@ -94,3 +95,22 @@ def test_a_released_staged_step_is_validated_like_any_request(mode, probe):
         ok = ex.enqueue_nowait(Request.decode(1, 7, 3))
         drive(ex, ok.done)
         assert ok.exception(0) is None
+
+
+@pytest.mark.parametrize("probe", ["beyond_vocab", "other_position"])
+def test_a_continuations_successor_is_checked_before_the_device(probe):
+    """The core runs what a job's continuation returns (a stream's next step) without
+    the stream's request: it still checks the token against the vocabulary and that the
+    staged step is the one for the position the job fills. Either bad, the step fails
+    InvalidArgument before ``infer`` and the device is neither drained nor reset."""
+    with make_executor("step") as ex:
+        before = len(calls(ex.driver, "infer"))
+        first = ex.enqueue_nowait(Request.prefill(1, [1, 2, 3]))
+        staged = step_port(ex).stage(Request.decode(1, 0, 3 if probe == "beyond_vocab"
+                                                     else 7))
+        assert staged is not None
+        token = VOCAB + 5 if probe == "beyond_vocab" else 7
+        first.context.continuation = lambda job, logits: Successor(staged, token)
+        drive(ex, lambda: first.done() and staged.done())
+        assert first.exception(0) is None
+        _assert_refused_and_untouched(ex, staged.exception(0), before + 1)
