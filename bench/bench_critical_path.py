@@ -10,12 +10,16 @@ Run from the repository root::
     python bench/bench_critical_path.py --hops     # and the stream's path hop by hop
 
 Each run prints the P50 and P90 of that gap for both paths, side by side. On the 2-core
-VM of 2026-12-02 (quiet, two rounds of three runs) the stream's gap was 129-317 us at
-P50 against the direct loop's 27-146 us (the machine was noisy: the same direct loop
-moved 5x between runs); ``--hops`` split the stream's into reading and checking the
-output (46-103 us), sampling (9-20 us), releasing the prepared next step: its check,
-token write, chained KV reservation and queueing (60-134 us), and the OS waking the
-submitter thread (27-62 us), which only the submitter may cross (spec 6.4).
+VM of 2026-12-02 (quiet, three runs) the stream's gap was 168-241 us at P50 against the
+direct loop's 24-101 us (the machine was noisy: the same direct loop moved 4x between
+runs), and 158-179 us against 22-24 us beside two busy processes. ``--hops`` split the
+stream's (quiet; loaded in brackets) into reading and checking the output: the device
+lock, status, output size, undoing the input slices and BF16 -> FP32 into the row, 45
+(58) us; sampling, 7 (7) us; the stream's decision and the core running the prepared
+step: recording the token, booking the step on the sequence, checking and writing its
+token, its chained KV reservation (two device calls) and queueing it, 58 (66) us; and
+the OS waking the submitter thread, 26 (77) us, which only the submitter may cross (spec
+6.4).
 """
 
 from __future__ import annotations
