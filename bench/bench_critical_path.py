@@ -170,12 +170,11 @@ def stream_gaps(tokens: int, decode_s: float, hops: dict[str, float] | None = No
     """The stream's gaps; with ``hops`` (a dict) also the median of each hop, filled in
     (a separate run: the stamps cost a little themselves); with ``cpu``, its CPU time."""
     drv = _driver(decode_s)
-    cpu = cpu or CpuPerToken(tokens)
     with DeviceExecutor(drv, MANIFEST, ExecutorConfig()) as ex:
         probe = Hops(drv) if hops is not None else None
         try:
             drv.events.clear()
-            with cpu:
+            with cpu or CpuPerToken(tokens):
                 list(ex.generate(PROMPT, SamplingParams(max_tokens=tokens)))
         finally:
             if probe is not None:

@@ -141,14 +141,14 @@ class Overlap:
             return False
         core, admission = self.core, self.admission
         job.timings.released = core.clock.now()
-        request = None
         try:
             try:
-                request = job.request = resolve(job, given)
+                job.request = resolve(job, given)
             finally:
-                # it runs (or ends) from here: a job accepted, with its real request
-                admission.outcomes.announce(job, request if request is not None else (
-                    given if isinstance(given, Request) else job.request), staged=True)
+                # it runs (or ends) from here: a job accepted, with its real request (the
+                # caller's, even a bad one; else the one resolved, or the staged one)
+                admission.outcomes.announce(
+                    job, given if isinstance(given, Request) else job.request, staged=True)
             life = core.life
             if life.state != READY or job.epoch is not life.epoch:
                 raise Unavailable(f"device is {life.state}",
