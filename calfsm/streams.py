@@ -196,9 +196,7 @@ class Sequence:
             raise InvalidArgument(f"request for sequence {request.seq_id} run on sequence "
                                   f"{self.seq_id}", stage="sequence", seq_id=self.seq_id)
         with self._lock:
-            last = self._last
-            if self.state == SequenceState.BUSY and last is not None and last.done():
-                self._settle_locked(last)
+            self._settle_finished_locked()
             self._check_lost_locked()
             state = self.state
             if state != SequenceState.OPEN:
@@ -302,6 +300,36 @@ class Sequence:
         with self._lock:
             self._settle_locked(handle)
 
+    def _settle_finished_locked(self) -> None:
+        """Book the jobs that have ended but whose done-callbacks have not run yet (a
+        caller whose ``result()`` has returned may go on before them), the one a step
+        followed first."""
+        if self.state == SequenceState.BUSY:
+            for job in (self._prev, self._last):
+                if job is not None and job.done():
+                    self._settle_locked(job)
+
+    def _running_locked(self) -> JobHandle | None:
+        """A job of the sequence still running (the device may write its KV), if any."""
+        return next((job for job in (self._prev, self._last)
+                     if job is not None and not job.done()), None)
+
+    def idle(self) -> bool:
+        """No job of the sequence is running, and the ended ones are booked."""
+        with self._lock:
+            self._settle_finished_locked()
+            return self._running_locked() is None
+
+    def when_idle(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once no job of the sequence is left running: now if none is,
+        else from the done-callback of the one running (holding no lock)."""
+        with self._lock:
+            running = self._running_locked()
+        if running is None:
+            fn()
+        else:
+            running.add_done_callback(lambda _handle: self.when_idle(fn))
+
     def _settle_locked(self, handle: JobHandle) -> None:
         """Book a finished job once: its position, a lost KV, Busy -> Open. Run by its
         done-callback, or earlier by the next ``run`` (a caller whose ``result()`` has
@@ -326,6 +354,7 @@ class Sequence:
     def reset(self) -> None:
         """Forget the KV (after it was lost, or to start over): position 0, Open."""
         with self._lock:
+            self._settle_finished_locked()
             if self.state not in (SequenceState.OPEN, SequenceState.LOST):
                 raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
                                          stage="sequence", seq_id=self.seq_id)
@@ -369,18 +398,8 @@ class Sequence:
                     job.exception(timeout)
                 except CalfsmError:
                     pass                # a timeout; its outcome is its caller's
-        self._after_last_job(None)
-
-    def _after_last_job(self, _handle: JobHandle | None) -> None:
-        """Release once no job of the sequence is left running: the device may still
-        write this sequence's KV until then (its callbacks run holding no lock)."""
-        with self._lock:
-            running = next((job for job in (self._prev, self._last)
-                            if job is not None and not job.done()), None)
-        if running is not None:
-            running.add_done_callback(self._after_last_job)
-            return
-        self._release()
+        # the device may still write this sequence's KV until its last job has ended
+        self.when_idle(self._release)
 
     def _release(self) -> None:
         """Release the KV and give the id back (the sequence's last job has ended)."""
@@ -857,6 +876,11 @@ class Stream:
             self._wait_for_ready()          # it left Ready again: this costs no resume
             return
         seq = self.sequence
+        if not seq.idle():
+            # the step this one followed is still on its way back (this one failed
+            # first): its KV is not the sequence's to reset before it has ended
+            seq.when_idle(lambda: seq.defer(self._replay))
+            return
         if self._start:
             self._finish(FinishReason.ERROR, Unavailable(
                 "cannot resume a stream that started after earlier KV of its sequence: "

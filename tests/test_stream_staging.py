@@ -367,6 +367,32 @@ class FailingApply:
         return self._inner.kv_apply(seq_id, target)
 
 
+def _through_a_failing_release(runner, error: Exception | None = None,
+                               observer: Callable[[DeviceExecutor], Observer] | None = None):
+    """Run one greedy stream on a device whose KV grows for the sixth decode raise
+    ``error`` once (a retryable Unavailable by default), in step mode, with
+    ``observer(ex)`` watching if given; check what every such run must hold (the
+    consumer read exactly the result, one outcome per job, every slot and the KV back).
+    Returns the driver, the result and the reference's tokens."""
+    prompt = PROMPTS[0]
+    want = reference_stream(runner, prompt, GREEDY)
+    drv = FailingApply(SimDriver(TINY, seed=0, faults=FaultPlan.none(), trace=True),
+                       len(prompt) + 6, error)
+    with make_executor("step", driver=drv) as ex:
+        books = Books()
+        ex.add_observer(books)
+        if observer is not None:
+            ex.add_observer(observer(ex))
+        sched = HoldingScheduler(ex, 0)
+        stream = ex.generate(prompt, GREEDY)
+        sched.run(settled(stream))
+        result = stream.result(0)
+        read_all(stream, result)
+        books.assert_one_outcome_per_job()
+        assert_all_back(ex, sched)
+    return drv, result, want
+
+
 def test_a_staged_step_failing_at_release_leaves_its_predecessors_token_delivered_once(
         runner):
     """Each decision is taken by its own step's end only. The decode staged for the
@@ -375,25 +401,11 @@ def test_a_staged_step_failing_at_release_leaves_its_predecessors_token_delivere
     stream has just recorded: that failure's callback runs first and must not take the
     decision of the step before, or that step decides again when it resolves and
     records its token twice (found with the submitter failing a released step before
-    its predecessor resolved: the replay then reproduced the wrong token). And the
-    sequence is released only after both steps ended."""
-    prompt = PROMPTS[0]
-    want = reference_stream(runner, prompt, GREEDY)
-    drv = FailingApply(SimDriver(TINY, seed=0, faults=FaultPlan.none(), trace=True),
-                       len(prompt) + 6)
-    with make_executor("step", driver=drv) as ex:
-        books = Books()
-        ex.add_observer(books)
-        sched = HoldingScheduler(ex, 0)
-        stream = ex.generate(prompt, GREEDY)
-        sched.run(settled(stream))
-        result = stream.result(0)
-        assert drv.failed == 1
-        assert result.finish_reason is FinishReason.LENGTH, result
-        assert list(result.tokens) == want and result.resumes == 1, (result, want)
-        read_all(stream, result)
-        books.assert_one_outcome_per_job()
-        assert_all_back(ex, sched)
+    its predecessor resolved: the replay then reproduced the wrong token)."""
+    drv, result, want = _through_a_failing_release(runner)
+    assert drv.failed == 1
+    assert result.finish_reason is FinishReason.LENGTH, result
+    assert list(result.tokens) == want and result.resumes == 1, (result, want)
 
 
 def test_a_stream_ended_by_its_staged_steps_release_frees_its_sequence_after_both_steps(
@@ -403,20 +415,43 @@ def test_a_stream_ended_by_its_staged_steps_release_frees_its_sequence_after_bot
     reservation open. The one-shot sequence is released once both steps have ended,
     not at the stream's end (its KV reset was refused then, and the id came back with
     the KV still held)."""
-    prompt = PROMPTS[0]
-    want = reference_stream(runner, prompt, GREEDY)
-    drv = FailingApply(SimDriver(TINY, seed=0, faults=FaultPlan.none(), trace=True),
-                       len(prompt) + 6, RuntimeError("kv_apply broke"))
-    with make_executor("step", driver=drv) as ex:
-        books = Books()
-        ex.add_observer(books)
-        sched = HoldingScheduler(ex, 0)
-        stream = ex.generate(prompt, GREEDY)
-        sched.run(settled(stream))
-        result = stream.result(0)
-        assert result.finish_reason is FinishReason.ERROR, result
-        assert "kv_apply broke" in result.error.message
-        assert list(result.tokens) == want[:6], (result, want)
-        read_all(stream, result)
-        books.assert_one_outcome_per_job()
-        assert_all_back(ex, sched)
+    _, result, want = _through_a_failing_release(runner, RuntimeError("kv_apply broke"))
+    assert result.finish_reason is FinishReason.ERROR, result
+    assert "kv_apply broke" in result.error.message
+    assert list(result.tokens) == want[:6], (result, want)
+
+
+class DeferredWorkBeforeResolve(Observer):
+    """Runs the executor's deferred work (the admission side) from inside the job end
+    of the decode at ``past_len``, before that job resolves: in step mode, what the
+    admission thread may do while the completion thread is between a job's successor
+    and its resolve."""
+
+    def __init__(self, ex: DeviceExecutor, past_len: int) -> None:
+        self.ex = ex
+        self.past_len = past_len
+        self.ran = 0
+
+    def job_ended(self, event: JobEnded) -> None:
+        if event.kind is TaskKind.DECODE and event.request.past_len == self.past_len \
+                and event.outcome == "succeeded" and not self.ran:
+            while self.ex.steps.run_deferred():
+                self.ran += 1
+
+
+def test_a_replay_waits_for_the_step_its_failed_successor_followed(runner):
+    """The staged step fails as it is released (retryable), and the stream's replay,
+    deferred to the admission side, runs before the step it followed has resolved (the
+    threaded runtime interleaves so: found in test_no_cycles, 1 run in 2 beside another
+    suite, 'sequence 0 is Busy'). The replay waits until that step has ended; the
+    stream then gives the fault-free tokens."""
+    early: list[DeferredWorkBeforeResolve] = []
+
+    def watch(ex: DeviceExecutor) -> Observer:
+        early.append(DeferredWorkBeforeResolve(ex, len(PROMPTS[0]) + 4))
+        return early[0]
+
+    drv, result, want = _through_a_failing_release(runner, observer=watch)
+    assert drv.failed == 1 and early[0].ran >= 1
+    assert result.finish_reason is FinishReason.LENGTH, result
+    assert list(result.tokens) == want and result.resumes == 1, (result, want)
