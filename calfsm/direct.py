@@ -92,7 +92,7 @@ class DirectRunner:
             s.vocab = sub.vocab
             s.max_tokens = sub.max_tokens
             s.bf16 = s.logits.reshape(-1).view(ml_dtypes.bfloat16)
-            s.logits = s.logits.reshape(s.rows, s.vocab)
+            s.logits = s.logits.reshape(-1, s.vocab)[:s.rows]   # row 0 of a batch graph
             self.sets[sub.kind] = s
         if TaskKind.DECODE not in self.sets or TaskKind.PREFILL_IDS not in self.sets:
             raise InvalidArgument("the direct path needs a prefill_ids and a decode "
@@ -143,8 +143,11 @@ class DirectRunner:
         s.tok[:n] = tokens
         s.pos[:n] = np.arange(past_len, past_len + n, dtype=np.int32)
         d = self.driver
-        check(d.slice_tensor(s.inp, s.tok_name, 0, 4 * n), "slice_tensor", seq_id=seq_id)
-        check(d.slice_tensor(s.inp, s.pos_name, 0, 4 * n), "slice_tensor", seq_id=seq_id)
+        if not s.contract.batched:      # a batch graph's row 0 reads its own prefix
+            check(d.slice_tensor(s.inp, s.tok_name, 0, 4 * n), "slice_tensor",
+                  seq_id=seq_id)
+            check(d.slice_tensor(s.inp, s.pos_name, 0, 4 * n), "slice_tensor",
+                  seq_id=seq_id)
         self._run(s, seq_id, n, past_len + n)
         return s.logits[refmodel.tile_row(n, s.rows)]
 

@@ -133,7 +133,9 @@ class SubmodelContract:
     """One compiled graph of the calbin (spec ``SubmodelContract``).
 
     For prefill kinds the ``logits`` tensor is the physical output tile
-    ``[1, logits_tile_d0, vocab]``; for decode it is ``[1, 1, vocab]``.
+    ``[B, logits_tile_d0, vocab]``; for decode it is ``[B, 1, vocab]``, where ``B`` is
+    ``max_batch`` (1 for today's calbin). Every tensor's first dimension is ``B``: row
+    ``r`` of a batch job is ``[r, ...]`` of each (``docs/driver-protocol.md``, Batches).
     """
 
     kind: TaskKind
@@ -155,6 +157,11 @@ class SubmodelContract:
     def rows(self) -> int:
         """Rows of the physical logits tensor (``tile_d0`` for prefill, 1 for decode)."""
         return self.logits_tile_d0 if self.kind.is_prefill else 1
+
+    @property
+    def batched(self) -> bool:
+        """Whether one job of this graph can carry more than one sequence (row)."""
+        return self.max_batch > 1
 
     @property
     def max_tokens(self) -> int:
@@ -444,6 +451,27 @@ def _submodel_problems(at: str, sub: SubmodelContract) -> list[str]:
         problems.append(f"{at}.csr_total_seq: {sub.csr_total_seq!r} is also csr_cur_seq")
     if sub.kind in _LOGITS_KINDS:
         problems.extend(_language_problems(at, sub))
+    problems.extend(_batch_problems(at, sub, tensors))
+    return problems
+
+
+def _batch_problems(at: str, sub: SubmodelContract,
+                    tensors: Mapping[str, TensorContract]) -> list[str]:
+    """Every tensor's first dimension is the batch (``max_batch`` rows); a batch graph's
+    inputs are read row by row, so they cannot be sliced."""
+    if sub.max_batch <= 0:
+        return []               # reported above
+    problems = []
+    for field, t in tensors.items():
+        if t.shape and t.shape[0] != sub.max_batch:
+            problems.append(f"{at}.{field}.shape: {list(t.shape)} has batch dimension "
+                            f"{t.shape[0]}, max_batch is {sub.max_batch}")
+        elif sub.batched and len(t.shape) < 2:
+            problems.append(f"{at}.{field}.shape: a batch graph's tensors are [batch, "
+                            f"...], got {list(t.shape)}")
+        if sub.batched and field != "logits" and t.sliceable:
+            problems.append(f"{at}.{field}.sliceable: a batch graph's inputs are read "
+                            "row by row and cannot be sliced")
     return problems
 
 
@@ -451,6 +479,7 @@ def _language_problems(at: str, sub: SubmodelContract) -> list[str]:
     """What a sub-model that takes tokens (or embeddings) and yields logits must hold."""
     problems = []
     tok, pos, logits = sub.token_or_embed, sub.position, sub.logits
+    batch = max(sub.max_batch, 1)
     if logits.dtype is not DType.BF16:
         problems.append(f"{at}.logits.dtype: must be BF16 (the logits path converts "
                         f"BF16 rows), got {logits.dtype.value}")
@@ -464,12 +493,12 @@ def _language_problems(at: str, sub: SubmodelContract) -> list[str]:
         elif len(logits.shape) >= 2 and logits.shape[-2] != d0:
             problems.append(f"{at}.logits.shape: {list(logits.shape)} has "
                             f"{logits.shape[-2]} rows, logits_tile_d0 is {d0}")
-        elif logits.element_count != d0 * sub.vocab:
-            problems.append(f"{at}.logits.shape: prefill logits must be [1, "
+        elif logits.element_count != batch * d0 * sub.vocab:
+            problems.append(f"{at}.logits.shape: prefill logits must be [{batch}, "
                             f"logits_tile_d0, vocab], got {list(logits.shape)}")
-    elif logits.shape and logits.element_count != sub.vocab:
-        problems.append(f"{at}.logits.shape: decode logits must hold one row, got "
-                        f"{list(logits.shape)}")
+    elif logits.shape and logits.element_count != batch * sub.vocab:
+        problems.append(f"{at}.logits.shape: decode logits must hold one row per batch "
+                        f"row ({batch}), got {list(logits.shape)}")
     if not (tok.shape and pos.shape and logits.shape):
         return problems     # reported by _tensor_problems; nothing below can be judged
     embeds = sub.kind is TaskKind.PREFILL_EMBEDS
@@ -481,10 +510,10 @@ def _language_problems(at: str, sub: SubmodelContract) -> list[str]:
                                           sub.vocab - 1, "token ids"))
     problems.extend(_integer_problems(f"{at}.position.dtype", pos.dtype, sub.max_seq - 1,
                                       "positions"))
-    if pos.element_count != sub.max_tokens:
+    if pos.element_count != batch * sub.max_tokens:
         problems.append(f"{at}.position.shape: {list(pos.shape)} holds "
                         f"{pos.element_count} positions, token_or_embed holds "
-                        f"{sub.max_tokens} tokens")
+                        f"{batch * sub.max_tokens} tokens")
     return problems
 
 
@@ -634,7 +663,8 @@ def _describe(exc: BaseException, type_: Any) -> str:
     return str(exc)
 
 
-_BUILTINS = {"qwen3-b1": "qwen3-b1.manifest.json", "tiny": "tiny.manifest.json"}
+_BUILTINS = {"qwen3-b1": "qwen3-b1.manifest.json", "tiny": "tiny.manifest.json",
+             "qwen3-b8": "qwen3-b8.manifest.json", "tiny-b8": "tiny-b8.manifest.json"}
 
 
 def builtin_manifest_names() -> tuple[str, ...]:
@@ -643,8 +673,10 @@ def builtin_manifest_names() -> tuple[str, ...]:
 
 
 def builtin_manifest(name: str = "qwen3-b1") -> Manifest:
-    """A manifest shipped with calfsm: ``qwen3-b1`` (the current Qwen3 batch=1 calbin) or
-    ``tiny`` (same graph shapes, vocabulary 1024 and max_seq 8192, for fast tests)."""
+    """A manifest shipped with calfsm: ``qwen3-b1`` (the current Qwen3 batch=1 calbin),
+    ``tiny`` (same graph shapes, vocabulary 1024 and max_seq 8192, for fast tests), and
+    their batch-8 forms ``qwen3-b8`` and ``tiny-b8`` (every graph ``max_batch=8``: the
+    calbin a batch build would ship, for continuous batching)."""
     if name not in _BUILTINS:
         raise ManifestError(f"no built-in manifest {name!r} (have {sorted(_BUILTINS)})",
                             stage="manifest")

@@ -139,8 +139,10 @@ def test_golden_prompts_fixed() -> None:
     assert all(0 <= t < 1024 for p in prompts for t in p)
 
 
-def test_golden_100_prompts_tiny() -> None:
-    m = builtin_manifest("tiny")
+@pytest.mark.parametrize("name", ["tiny", "tiny-b8"])
+def test_golden_100_prompts_tiny(name: str) -> None:
+    """The batch-8 graph carrying one row computes the batch-1 goldens."""
+    m = builtin_manifest(name)
     runner = DirectRunner(SimDriver(m, trace=False), m)
     vocab = runner.vocab
     for i, prompt in enumerate(golden_prompts()):

@@ -339,7 +339,7 @@ def test_embedding_prefill_rows_pass_the_position_check() -> None:
 
 
 def test_builtin_manifest_names() -> None:
-    assert builtin_manifest_names() == ("qwen3-b1", "tiny")
+    assert builtin_manifest_names() == ("qwen3-b1", "tiny", "qwen3-b8", "tiny-b8")
     for name in builtin_manifest_names():
         assert builtin_manifest(name).name == name
 
@@ -574,3 +574,74 @@ def test_a_deep_calbin_description_is_a_manifest_error(tmp_path: Path) -> None:
     os.mkfifo(fifo)
     with pytest.raises(ManifestError, match=r"cannot read calbin .* a FIFO"):
         Calbin.load(fifo)
+
+
+# ---- batch graphs (max_batch > 1) ---------------------------------------------------------
+
+def test_batch_manifests_are_the_batch_one_graphs_with_eight_rows() -> None:
+    for one, eight in (("tiny", "tiny-b8"), ("qwen3-b1", "qwen3-b8")):
+        m1, m8 = builtin_manifest(one), builtin_manifest(eight)
+        assert m1.kinds == m8.kinds
+        for s1, s8 in zip(m1.submodels, m8.submodels, strict=True):
+            assert (s1.max_batch, s8.max_batch) == (1, 8)
+            assert (s1.batched, s8.batched) == (False, True)
+            assert (s8.max_tokens, s8.rows, s8.vocab, s8.max_seq) == \
+                (s1.max_tokens, s1.rows, s1.vocab, s1.max_seq)
+            for f in ("token_or_embed", "position", "logits"):
+                t1, t8 = getattr(s1, f), getattr(s8, f)
+                assert t8.shape == (8, *t1.shape[1:])
+                assert t8.byte_size == 8 * t1.byte_size
+            assert not s8.token_or_embed.sliceable and not s8.position.sliceable
+
+
+def _b8() -> dict:
+    return builtin_manifest("tiny-b8").to_dict()
+
+
+def _rebatched(index: int, field: str, batch: int) -> Callable[[dict], None]:
+    def mutate(d: dict) -> None:
+        t = d["submodels"][index][field]
+        per_row = t["byte_size"] // t["shape"][0]
+        t["shape"][0], t["byte_size"] = batch, per_row * batch
+    return mutate
+
+
+BATCH_WRONG: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
+    "token rows differ from max_batch": (
+        _rebatched(1, "token_or_embed", 4),
+        ("submodels[1].token_or_embed.shape: [4, 1] has batch dimension 4, max_batch is 8",)),
+    "logits rows differ from max_batch": (
+        _rebatched(0, "logits", 1),
+        ("submodels[0].logits.shape", "batch dimension 1, max_batch is 8")),
+    "position rows differ from max_batch": (
+        _rebatched(2, "position", 2),
+        ("submodels[2].position.shape", "batch dimension 2")),
+    "max_batch says 8, tensors hold 1": (
+        lambda d: d["submodels"][1].update(max_batch=1),
+        ("submodels[1].token_or_embed.shape: [8, 1] has batch dimension 8, max_batch is 1",)),
+    "a sliceable batch input": (
+        setter("submodels", 0, "token_or_embed", "sliceable", value=True),
+        ("submodels[0].token_or_embed.sliceable", "cannot be sliced")),
+    "rank-1 batch tensor": (
+        lambda d: d["submodels"][1]["position"].update(shape=[8], byte_size=32),
+        ("submodels[1].position.shape: a batch graph's tensors are [batch, ...], got [8]",)),
+}
+
+
+@pytest.mark.parametrize("case", BATCH_WRONG, ids=list(BATCH_WRONG))
+def test_batch_dimensions_are_checked(case: str) -> None:
+    mutate, fragments = BATCH_WRONG[case]
+    data = _b8()
+    mutate(data)
+    with pytest.raises(ManifestError) as info:
+        Manifest.from_dict(data)
+    for fragment in fragments:
+        assert fragment in str(info.value), str(info.value)
+
+
+def test_a_batch_one_manifest_is_refused_a_batch_tensor() -> None:
+    data = builtin_manifest("tiny").to_dict()
+    _rebatched(1, "logits", 2)(data)
+    with pytest.raises(ManifestError, match=r"submodels\[1\]\.logits\.shape: \[2, 1, 1024\] "
+                                            r"has batch dimension 2, max_batch is 1"):
+        Manifest.from_dict(data)
