@@ -35,6 +35,8 @@ Driver method               CalRT 0.7.6
 ``slice_tensor``            ``SliceTensor``; ``undo_slice`` its reset
 ``set_csr``                 ``SetCsrByName``
 ``set_kv_seq``              the ``KvSeqId`` an input buffer's job reads and writes
+``set_batch_rows``          the rows of a batch graph's job (batch calbins only)
+``row_status``              a batch job's per-row outcome (batch calbins only)
 ``infer``                   ``calrt::infer``
 ``infer_fixed``             ``calrt::infer_with_fixed_task_type`` (Ping/Pong)
 ``wait``                    ``CalrtOutputBuf::Wait``
@@ -71,6 +73,7 @@ __all__ = [
     "MAX_WAIT_S",
     "SEQ_LIMIT",
     "U32_MAX",
+    "BatchDriver",
     "Calbin",
     "Capabilities",
     "ClosesOnExit",
@@ -131,6 +134,11 @@ class Capabilities:
     parallel_mode: bool = False
     fixed_engine_slots: bool = False
     engine_slots: int = 1
+    #: the driver has the batch calls (:class:`BatchDriver`): several rows per job on a
+    #: model with ``max_batch > 1`` (``docs/driver-protocol.md``, Batches). Whether the
+    #: device's batch graphs keep their rows apart is the batch runner's evidence, never
+    #: this flag
+    batch_rows: bool = False
 
     def can_reset(self, kind: ResetKind) -> bool:
         return kind in self.resets
@@ -381,8 +389,8 @@ class Driver(Protocol):
     def map_buffer(self, buf: Any, tensor: str, host: np.ndarray) -> int: ...
     def slice_tensor(self, buf: Any, tensor: str, offset: int, size: int) -> int: ...
     def undo_slice(self, buf: Any, tensor: str) -> int: ...
-    def set_csr(self, inp: Any, name: str, value: int) -> int: ...
-    def set_kv_seq(self, inp: Any, seq_id: int) -> int: ...
+    def set_csr(self, inp: Any, name: str, value: int, row: int = 0) -> int: ...
+    def set_kv_seq(self, inp: Any, seq_id: int, row: int = 0) -> int: ...
 
     # ---- execution ------------------------------------------------------------------
     def infer(self, model: ModelHandle, inp: Any, out: Any, *,
@@ -402,3 +410,16 @@ class Driver(Protocol):
     def reset(self, kind: ResetKind) -> int: ...
     def enable_parallel_mode(self, enabled: bool) -> int: ...
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class BatchDriver(Driver, Protocol):
+    """A driver with the batch calls (``Capabilities.batch_rows``): a job of a model whose
+    tensors are ``[B, ...]`` carries 1..B rows, each with its own KV sequence and CSRs
+    (``set_kv_seq``/``set_csr`` with ``row=``), and each row ends on its own
+    (``docs/driver-protocol.md``, Batches). A driver without them runs batch-1 jobs
+    only, on any calbin."""
+
+    def set_batch_rows(self, inp: Any, rows: int) -> int: ...
+    def row_status(self, out: Any, row: int) -> OutputStatus: ...
+

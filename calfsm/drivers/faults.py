@@ -19,9 +19,10 @@ apply it with the same counting rules, so one plan means the same thing on both:
 2. Each rule has optional filters (:attr:`FaultPoint.filters` says which point has which):
 
    - ``seq_id``: at ``infer`` the job's :class:`~calfsm.drivers.base.JobTag` ``seq_id``
-     (without a tag: the input buffer's KV sequence); at ``wait`` and ``output_bytes`` the
+     (without a tag: the input buffer's KV sequence; on a batch job also any row's KV
+     sequence); at ``wait`` and ``output_bytes`` the
      KV sequence of the buffer's last job; at ``kv_apply``, ``kv_release`` and
-     ``set_kv_seq`` the ``seq`` argument; at ``set_csr``, ``map_buffer``,
+     ``set_kv_seq`` the ``seq`` argument; at ``set_csr``, ``set_batch_rows``, ``map_buffer``,
      ``slice_tensor``, ``undo_slice`` and ``destroy_buffers`` the KV sequence the input
      buffer is set to at that moment (none on an output buffer or before ``set_kv_seq``:
      the rule does not match);
@@ -56,7 +57,12 @@ Effects by point (:data:`EFFECTS`):
   (BF16 NaN 0x7FC0 / +Inf 0x7F80 written at element ``index`` of the row holding the
   last token's logits), ``hang`` (the job never finishes until a reset aborts it, so
   ``wait`` times out), ``stale`` (a reset does not abort the job: it finishes at its
-  time anyway and writes its old output array, but no KV).
+  time anyway and writes its old output array, but no KV), ``row_ccu_exception`` (a
+  batch job runs, but the rows whose KV sequence the rule's ``seq_id`` names — row 0
+  without one — end ``DONE_CCU_EXCEPTION`` in ``row_status`` and write nothing; on a
+  batch-1 model it is ``ccu_exception``). On a batch job (``docs/driver-protocol.md``,
+  Batches) ``seq_id`` at ``infer`` matches any row's KV sequence; ``nan``/``inf`` hit
+  the matched row (row 0 without a ``seq_id``), the other job effects the whole job.
 
 :meth:`FaultPlan.swarm` draws random plans swarm-style for soak and property tests.
 """
@@ -76,6 +82,7 @@ from calfsm.drivers.base import SEQ_LIMIT
 from calfsm.errors import CalrtCode, InvalidArgument
 
 __all__ = [
+    "BATCH_SWARM_KINDS",
     "DEFAULT_CODES",
     "EFFECTS",
     "FAULT_POINTS",
@@ -92,7 +99,8 @@ __all__ = [
 ]
 
 #: job effects, attached at submit (point ``infer``; ``infer_fixed`` counts as ``infer``)
-JOB_EFFECTS = ("ccu_exception", "short_output", "nan", "inf", "hang", "stale")
+JOB_EFFECTS = ("ccu_exception", "short_output", "nan", "inf", "hang", "stale",
+               "row_ccu_exception")
 
 #: the largest fault plan file read (a plan of a thousand rules is ~150 KiB)
 MAX_FILE_BYTES = 4 << 20
@@ -146,6 +154,7 @@ FAULT_POINTS: tuple[FaultPoint, ...] = (
     _point("undo_slice", CalrtCode.OUT_OF_RANGE, *_BUF),
     _point("set_csr", CalrtCode.NOT_FOUND, *_BUF),
     _point("set_kv_seq", CalrtCode.INVALID_VALUE, "seq_id"),
+    _point("set_batch_rows", CalrtCode.INVALID_VALUE, "seq_id"),
     _point("infer", CalrtCode.DEVICE_BUSY, *_JOB, calls=("infer", "infer_fixed"),
            effects=("code", *JOB_EFFECTS)),
     _point("wait", CalrtCode.TIMEOUT, *_JOB),
@@ -159,7 +168,7 @@ FAULT_POINTS: tuple[FaultPoint, ...] = (
 
 #: Driver methods with no fault point: they return no CalRT code (``status`` reports how
 #: a job ended; a ``ccu_exception`` job effect changes what it reports)
-UNFAULTED_CALLS = ("version", "capabilities", "status", "close")
+UNFAULTED_CALLS = ("version", "capabilities", "status", "row_status", "close")
 
 POINTS = tuple(p.name for p in FAULT_POINTS)
 #: point -> the effects a rule at that point may have
@@ -499,9 +508,14 @@ _SWARM = {
     "reset_fails": _code_from("reset", [CalrtCode.SOFT_RESET_FAILED,
                                         CalrtCode.HARD_RESET_FAILED]),
     "kv_can_allocate_always_false": _always("kv_can_allocate", "refuse"),
+    "row_ccu_exception": _periodic("infer", "row_ccu_exception"),
 }
 
 #: kinds :meth:`FaultPlan.swarm` draws from by default ("always false" KV admission stalls
-#: every job, so it is opt-in through ``kinds``)
-SWARM_KINDS: tuple[str, ...] = tuple(k for k in _SWARM if k != "kv_can_allocate_always_false")
+#: every job, so it is opt-in through ``kinds``; a row fault only means something on a
+#: batch calbin: :data:`BATCH_SWARM_KINDS`)
+SWARM_KINDS: tuple[str, ...] = tuple(k for k in _SWARM if k not in (
+    "kv_can_allocate_always_false", "row_ccu_exception"))
+#: the default kinds and the row fault of a batch job (a batch calbin's swarm)
+BATCH_SWARM_KINDS: tuple[str, ...] = (*SWARM_KINDS, "row_ccu_exception")
 

@@ -109,7 +109,8 @@ _BF16_NAN = 0x7FC0
 _BF16_INF = 0x7F80
 
 DEFAULT_CAPABILITIES = Capabilities(resets=frozenset(ResetKind), parallel_mode=True,
-                                    fixed_engine_slots=True, engine_slots=2)
+                                    fixed_engine_slots=True, engine_slots=2,
+                                    batch_rows=True)
 
 
 def _share(_inst: Any, attr: attrs.Attribute, value: float) -> None:
@@ -122,7 +123,11 @@ def _share(_inst: Any, attr: attrs.Attribute, value: float) -> None:
 #: seconds, or 1 for a share)
 LATENCY_PARAMS = {"decode_ms": ("decode_s", 1e-3),
                   "prefill_token_us": ("prefill_per_token_s", 1e-6),
-                  "transfer_share": ("transfer_share", 1.0)}
+                  "transfer_share": ("transfer_share", 1.0),
+                  "batch_row_share": ("batch_row_share", 1.0)}
+
+
+_SHARES = ("transfer_share", "batch_row_share")
 
 
 @attrs.frozen
@@ -139,6 +144,10 @@ class LatencyModel:
     ``transfer_share`` goes to the transfers (half H2D, half D2H) and the rest to compute.
     One job alone takes as long as before; two in flight on Ping and Pong can hide one's
     transfers behind the other's compute (``docs/driver-protocol.md``, Timing).
+
+    ``batch_row_share`` prices the rows of a batch job: a decode step of ``rows`` rows
+    computes ``decode_s * (1 + batch_row_share * (rows - 1))``; a prefill computes every
+    row's tokens at ``prefill_per_token_s``.
     """
 
     h2d_s_per_byte: float = 0.0
@@ -147,6 +156,10 @@ class LatencyModel:
     d2h_s_per_byte: float = 0.0
     jitter: float = 0.0
     transfer_share: float = attrs.field(default=0.0, validator=_share)
+    #: a batch decode step of ``rows`` rows computes ``decode_s * (1 + batch_row_share *
+    #: (rows - 1))``: a model of a decode bound by reading the weights once per step, not
+    #: a measurement (``docs/driver-protocol.md``, Batches)
+    batch_row_share: float = attrs.field(default=0.0, validator=_share)
 
     @classmethod
     def virtual_default(cls) -> LatencyModel:
@@ -162,11 +175,12 @@ class LatencyModel:
     @classmethod
     def fixed(cls, decode_s: float = 0.010, prefill_per_token_s: float = 0.0,
               h2d_s_per_byte: float = 0.0, d2h_s_per_byte: float = 0.0,
-              jitter: float = 0.0, transfer_share: float = 0.0) -> LatencyModel:
+              jitter: float = 0.0, transfer_share: float = 0.0,
+              batch_row_share: float = 0.0) -> LatencyModel:
         """E.g. ``LatencyModel.fixed(decode_s=0.010, transfer_share=0.3)``: a 10 ms decode
         job of which 1.5 ms H2D, 7 ms compute, 1.5 ms D2H."""
         return cls(h2d_s_per_byte, prefill_per_token_s, decode_s, d2h_s_per_byte, jitter,
-                   transfer_share)
+                   transfer_share, batch_row_share)
 
     def with_params(self, text: str, *, stage: str = "latency") -> LatencyModel:
         """This model with ``decode_ms=N,prefill_token_us=N,transfer_share=S`` (any of
@@ -183,7 +197,7 @@ class LatencyModel:
                 value = float(value_text)
             except ValueError:
                 value = math.nan
-            share = key == "transfer_share"
+            share = key in _SHARES
             if not math.isfinite(value) or value < 0 or (share and value >= 1):
                 raise InvalidArgument(f"{key} must be a finite number >= 0"
                                       f"{' and < 1' if share else ''}, got {value_text!r}",
@@ -192,9 +206,10 @@ class LatencyModel:
         return attrs.evolve(self, **changes)
 
     def stages(self, decode: bool, n_tokens: int, h2d_bytes: int, d2h_bytes: int,
-               factor: float = 1.0) -> tuple[float, float, float]:
-        """Seconds of (H2D, compute, D2H) of one job."""
-        compute = self.decode_s if decode else self.prefill_per_token_s * n_tokens
+               factor: float = 1.0, rows: int = 1) -> tuple[float, float, float]:
+        """Seconds of (H2D, compute, D2H) of one job (``n_tokens``: of all its rows)."""
+        compute = self.decode_s * (1.0 + self.batch_row_share * (rows - 1)) if decode \
+            else self.prefill_per_token_s * n_tokens
         h2d = h2d_bytes * self.h2d_s_per_byte * factor
         comp = compute * factor
         d2h = d2h_bytes * self.d2h_s_per_byte * factor
@@ -213,9 +228,10 @@ class LatencyModel:
 class _Model:
     """A configured model handle (``ModelHandle``)."""
 
-    __slots__ = ("computable", "csr_cur", "csr_names", "csr_total", "decode", "driver", "embeds",
-                 "epoch", "info", "input_names", "max_seq", "max_tokens", "name", "out_name",
-                 "out_size", "pos_name", "row_bytes", "rows", "tensors", "tok_name", "vocab")
+    __slots__ = ("batch", "computable", "csr_cur", "csr_names", "csr_total", "decode", "driver",
+                 "embeds", "epoch", "info", "input_names", "max_seq", "max_tokens", "name",
+                 "out_name", "out_size", "pos_name", "pos_per_row", "row_bytes", "rows",
+                 "tensors", "tok_name", "vocab")
 
     def __init__(self, driver: SimDriver, info: ModelInfo, epoch: int) -> None:
         self.driver = driver
@@ -231,7 +247,12 @@ class _Model:
         self.embeds = info.kind is TaskKind.PREFILL_EMBEDS
         # bytes of one token's input: an id, or an embedding row of shape[-1] values
         self.row_bytes = tok.dtype.itemsize * (tok.shape[-1] if self.embeds else 1)
-        self.max_tokens = math.prod(tok.shape) * tok.dtype.itemsize // self.row_bytes
+        #: rows of one job (the batch dimension, docs/driver-protocol.md, Batches)
+        self.batch = batch_of(info)
+        #: tokens (and positions) of one row
+        self.max_tokens = math.prod(tok.shape) * tok.dtype.itemsize // self.row_bytes \
+            // self.batch
+        self.pos_per_row = math.prod(pos.shape) // self.batch
         self.max_seq = 0    # set by configure: the calbin's largest prefill context
         self.vocab = out.shape[-1]
         self.decode = info.kind is TaskKind.DECODE
@@ -253,8 +274,8 @@ class _Buf:
     """One input or output buffer of a model."""
 
     __slots__ = ("csrs", "destroyed", "driver", "engine", "epoch", "is_input", "job", "kv_seq",
-                 "label", "last_job_id", "last_seq", "maps", "model", "out_bytes", "slices",
-                 "status", "submitted")
+                 "label", "last_job_id", "last_seq", "maps", "model", "out_bytes", "row_csrs",
+                 "row_seqs", "row_status", "rows", "slices", "status", "submitted")
 
     def __init__(self, driver: SimDriver, model: _Model, is_input: bool, engine: int,
                  label: str) -> None:
@@ -269,6 +290,13 @@ class _Buf:
         self.slices: dict[str, tuple[int, int]] = {}
         self.csrs: dict[str, int] = {}
         self.kv_seq: int | None = None
+        #: input, batch graphs: rows of the next job, each row's KV sequence and CSRs (row
+        #: 0's are also ``kv_seq`` and ``csrs``)
+        self.rows = 1
+        self.row_seqs: list[int | None] = [None] * model.batch
+        self.row_csrs: list[dict[str, int]] = [self.csrs] + [{} for _ in range(1, model.batch)]
+        #: output: each row's end in the last job (``row_status``)
+        self.row_status: list[OutputStatus] = [OutputStatus.IDLE] * model.batch
         self.job: _Job | None = None
         self.status = OutputStatus.IDLE
         self.submitted = False
@@ -283,7 +311,7 @@ class _Buf:
 
 class _Job:
     __slots__ = ("effect", "engine", "finish", "ghost", "inp", "model", "ordinal", "out",
-                 "phases", "rule", "seq", "tag")
+                 "phases", "rows", "rule", "rule_row", "seq", "seqs", "tag")
 
     def __init__(self, ordinal: int, model: _Model, inp: _Buf, out: _Buf,
                  tag: JobTag | None, engine: int, seq: int) -> None:
@@ -294,6 +322,11 @@ class _Job:
         self.tag = tag
         self.engine = engine
         self.seq = seq
+        #: the rows the job carries and each row's KV sequence (row 0: ``seq``)
+        self.rows = inp.rows if model.batch > 1 else 1
+        self.seqs: tuple[int, ...] = tuple(inp.row_seqs[:self.rows])  # type: ignore[arg-type]
+        #: the row a row-level effect (row_ccu_exception, nan, inf) hits (-1: none)
+        self.rule_row = 0
         self.effect: str | None = None
         self.rule: FaultRule | None = None
         self.finish = 0.0
@@ -423,14 +456,14 @@ class SimDriver(ClosesOnExit, HandleChecks):
 
     # ---- faults -----------------------------------------------------------------------
     def _fault(self, point: str, seq: int | None = None, job: int | None = None,
-               name: str | None = None) -> FaultRule | None:
+               name: str | None = None, row_seqs: tuple[int, ...] = ()) -> FaultRule | None:
         entries = self._rules.get(point)
         if not entries:
             return None
         chosen: FaultRule | None = None
         chosen_i = -1
         for i, r in entries:
-            if r.seq_id is not None and r.seq_id != seq:
+            if r.seq_id is not None and r.seq_id != seq and r.seq_id not in row_seqs:
                 continue
             if r.job_id is not None and r.job_id != job:
                 continue
@@ -618,35 +651,60 @@ class SimDriver(ClosesOnExit, HandleChecks):
         buf.slices.pop(tensor, None)
         return _OK
 
-    @_traced("set_csr", lambda inp, name, value: (
-        ("buf", _label(inp)), ("name", str(name)), ("value", _num(value))))
-    def set_csr(self, inp: _Buf, name: str, value: int) -> int:
+    @_traced("set_csr", lambda inp, name, value, row=0: (
+        ("buf", _label(inp)), ("name", str(name)), ("value", _num(value)), *_row_arg(row)))
+    def set_csr(self, inp: _Buf, name: str, value: int, row: int = 0) -> int:
         if self._closed or not self._buf_ok(inp):
             return _INVALID_STATE
         if not inp.is_input:
             return _WRONG_DIRECTION
+        if row != 0 and not self._caps.batch_rows:
+            return _UNSUPPORTED             # a device without the batch calls
         if name not in inp.model.csr_names:
             return _NOT_FOUND
-        if not _is_int(value) or not 0 <= value <= _U32_MAX:
+        if not _is_int(value) or not 0 <= value <= _U32_MAX \
+                or not _is_int(row) or not 0 <= row < inp.model.batch:
             return _INVALID_VALUE
         rc = self._refused(inp, "set_csr", seq=inp.kv_seq, name=name)
         if rc:
             return rc
-        inp.csrs[name] = int(value)
+        inp.row_csrs[int(row)][name] = int(value)
         return _OK
 
-    @_traced("set_kv_seq", lambda inp, seq_id: (("buf", _label(inp)), ("seq", _num(seq_id))))
-    def set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
+    @_traced("set_kv_seq", lambda inp, seq_id, row=0: (
+        ("buf", _label(inp)), ("seq", _num(seq_id)), *_row_arg(row)))
+    def set_kv_seq(self, inp: _Buf, seq_id: int, row: int = 0) -> int:
         if self._closed or not self._buf_ok(inp):
             return _INVALID_STATE
         if not inp.is_input:
             return _WRONG_DIRECTION
-        if not _is_int(seq_id) or not 0 <= seq_id < _SEQ_LIMIT:
+        if row != 0 and not self._caps.batch_rows:
+            return _UNSUPPORTED
+        if not _is_int(seq_id) or not 0 <= seq_id < _SEQ_LIMIT \
+                or not _is_int(row) or not 0 <= row < inp.model.batch:
             return _INVALID_VALUE
         rc = self._refused(inp, "set_kv_seq", seq=int(seq_id))
         if rc:
             return rc
-        inp.kv_seq = int(seq_id)
+        inp.row_seqs[int(row)] = int(seq_id)
+        if row == 0:
+            inp.kv_seq = int(seq_id)
+        return _OK
+
+    @_traced("set_batch_rows", lambda inp, rows: (("buf", _label(inp)), ("rows", _num(rows))))
+    def set_batch_rows(self, inp: _Buf, rows: int) -> int:
+        if self._closed or not self._buf_ok(inp):
+            return _INVALID_STATE
+        if not inp.is_input:
+            return _WRONG_DIRECTION
+        if not self._caps.batch_rows:
+            return _UNSUPPORTED
+        if not _is_int(rows) or not 1 <= rows <= inp.model.batch:
+            return _INVALID_VALUE
+        rc = self._refused(inp, "set_batch_rows", seq=inp.kv_seq)
+        if rc:
+            return rc
+        inp.rows = int(rows)
         return _OK
 
     # ---- execution --------------------------------------------------------------------
@@ -689,6 +747,17 @@ class SimDriver(ClosesOnExit, HandleChecks):
         if model.out_name not in out.maps or inp.kv_seq is None \
                 or model.csr_cur not in inp.csrs or model.csr_total not in inp.csrs:
             return _MISSING_CONFIG
+        rows = inp.rows if model.batch > 1 else 1
+        if rows > 1:
+            for r in range(1, rows):
+                csrs = inp.row_csrs[r]
+                if inp.row_seqs[r] is None or model.csr_cur not in csrs \
+                        or model.csr_total not in csrs:
+                    return _MISSING_CONFIG
+            if len(set(inp.row_seqs[:rows])) < rows:
+                return _INVALID_VALUE
+        if model.batch > 1 and inp.slices:
+            return _INVALID_VALUE
         self._pump()
         if out.job is not None or inp.job is not None:
             return _DEVICE_BUSY
@@ -706,7 +775,9 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 return _DEVICE_BUSY
             engine = 0
         seq = tag.seq_id if tag is not None else inp.kv_seq
-        rule = self._fault("infer", seq=seq, job=tag.job_id if tag is not None else None)
+        row_seqs = tuple(inp.row_seqs[:rows]) if model.batch > 1 else ()
+        rule = self._fault("infer", seq=seq, job=tag.job_id if tag is not None else None,
+                           row_seqs=row_seqs)
         if rule is not None and rule.effect == "code":
             return rule.effective_code
         self._jobs += 1
@@ -714,10 +785,15 @@ class SimDriver(ClosesOnExit, HandleChecks):
         if rule is not None:
             job.effect = rule.effect
             job.rule = rule
+            if rule.seq_id is not None:     # the row it names (none: the tag's seq)
+                job.rule_row = job.seqs.index(rule.seq_id) if rule.seq_id in job.seqs \
+                    else -1
         self._schedule(job)
         queue.append(job)
         inp.job = out.job = job
         out.status = OutputStatus.PENDING
+        out.row_status = [OutputStatus.PENDING] * job.rows + \
+            [OutputStatus.IDLE] * (model.batch - job.rows)
         out.submitted = True
         out.out_bytes = None
         out.last_seq = job.seq
@@ -727,18 +803,24 @@ class SimDriver(ClosesOnExit, HandleChecks):
     def _schedule(self, job: _Job) -> None:
         """Finish time of a new job from the latency model and the pipeline state."""
         inp, model = job.inp, job.model
-        h2d_bytes = 0
-        for name in model.input_names:
-            region = inp.slices.get(name)
-            h2d_bytes += region[1] if region is not None else inp.maps[name].nbytes
-        tok = inp.slices.get(model.tok_name)
-        n_tokens = (tok[1] if tok is not None else inp.maps[model.tok_name].nbytes) // 4
+        if model.batch > 1:     # each row's own prefix of tokens and positions
+            n_tokens = sum(inp.row_csrs[r][model.csr_cur] for r in range(job.rows))
+            pos_item = inp.maps[model.pos_name].itemsize
+            h2d_bytes = n_tokens * (model.row_bytes + pos_item)
+        else:
+            h2d_bytes = 0
+            for name in model.input_names:
+                region = inp.slices.get(name)
+                h2d_bytes += region[1] if region is not None else inp.maps[name].nbytes
+            tok = inp.slices.get(model.tok_name)
+            n_tokens = (tok[1] if tok is not None else inp.maps[model.tok_name].nbytes) // 4
         lat = self.latency
         factor = 1.0
         if lat.jitter:
             u = refmodel.fmix32(self.seed ^ (job.ordinal * refmodel.TOKEN_MUL))
             factor = 1.0 + lat.jitter * (2.0 * u / 2**32 - 1.0)
-        h2d, comp, d2h = lat.stages(model.decode, n_tokens, h2d_bytes, model.out_size, factor)
+        h2d, comp, d2h = lat.stages(model.decode, n_tokens, h2d_bytes, model.out_size, factor,
+                                    job.rows)
         now = self.clock.now()
         if job.effect == "hang":
             comp = math.inf
@@ -798,12 +880,17 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 queue.pop(0)
             self._execute(job)
 
-    def _finish(self, job: _Job, status: OutputStatus, nbytes: int) -> None:
+    def _finish(self, job: _Job, status: OutputStatus, nbytes: int,
+                rows: list[OutputStatus] | None = None) -> None:
+        """End ``job`` with ``status``; ``rows``: each row's end when it ran (DONE_OK),
+        else every row ends as the job did."""
         out, inp = job.out, job.inp
         if out.job is job:
             out.job = None
             out.status = status
             out.out_bytes = nbytes
+            out.row_status = (rows or [status] * job.rows) + \
+                [OutputStatus.IDLE] * (job.model.batch - job.rows)
         if inp.job is job:
             inp.job = None
         if self._timeline.enabled:
@@ -817,7 +904,10 @@ class SimDriver(ClosesOnExit, HandleChecks):
 
     def _execute(self, job: _Job) -> None:
         model, inp, out = job.model, job.inp, job.out
-        if job.effect == "ccu_exception" or not model.computable:
+        if model.batch > 1 and job.effect != "ccu_exception" and model.computable:
+            self._execute_rows(job)
+            return
+        if job.effect in ("ccu_exception", "row_ccu_exception") or not model.computable:
             self._finish(job, OutputStatus.DONE_CCU_EXCEPTION, 0)
             return
         tok_arr, pos_arr = inp.maps[model.tok_name], inp.maps[model.pos_name]
@@ -838,31 +928,10 @@ class SimDriver(ClosesOnExit, HandleChecks):
         positions = pos_arr if pos_region is None else \
             pos_arr[pos_region[0] // 4:(pos_region[0] + pos_region[1]) // 4]
         n = len(tokens)
-        seq = job.seq
-        alloc = self._kv_alloc.get(seq, 0)
-        ok = n >= 1 and len(positions) == n and inp.csrs[model.csr_cur] == n
-        if ok:
-            last = int(positions[n - 1])
-            ok = inp.csrs[model.csr_total] == last + 1 and (not model.decode or n == 1)
-        if ok:
-            lo, hi = (last, last) if n == 1 else (int(positions.min()), int(positions.max()))
-            max_seq = model.max_seq
-            if job.ghost:   # a stale completion: no allocation check (its KV is not its own)
-                ok = lo >= 0 and (not max_seq or hi < max_seq)
-            else:
-                ok = lo >= 0 and hi < (min(alloc, max_seq) if max_seq else alloc)
-        if not ok:
+        if not self._row_ok(job, model, job.seq, n, positions, inp.csrs):
             self._finish(job, OutputStatus.DONE_CCU_EXCEPTION, 0)
             return
-        if job.ghost:   # a stale completion reads KV, writes none
-            kv = np.zeros(hi + 1, np.uint32)
-            have = self._kv.get(seq)
-            if have is not None:
-                m = min(len(have), hi + 1)
-                kv[:m] = have[:m]
-            hashes = refmodel.chain_into(kv, tokens, positions, write=False)
-        else:
-            hashes = refmodel.chain_into(self._kv[seq], tokens, positions)
+        hashes = self._row_hashes(job, job.seq, tokens, positions)
         dest = out.maps[model.out_name]
         effect = job.effect
         nbytes = model.out_size
@@ -880,6 +949,86 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 index = (job.rule.index if job.rule is not None else 0) % model.vocab
                 dest[row * model.vocab + index] = _BF16_NAN if effect == "nan" else _BF16_INF
         self._finish(job, OutputStatus.DONE_OK, nbytes)
+
+    def _execute_rows(self, job: _Job) -> None:
+        """A job of a batch graph: every row on its own (docs/driver-protocol.md, Batches).
+        Row ``r`` reads the first ``cur_seq[r]`` tokens and positions of its row, is
+        checked as a single-row job is, and writes its own KV and logits ``[r, ...]``; a
+        row that fails writes nothing. Padding rows' logits are zero."""
+        model, inp, out = job.model, job.inp, job.out
+        tok_arr, pos_arr = inp.maps[model.tok_name], inp.maps[model.pos_name]
+        target = out.maps[model.out_name]
+        short = job.effect == "short_output"
+        dest = np.empty_like(target) if short else target
+        per_out = model.rows * model.vocab
+        width = model.max_tokens
+        raw = tok_arr.view(np.uint8) if model.embeds else None
+        ends: list[OutputStatus] = []
+        for r in range(job.rows):
+            row_dest = dest[r * per_out:(r + 1) * per_out]
+            csrs = inp.row_csrs[r]
+            n = csrs[model.csr_cur]
+            failed = job.effect == "row_ccu_exception" and r == job.rule_row
+            if not failed and 1 <= n <= width:
+                if raw is not None:
+                    start = r * width * model.row_bytes
+                    tokens = refmodel.embed_words(
+                        raw[start:start + n * model.row_bytes].reshape(-1, model.row_bytes))
+                else:
+                    tokens = tok_arr[r * width:r * width + n]
+                positions = pos_arr[r * model.pos_per_row:r * model.pos_per_row + n]
+                failed = not self._row_ok(job, model, job.seqs[r], n, positions, csrs)
+            else:
+                failed = True
+            if failed:
+                row_dest[:] = 0
+                ends.append(OutputStatus.DONE_CCU_EXCEPTION)
+                continue
+            seq = job.seqs[r]
+            hashes = self._row_hashes(job, seq, tokens, positions)
+            self._write_logits(model, hashes, row_dest)
+            if job.effect in ("nan", "inf") and r == job.rule_row:
+                at = refmodel.tile_row(n, model.rows) if not model.decode else 0
+                index = (job.rule.index if job.rule is not None else 0) % model.vocab
+                row_dest[at * model.vocab + index] = \
+                    _BF16_NAN if job.effect == "nan" else _BF16_INF
+            ends.append(OutputStatus.DONE_OK)
+        dest[job.rows * per_out:] = 0
+        nbytes = model.out_size
+        if short:
+            rule = job.rule
+            nbytes = model.out_size // 2 if rule is None or rule.n_bytes is None \
+                else min(rule.n_bytes, model.out_size)
+            target.view(np.uint8)[:nbytes] = dest.view(np.uint8)[:nbytes]
+        self._finish(job, OutputStatus.DONE_OK, nbytes, ends)
+
+    def _row_ok(self, job: _Job, model: _Model, seq: int, n: int, positions: np.ndarray,
+                csrs: dict[str, int]) -> bool:
+        """The device's checks of one row (or a single-row job) before it computes."""
+        if n < 1 or len(positions) != n or csrs[model.csr_cur] != n:
+            return False
+        last = int(positions[n - 1])
+        if csrs[model.csr_total] != last + 1 or (model.decode and n != 1):
+            return False
+        lo, hi = (last, last) if n == 1 else (int(positions.min()), int(positions.max()))
+        max_seq = model.max_seq
+        if job.ghost:   # a stale completion: no allocation check (its KV is not its own)
+            return lo >= 0 and (not max_seq or hi < max_seq)
+        alloc = self._kv_alloc.get(seq, 0)
+        return lo >= 0 and hi < (min(alloc, max_seq) if max_seq else alloc)
+
+    def _row_hashes(self, job: _Job, seq: int, tokens: np.ndarray,
+                    positions: np.ndarray) -> list[int]:
+        """The hash chain of one row; a stale completion reads KV and writes none."""
+        if job.ghost:
+            hi = int(positions.max())
+            kv = np.zeros(hi + 1, np.uint32)
+            have = self._kv.get(seq)
+            if have is not None:
+                m = min(len(have), hi + 1)
+                kv[:m] = have[:m]
+            return refmodel.chain_into(kv, tokens, positions, write=False)
+        return refmodel.chain_into(self._kv[seq], tokens, positions)
 
     @staticmethod
     def _write_logits(model: _Model, hashes: list[int], dest: np.ndarray) -> None:
@@ -951,6 +1100,22 @@ class SimDriver(ClosesOnExit, HandleChecks):
             st = out.status
             if self._trace is not None:
                 self._rec("status", (("out", out.label),), st.name)
+            return st
+
+    def row_status(self, out: _Buf, row: int) -> OutputStatus:
+        """How row ``row`` of the last job ended (docs/driver-protocol.md, Batches)."""
+        with self._lock:
+            if not isinstance(out, _Buf) or out.driver is not self or out.is_input:
+                raise InvalidArgument(f"row_status() of {out!r}: not an output buffer of "
+                                      "this driver", stage="status")
+            if not self._closed:
+                self._pump()
+            st = out.row_status[int(row)] if _is_int(row) and 0 <= row < len(out.row_status) \
+                else OutputStatus.IDLE
+            if not out.submitted:
+                st = OutputStatus.IDLE
+            if self._trace is not None:
+                self._rec("row_status", (("out", out.label), ("row", _num(row))), st.name)
             return st
 
     def output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
@@ -1149,9 +1314,13 @@ def _calbin_usable(calbin: Calbin) -> bool:
                     or t.byte_size != math.prod(t.shape) * t.dtype.itemsize:
                 return False
         out = m.outputs[0]
+        batch = batch_of(m)
+        if batch > 1 and any(len(t.shape) < 2 or t.shape[0] != batch
+                             for t in (*m.inputs, *m.outputs)):
+            return False
         if m.kind is not None and m.kind.is_prefill:
             d0 = m.tile_d0
-            if not d0 or d0 <= 0 or math.prod(out.shape) != d0 * out.shape[-1]:
+            if not d0 or d0 <= 0 or math.prod(out.shape) != batch * d0 * out.shape[-1]:
                 return False
     return True
 
@@ -1184,6 +1353,20 @@ def _num(x: Any) -> Any:
     if isinstance(x, float | np.floating):
         return float(x) if math.isfinite(x) else str(x)
     return repr(type(x).__name__)
+
+
+def _row_arg(row: Any) -> tuple:
+    """A trace record's row field: only for a row other than 0."""
+    return () if isinstance(row, int) and not isinstance(row, bool) and row == 0 \
+        else (("row", _num(row)),)
+
+
+def batch_of(info: ModelInfo) -> int:
+    """A calbin model's batch size: the first dimension of its token tensor when that has
+    a batch dimension (``[B, n]`` ids, ``[B, n, hidden]`` embeddings), else 1."""
+    tok = info.inputs[0].shape if info.inputs else ()
+    embeds = info.kind is TaskKind.PREFILL_EMBEDS
+    return tok[0] if len(tok) >= (3 if embeds else 2) and tok[0] > 0 else 1
 
 
 def _label(b: Any) -> str:

@@ -11,7 +11,7 @@ import attrs
 import numpy as np
 import pytest
 
-from calfsm.drivers.base import Driver, EngineSlot, JobTag, OutputStatus, ResetKind
+from calfsm.drivers.base import BatchDriver, Driver, EngineSlot, JobTag, OutputStatus, ResetKind
 from calfsm.drivers.faults import FAULT_POINTS, UNFAULTED_CALLS, FaultPlan, FaultRule
 from calfsm.drivers.sim import LatencyModel
 from calfsm.manifest import TaskKind
@@ -76,8 +76,12 @@ class Workflow:
                 d.tok[...] = 5 + position
                 d.pos[...] = position
                 return d.d.set_kv_seq(d.inp, SEQ)
+
+            def batch_rows() -> int:    # one row (a batch-1 model's only value)
+                return d.d.set_batch_rows(d.inp, 1) if _batches(d.d) else 0
             return [
                 Step("set_kv_seq", kv_seq, {"seq_id": SEQ}),
+                Step("set_batch_rows", batch_rows, buf),
                 Step("set_csr", lambda: d.d.set_csr(d.inp, CUR, 1), {**buf, "name": CUR}),
                 Step("set_csr", lambda: d.d.set_csr(d.inp, TOTAL, position + 1),
                      {**buf, "name": TOTAL}),
@@ -114,6 +118,11 @@ class Workflow:
         ]
 
 
+def _batches(d: Driver) -> bool:
+    """Whether the driver has the batch calls (a driver without them is not asked)."""
+    return d.capabilities().batch_rows
+
+
 def _honest(rc: Any) -> bool:
     return rc is True if isinstance(rc, bool) else rc == 0
 
@@ -123,6 +132,8 @@ def _run(make_driver, rule: FaultRule | None) -> list[str]:
     fails, which must fail exactly as injected and then succeed when repeated. Returns the
     calls that failed, in order."""
     d = make_driver(faults=FaultPlan.of(*(() if rule is None else (rule,))), latency=LATENCY)
+    if rule is not None and rule.point == "set_batch_rows" and not _batches(d):
+        pytest.skip(f"{d.name} has no batch calls (Capabilities.batch_rows)")
     w = Workflow(d)
     failed = []
     expected = [pure.logits_bf16(h, V) for h in pure.hashes([5, 6])]
@@ -155,11 +166,14 @@ def test_the_workflow_makes_every_call_of_every_point() -> None:
 
 
 def test_every_protocol_call_has_a_point_or_returns_no_code() -> None:
-    methods = {n for n, v in vars(Driver).items() if callable(v) and not n.startswith("_")}
+    methods = {n for cls in (Driver, BatchDriver) for n, v in vars(cls).items()
+               if callable(v) and not n.startswith("_")}
+    # row_status returns no code, as status does (docs/driver-protocol.md, Batches)
+    unfaulted = set(UNFAULTED_CALLS) | {"row_status"}
     covered = [c for p in FAULT_POINTS for c in p.calls]
     assert len(covered) == len(set(covered))                 # one point per call
-    assert set(covered) | set(UNFAULTED_CALLS) == methods
-    assert not set(covered) & set(UNFAULTED_CALLS)
+    assert set(covered) | unfaulted == methods
+    assert not set(covered) & unfaulted
 
 
 def test_without_a_rule_every_call_succeeds(make_driver) -> None:

@@ -1,6 +1,8 @@
-"""Helpers of the driver conformance suite: small calbins and a raw job runner that
-uses only the public Driver protocol (so the suite runs unchanged on every driver), and
-:func:`answer`, for checks whose right answer depends on whether a job already ended.
+"""Helpers of the driver conformance suite: small calbins (also batch ones,
+:func:`batch_calbin`) and a raw job runner that uses only the public Driver protocol (so
+the suite runs unchanged on every driver; :func:`prepare_rows`/:func:`run_rows` for batch
+jobs), and :func:`answer`, for checks whose right answer depends on whether a job already
+ended.
 
 A job submitted is pending until it ends. On a virtual clock it ends only when a call
 moves device time (``wait``), so a test knows it is pending; a real device (or a fast
@@ -19,8 +21,9 @@ import numpy as np
 from calfsm.drivers.base import Calbin, Driver, OutputStatus
 from calfsm.manifest import DType, ModelInfo, TaskKind, TensorInfo, builtin_manifest
 
-__all__ = ["OK", "Bufs", "aborted", "answer", "configure", "generate", "greedy", "last_row",
-           "pending", "prepare", "qwen3_calbin", "run", "setup", "small_calbin"]
+__all__ = ["OK", "Bufs", "Row", "aborted", "answer", "batch_calbin", "configure", "generate",
+           "greedy", "last_row", "pending", "prepare", "prepare_rows", "qwen3_calbin", "row_of",
+           "run", "run_rows", "setup", "small_calbin"]
 
 OK = 0
 
@@ -42,6 +45,36 @@ def small_calbin(vocab: int = 1024, max_seq: int = 8192, tile_d0: int = 16,
         outputs=(t("logits", (1, 1, vocab), DType.BF16),),
         csr_names=("cur_seq", "total_seq"))
     return Calbin((prefill, decode), sha256=f"{prefix}-{vocab}-{max_seq}")
+
+
+def batch_calbin(B: int = 4, vocab: int = 1024, max_seq: int = 8192, tile_d0: int = 16,
+                 prefix: str = "b", embed_rows: int = 0, hidden: int = 8) -> Calbin:
+    """:func:`small_calbin` with batch ``B``: every tensor's first dimension is ``B``
+    (token and position ``[B, max_seq]``, logits ``[B, tile_d0, vocab]``; decode ``[B, 1]``
+    and ``[B, 1, vocab]``). With ``embed_rows`` > 0 also a prefill_embeds model of F32
+    embeddings ``[B, embed_rows, hidden]`` (``docs/driver-protocol.md``, Batches)."""
+    def t(name: str, shape: tuple[int, ...], dt: DType) -> TensorInfo:
+        return TensorInfo(name, shape, dt, int(np.prod(shape)) * dt.itemsize)
+    models = [
+        ModelInfo(
+            name=f"{prefix}_prefill_ids", kind=TaskKind.PREFILL_IDS,
+            inputs=(t("input_ids", (B, max_seq), DType.S32),
+                    t("position_ids", (B, max_seq), DType.S32)),
+            outputs=(t("logits", (B, tile_d0, vocab), DType.BF16),),
+            csr_names=("cur_seq", "total_seq"), tile_d0=tile_d0),
+        ModelInfo(
+            name=f"{prefix}_decode", kind=TaskKind.DECODE,
+            inputs=(t("input_ids", (B, 1), DType.S32), t("position_ids", (B, 1), DType.S32)),
+            outputs=(t("logits", (B, 1, vocab), DType.BF16),),
+            csr_names=("cur_seq", "total_seq"))]
+    if embed_rows:
+        models.append(ModelInfo(
+            name=f"{prefix}_prefill_embeds", kind=TaskKind.PREFILL_EMBEDS,
+            inputs=(t("inputs_embeds", (B, embed_rows, hidden), DType.F32),
+                    t("position_ids", (B, embed_rows), DType.S32)),
+            outputs=(t("logits", (B, tile_d0, vocab), DType.BF16),),
+            csr_names=("cur_seq", "total_seq"), tile_d0=tile_d0))
+    return Calbin(tuple(models), sha256=f"{prefix}-b{B}-{vocab}-{max_seq}")
 
 
 def pending(d: Driver, *bufs: Bufs) -> bool:
@@ -123,6 +156,11 @@ class Bufs:
     def rows(self) -> int:
         return self.info.tile_d0 or 1
 
+    @property
+    def batch(self) -> int:
+        """B: the first dimension of the model's tensors."""
+        return self.info.inputs[0].shape[0]
+
 
 def configure(d: Driver, calbin: Calbin) -> dict[str, ModelInfo]:
     assert d.configure(calbin) == OK
@@ -131,9 +169,11 @@ def configure(d: Driver, calbin: Calbin) -> dict[str, ModelInfo]:
     return {m.name: m for m in models}
 
 
-def setup(d: Driver, calbin: Calbin, kind: TaskKind, *, engine=None) -> Bufs:
-    """Buffers for the calbin's model of ``kind`` with every tensor mapped."""
-    info = next(m for m in calbin.models if m.kind is kind)
+def setup(d: Driver, calbin: Calbin, kind: TaskKind, *, engine=None,
+          name: str | None = None) -> Bufs:
+    """Buffers for the calbin's (first) model of ``kind`` — or the one called ``name`` —
+    with every tensor mapped."""
+    info = next(m for m in calbin.models if m.kind is kind and name in (None, m.name))
     code, h = d.model(info.name)
     assert code == OK
     code, bufs = d.create_buffers(h) if engine is None else d.create_buffers(h, engine)
@@ -174,6 +214,54 @@ def run(d: Driver, b: Bufs, seq: int, tokens: Sequence[int], start: int = 0,
     assert d.infer(b.model, b.inp, b.out) == OK
     assert d.wait(b.out, 1e6) == OK
     return d.status(b.out)
+
+
+@attrs.frozen
+class Row:
+    """One row of a batch job: its KV sequence, its tokens (ids, or for prefill_embeds
+    embedding rows) and the position of the first; ``cur``/``total`` override its CSRs."""
+
+    seq: int
+    tokens: Sequence
+    start: int = 0
+    cur: int | None = None
+    total: int | None = None
+
+
+def prepare_rows(d: Driver, b: Bufs, rows: Sequence[Row], *, apply: bool = True,
+                 count: int | None = None) -> None:
+    """Write each row's tokens and positions at ``[r, :n]`` of a batch model's inputs, set
+    its CSRs and KV sequence (``row=r``), the job's rows (``count``, else ``len(rows)``)
+    and apply each row's KV. Nothing is sliced (a batch job reads each row's prefix)."""
+    tok = b.tok.reshape(b.batch, -1) if b.info.kind is not TaskKind.PREFILL_EMBEDS \
+        else b.tok.reshape(b.batch, -1, b.tok.shape[-1])
+    pos = b.pos.reshape(b.batch, -1)
+    for r, row in enumerate(rows):
+        n = len(row.tokens)
+        tok[r, :n] = row.tokens
+        pos[r, :n] = np.arange(row.start, row.start + n)
+        cur = n if row.cur is None else row.cur
+        total = row.start + n if row.total is None else row.total
+        assert d.set_csr(b.inp, b.info.csr_names[0], cur, row=r) == OK
+        assert d.set_csr(b.inp, b.info.csr_names[1], total, row=r) == OK
+        assert d.set_kv_seq(b.inp, row.seq, row=r) == OK
+        if apply:
+            assert d.kv_apply(row.seq, row.start + n)
+    assert d.set_batch_rows(b.inp, len(rows) if count is None else count) == OK
+
+
+def run_rows(d: Driver, b: Bufs, rows: Sequence[Row], **kw) -> OutputStatus:
+    """Prepare a batch job, infer, wait; returns the job's status."""
+    prepare_rows(d, b, rows, **kw)
+    assert d.infer(b.model, b.inp, b.out) == OK
+    assert d.wait(b.out, 1e6) == OK
+    return d.status(b.out)
+
+
+def row_of(b: Bufs, r: int) -> np.ndarray:
+    """Row ``r``'s logits of a batch model's output: ``[tile_d0, V]`` (prefill) or
+    ``[1, V]`` (decode)."""
+    return b.logits.reshape(b.batch, -1, b.vocab)[r]
 
 
 def last_row(b: Bufs, n: int) -> np.ndarray:
