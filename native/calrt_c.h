@@ -46,8 +46,13 @@ extern "C" {
 #endif
 
 /* Bumped on any incompatible change of this header. calfsm refuses a library whose
- * calrt_abi_version() differs (calfsm.errors.Incompatible). */
-#define CALRT_C_ABI_VERSION 1u
+ * calrt_abi_version() differs (calfsm.errors.Incompatible).
+ *   1  the single-row ABI
+ *   2  batch graphs: calrt_capabilities_t.batch_rows, calrt_set_batch_rows,
+ *      calrt_set_kv_seq_row, calrt_set_csr_row, calrt_get_row_status,
+ *      calrt_emu_set_batch_row_share, the fault point SET_BATCH_ROWS and the effect
+ *      ROW_CCU_EXCEPTION */
+#define CALRT_C_ABI_VERSION 2u
 
 #define CALRT_NAME_MAX 256   /* bytes, including the terminating NUL */
 #define CALRT_MAX_DIMS 8
@@ -108,6 +113,8 @@ typedef struct {
     int32_t parallel_mode;        /* EnableParallelMode available */
     int32_t fixed_engine_slots;   /* infer_with_fixed_task_type available */
     int32_t engine_slots;         /* 1, or 2 with Ping/Pong */
+    int32_t batch_rows;           /* the batch calls (calrt_set_batch_rows, ..._row) work:
+                                   * a job of a batch model carries 1..B rows */
 } calrt_capabilities_t;
 
 /* Who a job is for (calfsm JobTag); not part of CalRT. */
@@ -183,8 +190,16 @@ int32_t calrt_get_capabilities(calrt_device_t dev, calrt_capabilities_t *out);
  * Calbin.from_manifest writes them: input 0 is the token (or embedding) tensor, input 1
  * the position tensor, output 0 the logits; csr 0 is cur_seq, csr 1 total_seq.
  *
+ * A model's batch B (docs/driver-protocol.md, Batches) is the first dimension of its
+ * token tensor when that has one ([B, n] ids, [B, n, hidden] embeddings; a tensor of
+ * lower rank is one row, B = 1). With B > 1 every tensor of the model is [B, ...] (rank
+ * >= 2), and a prefill output holds B x tile_d0 x V elements.
+ *
  * Codes: ALREADY_CONFIGURED (7) when configured (until a configuration or full reset);
- * INVALID_CALBIN (19) for zero models; FILE_FORMAT_INVALID (12) when the text does not
+ * INVALID_CALBIN (19) for zero models or a model the device cannot load (duplicate or
+ * empty names, too few tensors or CSRs, a tensor whose byte_size is not its shape, a
+ * prefill model without tile_d0 or whose output is not B x tile_d0 x V, a B > 1 model
+ * with a tensor that is not [B, ...]); FILE_FORMAT_INVALID (12) when the text does not
  * parse (unknown line, bad number, dtype or kind, name too long, byte_size that is not
  * shape x itemsize, more than CALRT_MAX_DIMS dims). */
 int32_t calrt_configure(calrt_device_t dev, const char *calbin, size_t nbytes);
@@ -266,13 +281,55 @@ int32_t calrt_set_csr(calrt_device_t dev, calrt_buf_t inp, const char *name, int
  * KvSeqId). seq_id outside 0..2^31-1: INVALID_VALUE; pending job: DEVICE_BUSY. */
 int32_t calrt_set_kv_seq(calrt_device_t dev, calrt_buf_t inp, int64_t seq_id);
 
+/* ---- batches (docs/driver-protocol.md, Batches) ---------------------------------------
+ * A model whose tensors are [B, ...] with B > 1 runs jobs of 1..B rows, each row with its
+ * own KV sequence, CSRs and outcome: row r reads the first cur_seq[r] tokens and
+ * positions of row r of the input tensors and writes its logits at [r, ...]. The
+ * single-row calls (calrt_set_kv_seq, calrt_set_csr, calrt_get_status for row 0) are
+ * row 0. Without the batch_rows capability (a runtime without batch graphs) the three
+ * setters return UNSUPPORTED right after the handle and direction checks;
+ * calrt_get_row_status always works. */
+
+/* The rows of the job in this input buffer (CalRT: the batch graph's row count): 1 <= rows
+ * <= B, else INVALID_VALUE; an output buffer: WRONG_DIRECTION; pending job: DEVICE_BUSY.
+ * A new buffer carries 1 row; rows..B-1 are padding (not read, no KV, zero logits).
+ * Reaches the fault point SET_BATCH_ROWS (its seq_id: the buffer's row-0 KV sequence). */
+int32_t calrt_set_batch_rows(calrt_device_t dev, calrt_buf_t inp, uint32_t rows);
+
+/* calrt_set_kv_seq for row `row` of the buffer (CalRT: the row's KvSeqId as the batch
+ * graph names it). The checks of calrt_set_kv_seq come first, then row >= B:
+ * INVALID_VALUE; then pending job: DEVICE_BUSY. Reaches the fault point SET_KV_SEQ as
+ * calrt_set_kv_seq does (its seq_id: the argument). Row 0 is calrt_set_kv_seq. */
+int32_t calrt_set_kv_seq_row(calrt_device_t dev, calrt_buf_t inp, uint32_t row,
+                             int64_t seq_id);
+
+/* calrt_set_csr for row `row` of the buffer (CalRT: the row's CSR as the batch graph names
+ * it). The checks of calrt_set_csr come first, then row >= B: INVALID_VALUE; then pending
+ * job: DEVICE_BUSY. Reaches the fault point SET_CSR as calrt_set_csr does (its seq_id:
+ * the buffer's row-0 KV sequence). Row 0 is calrt_set_csr. */
+int32_t calrt_set_csr_row(calrt_device_t dev, calrt_buf_t inp, const char *name,
+                          uint32_t row, int64_t value);
+
+/* CALRT_STATUS_* of row `row` of the last job of an output buffer (CalRT: the batch
+ * graph's per-row outcome, else the job's), after executing every job whose finish time
+ * has come: PENDING while the job is pending; after a job that ended other than DONE_OK
+ * that status; after DONE_OK, DONE_OK for a row that wrote its logits and KV and
+ * DONE_CCU_EXCEPTION for one that failed its checks or a row fault; IDLE for a padding
+ * row, a row >= B, or a buffer never submitted (or mapped again since). A B == 1 model:
+ * row 0 has the job's status. Returns 0 unless the handle is bad (INVALID_STATE; stale
+ * handles stay readable, as for calrt_get_status) or `status` is NULL. */
+int32_t calrt_get_row_status(calrt_device_t dev, calrt_buf_t out, uint32_t row,
+                             int32_t *status);
+
 /* ---- execution ----------------------------------------------------------------------- */
 
 /* Queue one job (CalRT: calrt::infer). Checks in order: configured (MISSING_CONFIG);
  * handles valid (INVALID_STATE); buffers of `model`, in then out (INVALID_VALUE); every
- * tensor mapped, both CSRs and the KV sequence set (MISSING_CONFIG); neither buffer
- * pending (DEVICE_BUSY); queue not full (DEVICE_BUSY: one job, or in parallel mode one
- * per engine). Nothing is read from host memory here.
+ * tensor mapped, both CSRs and the KV sequence set, of every row below the buffer's rows
+ * (MISSING_CONFIG); two of those rows on one KV sequence, or an input tensor of a B > 1
+ * model sliced (INVALID_VALUE); neither buffer pending (DEVICE_BUSY); queue not full
+ * (DEVICE_BUSY: one job, or in parallel mode one per engine). Nothing is read from host
+ * memory here.
  * `tag` (may be NULL) says who the job is for; only fault rules and traces use it. */
 int32_t calrt_infer(calrt_device_t dev, calrt_model_t model, calrt_buf_t inp,
                     calrt_buf_t out, const calrt_job_tag_t *tag);
@@ -360,6 +417,12 @@ int32_t calrt_emu_set_latency(calrt_device_t dev, double h2d_s_per_byte,
  * H2D and half D2H, the rest in compute (calfsm LatencyModel.transfer_share). */
 int32_t calrt_emu_set_transfer_share(calrt_device_t dev, double share);
 
+/* Batch row share in [0, 1) (default 0; else INVALID_VALUE): a decode job of `rows` rows
+ * computes decode_s_per_step x (1 + share x (rows - 1)); a prefill job of a batch model
+ * computes prefill_s_per_token x the tokens (cur_seq) of all its rows, and its H2D moves
+ * each row's cur_seq tokens and positions (calfsm LatencyModel.batch_row_share). */
+int32_t calrt_emu_set_batch_row_share(calrt_device_t dev, double share);
+
 /* Phase timeline (docs/driver-protocol.md, Timeline): the device keeps the last `jobs`
  * jobs that ended (executed or aborted; default 256, 0 keeps none, at most 2^20, else
  * INVALID_VALUE), each with the planned start and end of its H2D, compute and D2H in
@@ -385,7 +448,8 @@ int32_t calrt_emu_timeline(calrt_device_t dev, calrt_emu_job_record_t *out, uint
  * INVALID_VALUE. */
 int32_t calrt_emu_set_kv_capacity(calrt_device_t dev, uint64_t positions);
 
-/* Advertised capabilities (e.g. to emulate a device without ping/pong). */
+/* Advertised capabilities (e.g. to emulate a device without ping/pong, or one whose
+ * runtime has no batch calls: batch_rows = 0). */
 int32_t calrt_emu_set_capabilities(calrt_device_t dev, const calrt_capabilities_t *caps);
 
 /* Fault rules: calfsm.drivers.faults.FaultRule pushed down, matched with the same counting
@@ -404,10 +468,19 @@ int32_t calrt_emu_set_capabilities(calrt_device_t dev, const calrt_capabilities_
  *   HANG           the job never finishes until a reset aborts it
  *   STALE          a reset does not abort the job: it finishes at its time anyway, writes
  *                  its old output array, but no KV
+ *   ROW_CCU_EXCEPTION  a batch job runs, but the row whose KV sequence the rule's seq_id
+ *                  names (row 0 without one; none if no row is on it) ends
+ *                  DONE_CCU_EXCEPTION in calrt_get_row_status and writes nothing; on a
+ *                  B == 1 model it is CCU_EXCEPTION
+ * On a job of a B > 1 model NAN / INF go into the row whose KV sequence the rule's seq_id
+ * names (row 0 without one; no row when the rule matched the tag's sequence and no row is
+ * on it); the other effects hit the whole job.
  * Filters (which point has which: calfsm.drivers.faults.FAULT_POINTS): seq_id (>= 0; at
- * infer the tag's seq_id, else the input buffer's KV sequence; at wait and output_bytes the
+ * infer the tag's seq_id, else the input buffer's KV sequence, and on a B > 1 model also
+ * the KV sequence of any row below the buffer's rows; at wait and output_bytes the
  * KV sequence of the buffer's last job; the seq argument of kv_apply, kv_release and
- * set_kv_seq; at the other buffer calls the input buffer's KV sequence at that moment),
+ * set_kv_seq (also calrt_set_kv_seq_row); at the other buffer calls, set_batch_rows
+ * included, the input buffer's row-0 KV sequence at that moment),
  * job_id (has_job_id; the tag's job_id at infer, wait and output_bytes), name (has_name;
  * the CSR, tensor or model name). The rule fires at match ordinals nth, nth + every, ...
  * (every = 0: only nth), at most `limit` times (< 0: unlimited). */
@@ -430,7 +503,8 @@ enum {
     CALRT_EMU_POINT_UNDO_SLICE = 15,
     CALRT_EMU_POINT_OUTPUT_BYTES = 16,
     CALRT_EMU_POINT_KV_RELEASE = 17,
-    CALRT_EMU_POINT_COUNT = 18
+    CALRT_EMU_POINT_SET_BATCH_ROWS = 18,
+    CALRT_EMU_POINT_COUNT = 19
 };
 enum {
     CALRT_EMU_EFFECT_CODE = 0,
@@ -440,7 +514,8 @@ enum {
     CALRT_EMU_EFFECT_NAN = 4,
     CALRT_EMU_EFFECT_INF = 5,
     CALRT_EMU_EFFECT_HANG = 6,
-    CALRT_EMU_EFFECT_STALE = 7
+    CALRT_EMU_EFFECT_STALE = 7,
+    CALRT_EMU_EFFECT_ROW_CCU_EXCEPTION = 8
 };
 typedef struct {
     int32_t point;                /* CALRT_EMU_POINT_* */

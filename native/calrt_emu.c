@@ -21,6 +21,13 @@
  * Buffers and configurations are reference counted by the jobs that use them, so a
  * stale job that survives a reset (fault STALE) can still finish and write its old
  * output array after its handles went stale.
+ *
+ * Batches (docs/driver-protocol.md, Batches): a model's tensors are [B, ...]. An input
+ * buffer keeps B rows of KV sequence and CSRs (row 0 is what the single-row calls set)
+ * and the number of rows its next job carries; an output buffer the per-row outcome of
+ * its last job. A job of a B == 1 model runs exactly as before (run_single); one of a
+ * B > 1 model runs row by row (run_batch), each row through the same checks and hash
+ * chain as a single-row job (run_row), and a row that fails writes zeros alone.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -73,11 +80,13 @@ typedef struct emu_buf {
     int32_t engine;
     int destroyed;
     emu_map *maps;        /* one per tensor of the model */
-    /* input */
-    uint64_t *csr_vals;
+    uint64_t batch;       /* B of its model */
+    /* input: per row, B of them (row 0: what the single-row calls set) */
+    uint64_t *csr_vals;   /* [row * n_csrs + csr] */
     uint8_t *csr_set;
-    int64_t kv_seq;
-    int kv_set;
+    int64_t *kv_seqs;     /* [row] */
+    uint8_t *kv_sets;
+    uint32_t rows;        /* rows of the next job (calrt_set_batch_rows; 1 when created) */
     /* output */
     int32_t status;
     int submitted;
@@ -87,6 +96,8 @@ typedef struct emu_buf {
     int64_t last_seq;     /* the last job's KV sequence (-1: none) and tag job id: what */
     int last_has_tag;     /* fault rules at output_bytes match */
     int64_t last_job_id;
+    uint32_t last_rows;   /* rows of the last job submitted into it */
+    uint8_t *row_failed;  /* [row]: that row of the last DONE_OK job failed alone */
 } emu_buf;
 
 typedef struct job {
@@ -95,7 +106,10 @@ typedef struct job {
     emu_config *cfg;      /* ref held */
     uint32_t model_idx;
     int32_t engine;
-    int64_t seq;          /* the input buffer's KV sequence at submit */
+    int64_t seq;          /* the input buffer's (row 0's) KV sequence at submit */
+    uint32_t rows;        /* rows it carries (1 on a B == 1 model) */
+    int64_t fault_row;    /* the row NAN/INF/ROW_CCU_EXCEPTION hit (-1: none) */
+    uint8_t *row_failed;  /* B > 1: [row] the row failed alone (set when it executes) */
     int has_tag;
     calrt_job_tag_t tag;
     int64_t finish_ns;    /* NEVER when hung */
@@ -145,7 +159,7 @@ typedef struct device {
     int64_t dma[DMA_BOOKINGS][2]; /* parallel: the DMA channel's bookings, sorted by start */
     uint32_t n_dma;
     double h2d_per_byte, prefill_per_token, decode_per_step, d2h_per_byte, jitter;
-    double transfer_share;
+    double transfer_share, batch_row_share;
     uint32_t seed;
 
     calrt_emu_job_record_t *timeline;  /* ring of the last ended jobs (NULL: none yet) */
@@ -208,9 +222,15 @@ static void buf_free(emu_buf *b) {
     free(b->maps);
     free(b->csr_vals);
     free(b->csr_set);
+    free(b->kv_seqs);
+    free(b->kv_sets);
+    free(b->row_failed);
     free(b->produced);
     free(b);
 }
+
+/* Row 0's KV sequence (what the fault filters of the buffer calls see), -1: not set. */
+static int64_t buf_seq0(const emu_buf *b) { return b->kv_sets[0] ? b->kv_seqs[0] : -1; }
 
 static void buf_maybe_free(emu_buf *b) {
     if (!b->in_table && b->pins == 0) buf_free(b);
@@ -280,9 +300,18 @@ typedef struct {
     int has_job_id;
     int64_t job_id;
     const char *name;     /* NULL: none */
+    const int64_t *seqs;  /* infer on a B > 1 model: the rows' KV sequences, which the */
+    uint32_t n_seqs;      /* seq_id filter matches too */
 } match_ctx;
 
-static const match_ctx NO_CTX = {-1, 0, 0, NULL};
+static const match_ctx NO_CTX = {-1, 0, 0, NULL, NULL, 0};
+
+static int seq_matches(const match_ctx *c, int64_t want) {
+    if (c->seq_id >= 0 && c->seq_id == want) return 1;
+    for (uint32_t i = 0; i < c->n_seqs; i++)
+        if (c->seqs[i] == want) return 1;
+    return 0;
+}
 
 /* A call reached `point`: advance every matching rule, return the first that fires. */
 static const calrt_emu_rule_t *rules_hit(device *d, int32_t point, const match_ctx *c) {
@@ -291,7 +320,7 @@ static const calrt_emu_rule_t *rules_hit(device *d, int32_t point, const match_c
         rule_state *rs = &d->rules[i];
         const calrt_emu_rule_t *r = &rs->r;
         if (r->point != point) continue;
-        if (r->seq_id >= 0 && (c->seq_id < 0 || c->seq_id != r->seq_id)) continue;
+        if (r->seq_id >= 0 && !seq_matches(c, r->seq_id)) continue;
         if (r->has_job_id && (!c->has_job_id || c->job_id != r->job_id)) continue;
         if (r->has_name && (!c->name || strcmp(c->name, r->name) != 0)) continue;
         int64_t ord = ++rs->ordinal;
@@ -330,6 +359,7 @@ static void job_release(job *j) {
     buf_maybe_free(j->inp);
     buf_maybe_free(j->out);
     cfg_unref(j->cfg);
+    free(j->row_failed);
     free(j);
 }
 
@@ -376,48 +406,52 @@ static uint64_t active_off(const emu_buf *b, uint32_t t) {
     return b->maps[t].sliced ? b->maps[t].off : 0;
 }
 
-/* Run the job's graph: reads the host memory *now*. Sets *nbytes; returns the status. */
-static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
-    emu_model *m = &j->cfg->models[j->model_idx];
-    emu_buf *in = j->inp, *out = j->out;
-    *nbytes = 0;
-    if (j->effect == CALRT_EMU_EFFECT_CCU_EXCEPTION || !computable(m))
-        return CALRT_STATUS_DONE_CCU_EXCEPTION;
+/* One row of a job as the device reads it (docs/driver-protocol.md, Execution order 1;
+ * Batches, What a row reads). */
+typedef struct {
+    uint64_t toff, poff;  /* byte offsets of its first token (or embedding row), position */
+    uint64_t n, np;       /* tokens and positions it holds from there */
+    uint64_t cur, total;  /* its cur_seq and total_seq */
+    int64_t seq;          /* its KV sequence */
+} row_in;
+
+/* Run one row of the job's graph, reading the host memory *now*: the device checks
+ * (Execution order 2), then the hash chain (KV words written, but not by a ghost) and the
+ * row's logits into work[0..elems): the rows of its last chunk, zeros after them. *last:
+ * the output row (of vocab values) holding the last token's logits. Returns 1 when the
+ * row was written, 0 when a check failed and -1 out of memory; both write nothing (no KV,
+ * no logits). */
+static int run_row(device *d, const job *j, const emu_model *m, const row_in *r,
+                   uint16_t *work, uint64_t elems, uint64_t *last_row) {
     const emu_tensor *pt = &m->tensors[1], *lt = &m->tensors[m->n_inputs];
-    const void *tok = in->maps[0].ptr, *pos = in->maps[1].ptr;
-    uint64_t toff = active_off(in, 0), poff = active_off(in, 1);
-    uint64_t row = token_bytes(m), tbytes = active_bytes(in, 0, &m->tensors[0]);
+    const void *tok = j->inp->maps[0].ptr, *pos = j->inp->maps[1].ptr;
+    uint64_t row = token_bytes(m), n = r->n, toff = r->toff, poff = r->poff;
     int embeds = m->kind == CALRT_KIND_PREFILL_EMBEDS;
-    if (tbytes % row) return CALRT_STATUS_DONE_CCU_EXCEPTION;
-    uint64_t n = tbytes / row;
-    uint64_t np = active_bytes(in, 1, pt) / 4;
     int pos_signed = strcmp(pt->dtype, "S32") == 0;
     int decode = m->kind == CALRT_KIND_DECODE;
 
     /* the device checks (docs/driver-protocol.md, Execution order 2) */
-    if (n < 1 || np != n || in->csr_vals[0] != n) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    if (n < 1 || r->np != n || r->cur != n) return 0;
     int64_t last = rd_pos(pos, poff, n - 1, pos_signed);
-    if ((int64_t)in->csr_vals[1] != last + 1 || (decode && n != 1))
-        return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    if ((int64_t)r->total != last + 1 || (decode && n != 1)) return 0;
     int64_t lo = last, hi = last;
     for (uint64_t i = 0; i < n; i++) {
         int64_t p = rd_pos(pos, poff, i, pos_signed);
         if (p < lo) lo = p;
         if (p > hi) hi = p;
     }
-    kv_seq *s = kv_find(d, j->seq);
+    kv_seq *s = kv_find(d, r->seq);
     int64_t alloc = s ? (int64_t)s->alloc : 0;
-    if (lo < 0) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    if (lo < 0) return 0;
     int64_t max_seq = j->cfg->max_seq;  /* of the configuration it was submitted under */
     if (!j->ghost) {
         int64_t limit = max_seq && max_seq < alloc ? max_seq : alloc;
-        if (hi >= limit) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+        if (hi >= limit) return 0;
     } else if (max_seq && hi >= max_seq) {
-        return CALRT_STATUS_DONE_CCU_EXCEPTION;
+        return 0;
     }
 
     uint64_t vocab = (uint64_t)lt->shape[lt->ndim - 1];
-    uint64_t elems = lt->byte_size / 2;
     uint64_t rows = decode ? 1 : (m->tile_d0 > 0 ? (uint64_t)m->tile_d0 : 1);
     uint64_t start = ((n - 1) / rows) * rows;
     uint64_t nlast = n - start;
@@ -434,7 +468,7 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
     if (!hs || !words) {
         free(hs);
         free(scratch);
-        return CALRT_STATUS_DONE_CCU_EXCEPTION;
+        return -1;
     }
     for (uint64_t i = 0; i < n; i++) {
         uint32_t p = rd_u32(pos, poff, i);
@@ -445,27 +479,93 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
         if (i >= start) hs[i - start] = h;
     }
     free(scratch);
-
-    uint16_t *dst = out->maps[m->n_inputs].ptr;
-    uint64_t total = lt->byte_size, limit = total;
-    if (j->effect == CALRT_EMU_EFFECT_SHORT_OUTPUT)
-        limit = j->n_bytes < 0 ? total / 2 : ((uint64_t)j->n_bytes < total ? (uint64_t)j->n_bytes
-                                                                             : total);
-    uint16_t *work = limit < total ? malloc(total) : dst;
-    if (!work) {
-        free(hs);
-        return CALRT_STATUS_DONE_CCU_EXCEPTION;
-    }
-    for (uint64_t r = 0; r * vocab < elems; r++) {
-        uint64_t len = elems - r * vocab < vocab ? elems - r * vocab : vocab;
-        if (r < nlast) ref_logits_row(hs[r], work + r * vocab, len);
-        else memset(work + r * vocab, 0, len * 2);
+    for (uint64_t k = 0; k * vocab < elems; k++) {
+        uint64_t len = elems - k * vocab < vocab ? elems - k * vocab : vocab;
+        if (k < nlast) ref_logits_row(hs[k], work + k * vocab, len);
+        else memset(work + k * vocab, 0, len * 2);
     }
     free(hs);
-    if (j->effect == CALRT_EMU_EFFECT_NAN || j->effect == CALRT_EMU_EFFECT_INF) {
-        uint64_t row = decode ? 0 : (n - 1) % rows;
-        uint64_t idx = (uint64_t)(j->index < 0 ? 0 : j->index) % vocab;
-        work[row * vocab + idx] = j->effect == CALRT_EMU_EFFECT_NAN ? 0x7FC0 : 0x7F80;
+    *last_row = decode ? 0 : (n - 1) % rows;
+    return 1;
+}
+
+/* How many bytes of the output a job writes (SHORT_OUTPUT: fewer). */
+static uint64_t output_limit(const job *j, uint64_t total) {
+    if (j->effect != CALRT_EMU_EFFECT_SHORT_OUTPUT) return total;
+    if (j->n_bytes < 0) return total / 2;
+    return (uint64_t)j->n_bytes < total ? (uint64_t)j->n_bytes : total;
+}
+
+/* NAN / INF at element `index` (mod vocab) of output row `row` of a row's logits. */
+static void poison(const job *j, uint16_t *work, uint64_t elems, uint64_t vocab,
+                   uint64_t row) {
+    uint64_t at = row * vocab + (uint64_t)(j->index < 0 ? 0 : j->index) % vocab;
+    if (at < elems) work[at] = j->effect == CALRT_EMU_EFFECT_NAN ? 0x7FC0 : 0x7F80;
+}
+
+/* A job of a B == 1 model: its active regions are its one row; a failed check fails the
+ * job, which then writes nothing. */
+static int32_t run_single(device *d, job *j, const emu_model *m, uint64_t *nbytes) {
+    emu_buf *in = j->inp, *out = j->out;
+    const emu_tensor *pt = &m->tensors[1], *lt = &m->tensors[m->n_inputs];
+    uint64_t row = token_bytes(m), tbytes = active_bytes(in, 0, &m->tensors[0]);
+    if (tbytes % row) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    row_in r = {active_off(in, 0), active_off(in, 1), tbytes / row,
+                active_bytes(in, 1, pt) / 4, in->csr_vals[0], in->csr_vals[1], j->seq};
+    uint16_t *dst = out->maps[m->n_inputs].ptr;
+    uint64_t total = lt->byte_size, limit = output_limit(j, total);
+    uint16_t *work = limit < total ? malloc(total) : dst;
+    if (!work) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    uint64_t last = 0;
+    int rc = run_row(d, j, m, &r, work, total / 2, &last);
+    if (rc == 1 && (j->effect == CALRT_EMU_EFFECT_NAN || j->effect == CALRT_EMU_EFFECT_INF))
+        poison(j, work, total / 2, (uint64_t)lt->shape[lt->ndim - 1], last);
+    if (work != dst) {
+        if (rc == 1) memcpy(dst, work, limit);
+        free(work);
+    }
+    if (rc != 1) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    *nbytes = limit;
+    return CALRT_STATUS_DONE_OK;
+}
+
+/* A job of a B > 1 model (docs/driver-protocol.md, Batches): row r reads the first
+ * cur_seq[r] tokens and positions of row r of the input tensors and writes its logits at
+ * [r, ...]. A row that fails its checks or a row fault writes zeros and no KV, alone;
+ * padding rows write zeros. The job itself ends DONE_OK. */
+static int32_t run_batch(device *d, job *j, const emu_model *m, uint64_t *nbytes) {
+    emu_buf *in = j->inp, *out = j->out;
+    const emu_tensor *tt = &m->tensors[0], *pt = &m->tensors[1];
+    const emu_tensor *lt = &m->tensors[m->n_inputs];
+    uint64_t b = m->batch, nc = m->n_csrs;
+    uint64_t tok_row = tt->byte_size / b, pos_row = pt->byte_size / b;  /* bytes a row has */
+    uint64_t tok_cap = tok_row / token_bytes(m), pos_cap = pos_row / pt->itemsize;
+    uint64_t vocab = (uint64_t)lt->shape[lt->ndim - 1];
+    uint64_t total = lt->byte_size, elems = total / 2 / b, limit = output_limit(j, total);
+    uint16_t *dst = out->maps[m->n_inputs].ptr;
+    uint16_t *work = limit < total ? malloc(total) : dst;
+    if (!work) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    int poisons = j->effect == CALRT_EMU_EFFECT_NAN || j->effect == CALRT_EMU_EFFECT_INF;
+    for (uint64_t r = 0; r < b; r++) {
+        uint16_t *w = work + r * elems;
+        int written = 0;
+        int faulted = j->effect == CALRT_EMU_EFFECT_ROW_CCU_EXCEPTION &&
+                      j->fault_row == (int64_t)r;
+        if (r < j->rows && !faulted) {
+            uint64_t cur = in->csr_vals[r * nc];
+            /* a row holds at most tok_cap tokens: more fails its checks */
+            row_in ri = {r * tok_row, r * pos_row, cur <= tok_cap ? cur : 0,
+                         cur <= pos_cap ? cur : 0, cur, in->csr_vals[r * nc + 1],
+                         in->kv_seqs[r]};
+            uint64_t last = 0;
+            written = run_row(d, j, m, &ri, w, elems, &last) == 1;
+            if (written && poisons && j->fault_row == (int64_t)r)
+                poison(j, w, elems, vocab, last);
+        }
+        if (!written) {
+            memset(w, 0, elems * 2);
+            if (r < j->rows) j->row_failed[r] = 1;
+        }
     }
     if (work != dst) {
         memcpy(dst, work, limit);
@@ -473,6 +573,17 @@ static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
     }
     *nbytes = limit;
     return CALRT_STATUS_DONE_OK;
+}
+
+/* Run the job's graph: reads the host memory *now*. Sets *nbytes; returns the status. */
+static int32_t run_job(device *d, job *j, uint64_t *nbytes) {
+    const emu_model *m = &j->cfg->models[j->model_idx];
+    *nbytes = 0;
+    /* a row fault on a model of one row is the job's */
+    int ccu = j->effect == CALRT_EMU_EFFECT_CCU_EXCEPTION ||
+              (j->effect == CALRT_EMU_EFFECT_ROW_CCU_EXCEPTION && m->batch == 1);
+    if (ccu || !computable(m)) return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    return m->batch > 1 ? run_batch(d, j, m, nbytes) : run_single(d, j, m, nbytes);
 }
 
 /* One job's timeline record: its phases, its status and when it ended. */
@@ -515,6 +626,9 @@ static void finish_job(device *d, job *j, int32_t status, uint64_t nbytes) {
         for (uint32_t t = 0; t < m->n_inputs + m->n_outputs; t++) out->produced[t] = 0;
         out->produced[m->n_inputs] = nbytes;
         out->has_bytes = 1;
+        memset(out->row_failed, 0, out->batch);
+        if (status == CALRT_STATUS_DONE_OK && j->row_failed)
+            memcpy(out->row_failed, j->row_failed, out->batch);
     }
     job_release(j);
     pthread_cond_broadcast(&d->done_cv);
@@ -705,6 +819,7 @@ int32_t calrt_device_open(const char *options, calrt_device_t *out) {
     d->caps.parallel_mode = 1;
     d->caps.fixed_engine_slots = 1;
     d->caps.engine_slots = 2;
+    d->caps.batch_rows = 1;
     d->kv_capacity = 1u << 20;
     d->clock_mode = CALRT_EMU_CLOCK_REAL;
     d->comp_free = d->d2h_free = mono_ns();
@@ -781,11 +896,12 @@ int32_t calrt_configure(calrt_device_t h, const char *calbin, size_t nbytes) {
     }
     cfg->serial = next_serial();
     d->cfg = cfg;
-    cfg->max_seq = 0;  /* the most tokens (or embedding rows) of a non-decode model */
+    /* the most tokens (or embedding rows) of a non-decode model: of one row of a batch */
+    cfg->max_seq = 0;
     for (uint32_t i = 0; i < cfg->n_models; i++) {
         emu_model *m = &cfg->models[i];
         if (m->kind == CALRT_KIND_DECODE) continue;
-        int64_t e = (int64_t)(m->tensors[0].byte_size / token_bytes(m));
+        int64_t e = (int64_t)(m->tensors[0].byte_size / m->batch / token_bytes(m));
         if (e > cfg->max_seq) cfg->max_seq = e;
     }
     RETURN(CALRT_SUCCESS);
@@ -816,7 +932,7 @@ int32_t calrt_model_lookup(calrt_device_t h, const char *name, calrt_model_t *ou
     if (!d->cfg) RETURN(CALRT_MISSING_CONFIG);
     for (uint32_t i = 0; i < d->cfg->n_models; i++) {
         if (strcmp(d->cfg->models[i].name, name) == 0) {
-            match_ctx c = {-1, 0, 0, name};
+            match_ctx c = {-1, 0, 0, name, NULL, 0};
             int32_t rc = code_fault(d, CALRT_EMU_POINT_MODEL, &c);
             if (rc) RETURN(rc);
             *out = make_handle(d->cfg->serial, i);
@@ -875,20 +991,31 @@ int32_t calrt_model_csr(calrt_device_t h, calrt_model_t model, uint32_t index, c
 static emu_buf *buf_new(emu_config *cfg, uint32_t model_idx, int is_output, int32_t engine) {
     emu_model *m = &cfg->models[model_idx];
     uint32_t nt = m->n_inputs + m->n_outputs;
+    size_t nc = m->n_csrs ? m->n_csrs : 1;
     emu_buf *b = calloc(1, sizeof *b);
     if (!b) return NULL;
+    b->batch = m->batch;
     b->maps = calloc(nt ? nt : 1, sizeof *b->maps);
     b->produced = calloc(nt ? nt : 1, sizeof *b->produced);
-    b->csr_vals = calloc(m->n_csrs ? m->n_csrs : 1, sizeof *b->csr_vals);
-    b->csr_set = calloc(m->n_csrs ? m->n_csrs : 1, 1);
-    if (!b->maps || !b->produced || !b->csr_vals || !b->csr_set) {
+    b->csr_vals = calloc(m->batch, nc * sizeof *b->csr_vals);
+    b->csr_set = calloc(m->batch, nc);
+    b->kv_seqs = calloc(m->batch, sizeof *b->kv_seqs);
+    b->kv_sets = calloc(m->batch, 1);
+    b->row_failed = calloc(m->batch, 1);
+    if (!b->maps || !b->produced || !b->csr_vals || !b->csr_set || !b->kv_seqs ||
+        !b->kv_sets || !b->row_failed) {
         free(b->maps);
         free(b->produced);
         free(b->csr_vals);
         free(b->csr_set);
+        free(b->kv_seqs);
+        free(b->kv_sets);
+        free(b->row_failed);
         free(b);
         return NULL;
     }
+    b->rows = 1;
+    b->last_rows = 1;
     b->is_output = is_output;
     b->cfg = cfg;
     cfg->refs++;
@@ -972,7 +1099,7 @@ int32_t calrt_destroy_buffers(calrt_device_t h, calrt_buf_t inp, calrt_buf_t out
     bo = buf_lookup(d, out);
     if (!bi || !bo) RETURN(CALRT_INVALID_STATE);
     if (bi->job || bo->job) RETURN(CALRT_DEVICE_BUSY);
-    match_ctx c = {bi->kv_set ? bi->kv_seq : -1, 0, 0, NULL};
+    match_ctx c = {buf_seq0(bi), 0, 0, NULL, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_DESTROY_BUFFERS, &c);
     if (rc) RETURN(rc);
     bi->destroyed = bo->destroyed = 1;
@@ -1014,7 +1141,7 @@ int32_t calrt_map_buf(calrt_device_t h, calrt_buf_t buf, const char *tensor, voi
     if (nbytes != ti->byte_size) RETURN(CALRT_SHAPE_MISMATCH);
     if (!host) RETURN(CALRT_INVALID_VALUE);
     BUF_BUSY_CHECK(b, buf);
-    match_ctx c = {b->kv_set ? b->kv_seq : -1, 0, 0, tensor};
+    match_ctx c = {buf_seq0(b), 0, 0, tensor, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_MAP_BUFFER, &c);
     if (rc) RETURN(rc);
     b->maps[t].ptr = host;
@@ -1039,7 +1166,7 @@ int32_t calrt_slice_tensor(calrt_device_t h, calrt_buf_t buf, const char *tensor
         RETURN(CALRT_OUT_OF_RANGE);
     if (offset % ti->itemsize || size % ti->itemsize) RETURN(CALRT_INVALID_VALUE);
     BUF_BUSY_CHECK(b, buf);
-    match_ctx c = {b->kv_set ? b->kv_seq : -1, 0, 0, tensor};
+    match_ctx c = {buf_seq0(b), 0, 0, tensor, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_SLICE_TENSOR, &c);
     if (rc) RETURN(rc);
     b->maps[t].sliced = 1;
@@ -1055,51 +1182,133 @@ int32_t calrt_undo_slice(calrt_device_t h, calrt_buf_t buf, const char *tensor) 
     int t = buf_tensor(d, buf, tensor, &b);
     if (t < 0) RETURN(-t);
     BUF_BUSY_CHECK(b, buf);
-    match_ctx c = {b->kv_set ? b->kv_seq : -1, 0, 0, tensor};
+    match_ctx c = {buf_seq0(b), 0, 0, tensor, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_UNDO_SLICE, &c);
     if (rc) RETURN(rc);
     b->maps[t].sliced = 0;
     RETURN(CALRT_SUCCESS);
 }
 
-int32_t calrt_set_csr(calrt_device_t h, calrt_buf_t inp, const char *name, int64_t value) {
-    if (!name) return CALRT_INVALID_VALUE;
-    ENTER(h);
+/* calrt_set_csr of row `row` (docs/driver-protocol.md, Batches: the single-row checks,
+ * then the row, then busy and the fault point set_csr). */
+static int32_t set_csr_row(device *d, calrt_buf_t inp, const char *name, uint64_t row,
+                           int64_t value) {
     emu_buf *b = buf_lookup(d, inp);
-    if (!b) RETURN(CALRT_INVALID_STATE);
-    if (b->is_output) RETURN(CALRT_WRONG_DIRECTION);
+    if (!b) return CALRT_INVALID_STATE;
+    if (b->is_output) return CALRT_WRONG_DIRECTION;
     emu_model *m = buf_model(b);
     int c = -1;
     for (uint32_t i = 0; i < m->n_csrs; i++)
         if (strcmp(m->csrs[i], name) == 0) { c = (int)i; break; }
-    if (c < 0) RETURN(CALRT_NOT_FOUND);
-    if (value < 0 || value > 0xFFFFFFFFLL) RETURN(CALRT_INVALID_VALUE);
-    BUF_BUSY_CHECK(b, inp);
-    match_ctx mc = {b->kv_set ? b->kv_seq : -1, 0, 0, name};
+    if (c < 0) return CALRT_NOT_FOUND;
+    if (value < 0 || value > 0xFFFFFFFFLL) return CALRT_INVALID_VALUE;
+    if (row >= b->batch) return CALRT_INVALID_VALUE;
+    drain_due(d);
+    b = buf_lookup(d, inp);
+    if (!b) return CALRT_INVALID_STATE;
+    if (b->job) return CALRT_DEVICE_BUSY;
+    match_ctx mc = {buf_seq0(b), 0, 0, name, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_SET_CSR, &mc);
-    if (rc) RETURN(rc);
+    if (rc) return rc;
     /* every CSR of that name (a calbin may list one twice) */
     for (uint32_t i = 0; i < m->n_csrs; i++) {
         if (strcmp(m->csrs[i], name) == 0) {
-            b->csr_vals[i] = (uint64_t)value;
-            b->csr_set[i] = 1;
+            b->csr_vals[row * m->n_csrs + i] = (uint64_t)value;
+            b->csr_set[row * m->n_csrs + i] = 1;
         }
     }
-    RETURN(CALRT_SUCCESS);
+    return CALRT_SUCCESS;
+}
+
+int32_t calrt_set_csr(calrt_device_t h, calrt_buf_t inp, const char *name, int64_t value) {
+    if (!name) return CALRT_INVALID_VALUE;
+    ENTER(h);
+    RETURN(set_csr_row(d, inp, name, 0, value));
+}
+
+/* calrt_set_kv_seq of row `row` (the single-row checks, then the row, then busy and the
+ * fault point set_kv_seq, whose seq_id is the argument). */
+static int32_t set_kv_seq_row(device *d, calrt_buf_t inp, uint64_t row, int64_t seq_id) {
+    emu_buf *b = buf_lookup(d, inp);
+    if (!b) return CALRT_INVALID_STATE;
+    if (b->is_output) return CALRT_WRONG_DIRECTION;
+    if (seq_id < 0 || seq_id > 0x7FFFFFFFLL) return CALRT_INVALID_VALUE;
+    if (row >= b->batch) return CALRT_INVALID_VALUE;
+    drain_due(d);
+    b = buf_lookup(d, inp);
+    if (!b) return CALRT_INVALID_STATE;
+    if (b->job) return CALRT_DEVICE_BUSY;
+    match_ctx mc = {seq_id, 0, 0, NULL, NULL, 0};
+    int32_t rc = code_fault(d, CALRT_EMU_POINT_SET_KV_SEQ, &mc);
+    if (rc) return rc;
+    b->kv_seqs[row] = seq_id;
+    b->kv_sets[row] = 1;
+    return CALRT_SUCCESS;
 }
 
 int32_t calrt_set_kv_seq(calrt_device_t h, calrt_buf_t inp, int64_t seq_id) {
     ENTER(h);
+    RETURN(set_kv_seq_row(d, inp, 0, seq_id));
+}
+
+/* ---- batches ------------------------------------------------------------------------ */
+
+/* The batch setters exist only with the batch_rows capability (after the handle checks). */
+static int32_t batch_calls(device *d, calrt_buf_t inp) {
     emu_buf *b = buf_lookup(d, inp);
-    if (!b) RETURN(CALRT_INVALID_STATE);
-    if (b->is_output) RETURN(CALRT_WRONG_DIRECTION);
-    if (seq_id < 0 || seq_id > 0x7FFFFFFFLL) RETURN(CALRT_INVALID_VALUE);
-    BUF_BUSY_CHECK(b, inp);
-    match_ctx mc = {seq_id, 0, 0, NULL};
-    int32_t rc = code_fault(d, CALRT_EMU_POINT_SET_KV_SEQ, &mc);
+    if (!b) return CALRT_INVALID_STATE;
+    if (b->is_output) return CALRT_WRONG_DIRECTION;
+    return d->caps.batch_rows ? CALRT_SUCCESS : CALRT_UNSUPPORTED;
+}
+
+int32_t calrt_set_batch_rows(calrt_device_t h, calrt_buf_t inp, uint32_t rows) {
+    ENTER(h);
+    int32_t rc = batch_calls(d, inp);
     if (rc) RETURN(rc);
-    b->kv_seq = seq_id;
-    b->kv_set = 1;
+    emu_buf *b = buf_lookup(d, inp);
+    if (rows < 1 || rows > b->batch) RETURN(CALRT_INVALID_VALUE);
+    BUF_BUSY_CHECK(b, inp);
+    match_ctx mc = {buf_seq0(b), 0, 0, NULL, NULL, 0};
+    rc = code_fault(d, CALRT_EMU_POINT_SET_BATCH_ROWS, &mc);
+    if (rc) RETURN(rc);
+    b->rows = rows;
+    RETURN(CALRT_SUCCESS);
+}
+
+int32_t calrt_set_kv_seq_row(calrt_device_t h, calrt_buf_t inp, uint32_t row,
+                             int64_t seq_id) {
+    ENTER(h);
+    int32_t rc = batch_calls(d, inp);
+    RETURN(rc ? rc : set_kv_seq_row(d, inp, row, seq_id));
+}
+
+int32_t calrt_set_csr_row(calrt_device_t h, calrt_buf_t inp, const char *name, uint32_t row,
+                          int64_t value) {
+    if (!name) return CALRT_INVALID_VALUE;
+    ENTER(h);
+    int32_t rc = batch_calls(d, inp);
+    RETURN(rc ? rc : set_csr_row(d, inp, name, row, value));
+}
+
+/* A row's outcome (calrt_get_row_status; docs/driver-protocol.md, Batches, Row status). */
+static int32_t row_status(const emu_buf *b, uint32_t row) {
+    if (b->status == CALRT_STATUS_IDLE || row >= b->batch || row >= b->last_rows)
+        return CALRT_STATUS_IDLE;
+    if (b->status == CALRT_STATUS_DONE_OK && b->row_failed[row])
+        return CALRT_STATUS_DONE_CCU_EXCEPTION;
+    return b->status;
+}
+
+int32_t calrt_get_row_status(calrt_device_t h, calrt_buf_t out, uint32_t row,
+                             int32_t *status) {
+    if (!status) return CALRT_INVALID_VALUE;
+    ENTER(h);
+    emu_buf *b = buf_any(d, out);
+    if (!b || !b->is_output) RETURN(CALRT_INVALID_STATE);
+    drain_due(d);
+    b = buf_any(d, out);
+    if (!b) RETURN(CALRT_INVALID_STATE);
+    *status = row_status(b, row);
     RETURN(CALRT_SUCCESS);
 }
 
@@ -1138,19 +1347,32 @@ static int64_t book_dma(device *d, int64_t now, int64_t earliest, int64_t len) {
     return t;
 }
 
-/* Finish time of a job submitted now, booking DMA and compute (SimDriver._schedule). */
+/* Finish time of a job submitted now, booking DMA and compute (SimDriver._schedule). A
+ * job of a B > 1 model moves each row's cur_seq tokens and positions and computes the
+ * tokens of all its rows (prefill) or a decode step priced by batch_row_share. */
 static int64_t schedule(device *d, job *j, emu_buf *bi, emu_model *m, int hang) {
     int64_t now = dev_now(d);
-    uint64_t in_bytes = 0;
-    for (uint32_t t = 0; t < m->n_inputs; t++) in_bytes += active_bytes(bi, t, &m->tensors[t]);
-    uint64_t n_tokens = active_bytes(bi, 0, &m->tensors[0]) / 4;
+    uint64_t in_bytes = 0, n_tokens = 0;
+    if (m->batch > 1) {
+        uint64_t tb = token_bytes(m), pb = m->tensors[1].itemsize;
+        for (uint32_t r = 0; r < j->rows; r++) {
+            uint64_t cur = bi->csr_vals[(uint64_t)r * m->n_csrs];
+            n_tokens += cur;
+            in_bytes += cur * tb + cur * pb;
+        }
+    } else {
+        for (uint32_t t = 0; t < m->n_inputs; t++)
+            in_bytes += active_bytes(bi, t, &m->tensors[t]);
+        n_tokens = active_bytes(bi, 0, &m->tensors[0]) / 4;
+    }
     double factor = 1.0;
     if (d->jitter != 0.0) {
         uint32_t u = ref_fmix32(d->seed ^ (uint32_t)(j->id * 0x9E3779B1u));
         factor = 1.0 + d->jitter * (2.0 * (double)u / 4294967296.0 - 1.0);
     }
-    double comp_s = m->kind == CALRT_KIND_DECODE ? d->decode_per_step
-                                                 : d->prefill_per_token * (double)n_tokens;
+    double comp_s = m->kind == CALRT_KIND_DECODE
+        ? d->decode_per_step * (1.0 + d->batch_row_share * (double)(j->rows - 1))
+        : d->prefill_per_token * (double)n_tokens;
     double h2d_s = (double)in_bytes * d->h2d_per_byte * factor;
     comp_s *= factor;
     double d2h_s = (double)m->tensors[m->n_inputs].byte_size * d->d2h_per_byte * factor;
@@ -1199,9 +1421,23 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
         return CALRT_INVALID_VALUE;
     for (uint32_t t = 0; t < m->n_inputs; t++)
         if (!bi->maps[t].ptr) return CALRT_MISSING_CONFIG;
-    if (m->n_outputs < 1 || m->n_csrs < 2 || !bo->maps[m->n_inputs].ptr || !bi->kv_set ||
+    if (m->n_outputs < 1 || m->n_csrs < 2 || !bo->maps[m->n_inputs].ptr || !bi->kv_sets[0] ||
         !bi->csr_set[0] || !bi->csr_set[1])
         return CALRT_MISSING_CONFIG;
+    /* docs/driver-protocol.md, Batches: every row of the job set up, on its own sequence,
+     * each reading its own prefix (no slices) */
+    uint32_t rows = bi->rows;
+    for (uint32_t r = 1; r < rows; r++) {
+        const uint8_t *cs = &bi->csr_set[(uint64_t)r * m->n_csrs];
+        if (!bi->kv_sets[r] || !cs[0] || !cs[1]) return CALRT_MISSING_CONFIG;
+    }
+    if (m->batch > 1) {
+        for (uint32_t r = 1; r < rows; r++)
+            for (uint32_t k = 0; k < r; k++)
+                if (bi->kv_seqs[k] == bi->kv_seqs[r]) return CALRT_INVALID_VALUE;
+        for (uint32_t t = 0; t < m->n_inputs; t++)
+            if (bi->maps[t].sliced) return CALRT_INVALID_VALUE;
+    }
     drain_due(d);
     m = model_lookup(d, model);
     bi = buf_lookup(d, inp);
@@ -1220,11 +1456,17 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
     } else if (d->n_queued) {
         return CALRT_DEVICE_BUSY;
     }
-    match_ctx c = {tag ? tag->seq_id : bi->kv_seq, tag != NULL, tag ? tag->job_id : 0, NULL};
+    int batch = m->batch > 1;
+    match_ctx c = {tag ? tag->seq_id : bi->kv_seqs[0], tag != NULL, tag ? tag->job_id : 0,
+                   NULL, batch ? bi->kv_seqs : NULL, batch ? rows : 0};
     const calrt_emu_rule_t *r = rules_hit(d, CALRT_EMU_POINT_INFER, &c);
     if (r && r->effect == CALRT_EMU_EFFECT_CODE) return r->code;
     job *j = calloc(1, sizeof *j);
     if (!j) return CALRT_ALLOC_FAILED;
+    if (batch && !(j->row_failed = calloc(m->batch, 1))) {
+        free(j);
+        return CALRT_ALLOC_FAILED;
+    }
     j->id = ++d->last_job_id;
     j->inp = bi;
     j->out = bo;
@@ -1234,7 +1476,8 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
     d->cfg->refs++;
     j->model_idx = mi;
     j->engine = eng;
-    j->seq = bi->kv_seq;
+    j->seq = bi->kv_seqs[0];
+    j->rows = rows;
     if (tag) {
         j->has_tag = 1;
         j->tag = *tag;
@@ -1242,6 +1485,12 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
     j->effect = r ? r->effect : -1;
     j->n_bytes = r ? r->n_bytes : -1;
     j->index = r ? r->index : 0;
+    /* the row a NAN/INF/ROW_CCU_EXCEPTION rule hits: the one on the rule's sequence, row 0
+     * without one; none when no row is on it (the rule matched the tag's sequence) */
+    j->fault_row = r && r->seq_id < 0 ? 0 : -1;
+    if (r && r->seq_id >= 0)
+        for (uint32_t k = 0; k < rows; k++)
+            if (bi->kv_seqs[k] == r->seq_id) j->fault_row = k;
     j->finish_ns = schedule(d, j, bi, m, j->effect == CALRT_EMU_EFFECT_HANG);
     if (d->q_tail) d->q_tail->next = j;
     else d->q_head = j;
@@ -1251,6 +1500,7 @@ static int32_t submit(device *d, calrt_model_t model, calrt_buf_t inp, calrt_buf
     bo->last_seq = j->seq;
     bo->last_has_tag = j->has_tag;
     bo->last_job_id = j->has_tag ? j->tag.job_id : 0;
+    bo->last_rows = rows;
     bo->submitted = 1;
     bo->has_bytes = 0;
     bo->status = CALRT_STATUS_PENDING;
@@ -1282,7 +1532,7 @@ int32_t calrt_wait(calrt_device_t h, calrt_buf_t out, int64_t timeout_ns) {
     if (!b->submitted) RETURN(CALRT_INVALID_STATE);
     job *j = b->job;
     if (!j) RETURN(CALRT_SUCCESS);
-    match_ctx c = {j->seq, j->has_tag, j->tag.job_id, NULL};
+    match_ctx c = {j->seq, j->has_tag, j->tag.job_id, NULL, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_WAIT, &c);
     if (rc) RETURN(rc);
     uint64_t id = j->id;
@@ -1341,7 +1591,7 @@ int32_t calrt_output_bytes(calrt_device_t h, calrt_buf_t out, const char *tensor
     b = buf_lookup(d, out);
     if (!b) RETURN(CALRT_INVALID_STATE);
     if (b->job || !b->has_bytes) RETURN(CALRT_INVALID_STATE);
-    match_ctx c = {b->last_seq, b->last_has_tag, b->last_job_id, tensor};
+    match_ctx c = {b->last_seq, b->last_has_tag, b->last_job_id, tensor, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_OUTPUT_BYTES, &c);
     if (rc) RETURN(rc);
     *nbytes = b->produced[t];
@@ -1375,7 +1625,7 @@ int32_t calrt_kv_apply(calrt_device_t h, int64_t seq_id, uint64_t target, int32_
     if (seq_id < 0 || seq_id > 0x7FFFFFFFLL) RETURN(CALRT_INVALID_VALUE);
     kv_seq *s = kv_find(d, seq_id);
     uint64_t have = s ? s->alloc : 0;
-    match_ctx c = {seq_id, 0, 0, NULL};
+    match_ctx c = {seq_id, 0, 0, NULL, NULL, 0};
     *ok = 0;
     if (target > have && target - have > d->kv_capacity - d->kv_used) RETURN(CALRT_SUCCESS);
     if (rules_hit(d, CALRT_EMU_POINT_KV_APPLY, &c)) RETURN(CALRT_SUCCESS);
@@ -1409,7 +1659,7 @@ int32_t calrt_kv_apply(calrt_device_t h, int64_t seq_id, uint64_t target, int32_
 
 int32_t calrt_kv_release(calrt_device_t h, int64_t seq_id, uint64_t keep_len) {
     ENTER(h);
-    match_ctx c = {seq_id, 0, 0, NULL};
+    match_ctx c = {seq_id, 0, 0, NULL, NULL, 0};
     int32_t rc = code_fault(d, CALRT_EMU_POINT_KV_RELEASE, &c);
     if (rc) RETURN(rc);
     kv_seq *s = kv_find(d, seq_id);
@@ -1521,6 +1771,13 @@ int32_t calrt_emu_set_transfer_share(calrt_device_t h, double share) {
     RETURN(CALRT_SUCCESS);
 }
 
+int32_t calrt_emu_set_batch_row_share(calrt_device_t h, double share) {
+    ENTER(h);
+    if (!(share >= 0) || !(share < 1)) RETURN(CALRT_INVALID_VALUE);
+    d->batch_row_share = share;
+    RETURN(CALRT_SUCCESS);
+}
+
 int32_t calrt_emu_set_timeline(calrt_device_t h, uint32_t jobs) {
     ENTER(h);
     if (jobs > (1u << 20)) RETURN(CALRT_INVALID_VALUE);
@@ -1572,7 +1829,8 @@ static int effect_valid(int32_t point, int32_t effect) {
     switch (point) {
     case CALRT_EMU_POINT_INFER:
         return effect == CALRT_EMU_EFFECT_CODE ||
-               (effect >= CALRT_EMU_EFFECT_CCU_EXCEPTION && effect <= CALRT_EMU_EFFECT_STALE);
+               (effect >= CALRT_EMU_EFFECT_CCU_EXCEPTION &&
+                effect <= CALRT_EMU_EFFECT_ROW_CCU_EXCEPTION);
     case CALRT_EMU_POINT_KV_CAN_ALLOCATE:
     case CALRT_EMU_POINT_KV_APPLY:
         return effect == CALRT_EMU_EFFECT_REFUSE;

@@ -134,24 +134,41 @@ static int tensor_ok(const emu_tensor *t) {
     return elems * t->itemsize == t->byte_size;
 }
 
+/* B of a model (docs/driver-protocol.md, Batches): the first dimension of its token
+ * tensor when that has one ([B, n] ids, [B, n, hidden] embeddings); 1 for a tensor of
+ * lower rank ([n] ids, [n, hidden] embeddings: one row). */
+static uint64_t batch_of(const emu_model *m) {
+    const emu_tensor *t = &m->tensors[0];
+    uint32_t rank = m->kind == CALRT_KIND_PREFILL_EMBEDS ? 3 : 2;
+    return t->ndim >= rank ? (uint64_t)t->shape[0] : 1;
+}
+
 /* The structural checks a device makes when it loads a calbin (SimDriver's
  * _calbin_usable): at least one model; unique non-empty names; two inputs, an output and
- * two CSRs each; consistent tensors; a prefill output of tile_d0 rows. */
-static int usable(const emu_config *cfg) {
+ * two CSRs each; consistent tensors; with B > 1 every tensor [B, ...]; a prefill output
+ * of B x tile_d0 rows. Sets each model's batch. */
+static int usable(emu_config *cfg) {
     if (cfg->n_models == 0) return 0;
     for (uint32_t i = 0; i < cfg->n_models; i++) {
-        const emu_model *m = &cfg->models[i];
+        emu_model *m = &cfg->models[i];
         if (!m->name[0]) return 0;
         for (uint32_t k = 0; k < i; k++)
             if (strcmp(cfg->models[k].name, m->name) == 0) return 0;
         if (m->n_inputs < 2 || m->n_outputs < 1 || m->n_csrs < 2) return 0;
         for (uint32_t t = 0; t < m->n_inputs + m->n_outputs; t++)
             if (!tensor_ok(&m->tensors[t])) return 0;
+        m->batch = batch_of(m);
+        for (uint32_t t = 0; m->batch > 1 && t < m->n_inputs + m->n_outputs; t++) {
+            const emu_tensor *x = &m->tensors[t];
+            if (x->ndim < 2 || (uint64_t)x->shape[0] != m->batch) return 0;
+        }
         const emu_tensor *o = &m->tensors[m->n_inputs];
         if (m->kind == CALRT_KIND_PREFILL_IDS || m->kind == CALRT_KIND_PREFILL_EMBEDS) {
             if (m->tile_d0 <= 0) return 0;
+            /* no overflow: elems < 2^40 (tensor_ok), each factor >= 1 */
             uint64_t elems = o->byte_size / o->itemsize;
-            if (elems != (uint64_t)m->tile_d0 * (uint64_t)o->shape[o->ndim - 1]) return 0;
+            uint64_t tile = (uint64_t)m->tile_d0 * (uint64_t)o->shape[o->ndim - 1];
+            if (elems % m->batch || elems / m->batch != tile) return 0;
         }
     }
     return 1;

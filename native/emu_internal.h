@@ -27,6 +27,7 @@ typedef struct {
     emu_tensor *tensors;
     uint32_t n_csrs;
     char (*csrs)[CALRT_NAME_MAX];
+    uint64_t batch;                 /* B (>= 1): rows of a job (emu_calbin.c batch_of) */
 } emu_model;
 
 /* A parsed calbin: shared (refcounted) by the device, its buffers and their jobs, so a

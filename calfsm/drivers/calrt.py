@@ -43,6 +43,12 @@ the rest of it) and keeps a ring of the last ``timeline_jobs`` ended jobs, which
 Faults: a :class:`~calfsm.drivers.faults.FaultPlan` is pushed down as rules
 (``calrt_emu_add_rule``); the emulator applies them with the plan's counting rules at the
 points where SimDriver does.
+
+Batches: a model whose tensors are ``[B, ...]`` runs jobs of 1..B rows
+(``docs/driver-protocol.md``, Batches): ``set_batch_rows``, ``set_kv_seq``/``set_csr``
+with ``row=`` and ``row_status`` are ``calrt_set_batch_rows``, ``calrt_set_kv_seq_row``,
+``calrt_set_csr_row`` and ``calrt_get_row_status`` (row 0 uses the single-row calls), and
+``Capabilities.batch_rows`` is the library's ``batch_rows`` capability.
 """
 
 from __future__ import annotations
@@ -95,7 +101,7 @@ from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind, TensorInfo
 __all__ = ["ABI_VERSION", "CalrtDriver", "cdef_from_header", "load_library"]
 
 #: the ABI this module speaks (``CALRT_C_ABI_VERSION`` of native/calrt_c.h)
-ABI_VERSION = 1
+ABI_VERSION = 2
 
 _OK = 0
 _NOT_FOUND = int(CalrtCode.NOT_FOUND)
@@ -133,13 +139,15 @@ REQUIRED = (
     "calrt_infer", "calrt_infer_fixed", "calrt_wait", "calrt_get_status",
     "calrt_output_bytes", "calrt_pending_jobs", "calrt_kv_can_allocate", "calrt_kv_apply",
     "calrt_kv_release", "calrt_reset_ccu", "calrt_reset_configuration", "calrt_reset",
-    "calrt_enable_parallel_mode",
+    "calrt_enable_parallel_mode", "calrt_set_batch_rows", "calrt_set_kv_seq_row",
+    "calrt_set_csr_row", "calrt_get_row_status",
 )
 EMULATOR = (
     "calrt_emu_set_clock", "calrt_emu_now", "calrt_emu_advance", "calrt_emu_advance_to",
     "calrt_emu_set_latency", "calrt_emu_set_kv_capacity", "calrt_emu_set_capabilities",
     "calrt_emu_add_rule", "calrt_emu_clear_rules", "calrt_emu_stats",
     "calrt_emu_set_transfer_share", "calrt_emu_set_timeline", "calrt_emu_timeline",
+    "calrt_emu_set_batch_row_share",
 )
 
 
@@ -292,6 +300,7 @@ class _Buf:
         "label",
         "maps",
         "model",
+        "rows_final",
         "status",
     )
 
@@ -307,6 +316,9 @@ class _Buf:
         #: tensor name -> the mapped host array (kept alive while the device may use it)
         self.maps: dict[str, np.ndarray] = {}
         self.status = OutputStatus.IDLE
+        #: output: every row's status when the buffer was destroyed or the driver closed
+        #: (what ``row_status`` answers once the library cannot)
+        self.rows_final: tuple[OutputStatus, ...] | None = None
         self.finalizer: weakref.finalize | None = None
 
     def __repr__(self) -> str:
@@ -358,6 +370,19 @@ def _must_succeed(rc: int, fn: str, *args: Any) -> None:
 
 def _clamp(x: int, lo: int, hi: int) -> int:
     return lo if x < lo else hi if x > hi else int(x)
+
+
+def _row(row: int) -> int:
+    """A row index for C (``uint32_t``): one beyond it is beyond every batch too."""
+    return _clamp(row, 0, _U32_MAX)
+
+
+def _batch(info: ModelInfo) -> int:
+    """B of a model as the device reads it: the first dimension of its token tensor when
+    that has one (``[B, n]`` ids, ``[B, n, hidden]`` embeddings), else 1."""
+    shape = info.inputs[0].shape if info.inputs else ()
+    rank = 3 if info.kind is TaskKind.PREFILL_EMBEDS else 2
+    return int(shape[0]) if len(shape) >= rank else 1
 
 
 def _cname(name: Any) -> bytes:
@@ -443,7 +468,8 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
             resets=frozenset(k for k, bit in _RESET_BITS.items() if caps.resets & bit),
             parallel_mode=bool(caps.parallel_mode),
             fixed_engine_slots=bool(caps.fixed_engine_slots),
-            engine_slots=int(caps.engine_slots))
+            engine_slots=int(caps.engine_slots),
+            batch_rows=bool(caps.batch_rows))
 
     @classmethod
     def virtual(cls, **kw: Any) -> CalrtDriver:
@@ -472,6 +498,9 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
             share = float(getattr(latency, "transfer_share", 0.0) or 0.0)
             _must_succeed(lib.calrt_emu_set_transfer_share(h, share),
                           "calrt_emu_set_transfer_share", share)
+            rows = float(getattr(latency, "batch_row_share", 0.0) or 0.0)
+            _must_succeed(lib.calrt_emu_set_batch_row_share(h, rows),
+                          "calrt_emu_set_batch_row_share", rows)
         _must_succeed(lib.calrt_emu_set_timeline(h, self._timeline_jobs),
                       "calrt_emu_set_timeline", self._timeline_jobs)
         _must_succeed(lib.calrt_emu_set_kv_capacity(h, min(self._kv_capacity, _U64_MAX)),
@@ -482,6 +511,7 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
             c.parallel_mode = int(capabilities.parallel_mode)
             c.fixed_engine_slots = int(capabilities.fixed_engine_slots)
             c.engine_slots = int(capabilities.engine_slots)
+            c.batch_rows = int(capabilities.batch_rows)
             _must_succeed(lib.calrt_emu_set_capabilities(h, c), "calrt_emu_set_capabilities")
         for rule in self.faults.rules:   # every field is in range of its C type (FaultRule)
             r = self._ffi.new("calrt_emu_rule_t *")
@@ -506,10 +536,14 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
     def _h(self) -> int:
         return self._dev.handle
 
-    def _c(self, fn: str, *args: Any) -> int:
-        """Call ``fn(device, *args)``; returns its CalRT code (and traces the call)."""
+    def _follow_clock(self) -> None:
+        """A virtual device's time moves to the clock's (whoever advanced it)."""
         if self._virtual:
             self._lib.calrt_emu_advance_to(self._h, _ns(self.clock.now()))
+
+    def _c(self, fn: str, *args: Any) -> int:
+        """Call ``fn(device, *args)``; returns its CalRT code (and traces the call)."""
+        self._follow_clock()
         rc = int(getattr(self._lib, fn)(self._h, *args))
         if self._trace is not None:
             self._trace.append((self.clock.now(), fn, args, rc))
@@ -656,8 +690,10 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
         with self._lock:
             if self._closed or not self._buf_ok(inp) or not self._buf_ok(out):
                 return _INVALID_STATE
+            final = self._row_statuses(out)   # no job can be pending if it succeeds
             rc = self._c("calrt_destroy_buffers", inp.handle, out.handle)
             if rc == _OK:
+                out.rows_final = final
                 for b in (inp, out):
                     b.destroyed = True
                     if b.finalizer is not None:
@@ -706,7 +742,7 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                 return rc
             return self._c("calrt_undo_slice", buf.handle, _cname(tensor))
 
-    def set_csr(self, inp: _Buf, name: str, value: int) -> int:
+    def set_csr(self, inp: _Buf, name: str, value: int, row: int = 0) -> int:
         with self._lock:
             if self._closed or not self._buf_ok(inp):
                 return _INVALID_STATE
@@ -716,9 +752,14 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                 return _NOT_FOUND
             if not _is_int(value) or not 0 <= value <= _U32_MAX:
                 return _INVALID_VALUE
-            return self._c("calrt_set_csr", inp.handle, _cname(name), int(value))
+            if not _is_int(row) or row < 0:
+                return _INVALID_VALUE
+            if row == 0:
+                return self._c("calrt_set_csr", inp.handle, _cname(name), int(value))
+            return self._c("calrt_set_csr_row", inp.handle, _cname(name), _row(row),
+                           int(value))
 
-    def set_kv_seq(self, inp: _Buf, seq_id: int) -> int:
+    def set_kv_seq(self, inp: _Buf, seq_id: int, row: int = 0) -> int:
         with self._lock:
             if self._closed or not self._buf_ok(inp):
                 return _INVALID_STATE
@@ -726,7 +767,24 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                 return _WRONG_DIRECTION
             if not _is_int(seq_id) or not 0 <= seq_id < _SEQ_LIMIT:
                 return _INVALID_VALUE
-            return self._c("calrt_set_kv_seq", inp.handle, int(seq_id))
+            if not _is_int(row) or row < 0:
+                return _INVALID_VALUE
+            if row == 0:
+                return self._c("calrt_set_kv_seq", inp.handle, int(seq_id))
+            return self._c("calrt_set_kv_seq_row", inp.handle, _row(row), int(seq_id))
+
+    def set_batch_rows(self, inp: _Buf, rows: int) -> int:
+        """The rows of the next job of this input buffer (``docs/driver-protocol.md``,
+        Batches): ``1 <= rows <= B``."""
+        with self._lock:
+            if self._closed or not self._buf_ok(inp):
+                return _INVALID_STATE
+            if not inp.is_input:
+                return _WRONG_DIRECTION
+            if not _is_int(rows):
+                return _INVALID_VALUE
+            # 0 for anything below 1: the library refuses it after its own checks
+            return self._c("calrt_set_batch_rows", inp.handle, _clamp(rows, 0, _U32_MAX))
 
     # ---- execution --------------------------------------------------------------------
     def _handles(self, model: Any, inp: Any, out: Any) -> tuple[int, int, int]:
@@ -803,6 +861,36 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
             if self._c("calrt_get_status", out.handle, st) == _OK:
                 out.status = OutputStatus(st[0])
             return out.status
+
+    def row_status(self, out: _Buf, row: int) -> OutputStatus:
+        """Row ``row``'s status of the buffer's last job (``docs/driver-protocol.md``,
+        Batches): no code, as :meth:`status`; a row that is not one of the job's (padding,
+        ``>= B``, negative, not an integer) is IDLE. Not an output buffer of this driver:
+        :class:`~calfsm.errors.InvalidArgument`."""
+        if not isinstance(out, _Buf) or out.driver is not self or out.is_input:
+            raise InvalidArgument(f"row_status() of {out!r}: not an output buffer of this "
+                                  "driver", stage="status")
+        with self._lock:
+            if not _is_int(row) or row < 0:
+                return OutputStatus.IDLE
+            if self._closed or out.destroyed:
+                final = out.rows_final or ()
+                return final[row] if row < len(final) else OutputStatus.IDLE
+            st = self._ffi.new("int32_t *")
+            if self._c("calrt_get_row_status", out.handle, _row(row), st) != _OK:
+                return OutputStatus.IDLE    # pragma: no cover - the handle is this driver's
+            return OutputStatus(st[0])
+
+    def _row_statuses(self, out: _Buf) -> tuple[OutputStatus, ...]:
+        """Every row's status as the library reports it now (B rows; raw calls, so a
+        close or destroy does not trace them)."""
+        self._follow_clock()
+        st = self._ffi.new("int32_t *")
+        rows = []
+        for r in range(_batch(out.model.info)):
+            rc = self._lib.calrt_get_row_status(self._h, out.handle, r, st)
+            rows.append(OutputStatus(st[0]) if rc == _OK else out.status)
+        return tuple(rows)
 
     def output_bytes(self, out: _Buf, tensor: str) -> tuple[int, int | None]:
         with self._lock:
@@ -914,6 +1002,10 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
                     out.status = OutputStatus(st[0])
                 if out.status is OutputStatus.PENDING:
                     out.status = OutputStatus.DONE_ABORTED
+                if not out.destroyed:      # the close aborts what is pending
+                    out.rows_final = tuple(
+                        OutputStatus.DONE_ABORTED if s is OutputStatus.PENDING else s
+                        for s in self._row_statuses(out))
             try:        # what ends at close stays readable; never a reason not to close
                 records = self._timeline_records() if self._emulator else []
             except CalfsmError:

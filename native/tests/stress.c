@@ -7,6 +7,9 @@
  * infer_fixed), and runs JOBS decode steps: write token/position, set CSRs, kv_apply,
  * submit (retrying DEVICE_BUSY), wait, status, output_bytes — and checks every logit
  * against the reference model. A poller thread reads statuses and KV state meanwhile.
+ * Phase 1b: two pthreads run batch decode jobs (a B = 4 graph) on their own sequences,
+ * 1..4 rows each, some with a row that fails its checks alone; every row's logits and
+ * status are checked, padding rows must be zero.
  * Phase 2: jobs in flight while another thread resets (CCU, configuration; one reset per
  * submitted job) and the racers release stale buffers, with STALE and HANG fault rules so
  * ghosts and aborts happen concurrently. A racer writes a job's inputs only when no job
@@ -40,6 +43,11 @@ static const char CALBIN[] =
     "input input_ids S32 4 2 1 1\n"
     "input position_ids S32 4 2 1 1\n"
     "output logits BF16 512 3 1 1 256\n"
+    "csr cur_seq\ncsr total_seq\n"
+    "model s_batch_decode decode -\n"
+    "input input_ids S32 16 2 4 1\n"
+    "input position_ids S32 16 2 4 1\n"
+    "output logits BF16 2048 3 4 1 256\n"
     "csr cur_seq\ncsr total_seq\n"
     "end\n";
 
@@ -144,6 +152,95 @@ static void setup_worker(worker_t *w, int id, int32_t engine) {
     CHECK(calrt_map_buf(dev, w->out, "logits", w->logits, sizeof w->logits, "BF16") == 0,
           "map");
     CHECK(calrt_set_kv_seq(dev, w->inp, id) == 0, "kv_seq");
+}
+
+/* ---- phase 1b: batch jobs -------------------------------------------------------- */
+
+#define BATCH 4
+#define BATCH_JOBS 60
+
+typedef struct {
+    int id;
+    calrt_model_t model;
+    calrt_buf_t inp, out;
+    int32_t tok[BATCH], pos[BATCH];
+    uint16_t logits[BATCH * VOCAB];
+} batcher_t;
+
+static void *batcher_main(void *arg) {
+    batcher_t *b = arg;
+    uint32_t h[BATCH];
+    int32_t len[BATCH] = {0};
+    uint16_t want[VOCAB], zero[VOCAB];
+    memset(zero, 0, sizeof zero);
+    for (int r = 0; r < BATCH; r++) h[r] = REF_H_INIT;
+    for (int i = 0; i < BATCH_JOBS; i++) {
+        uint32_t rows = 1 + (uint32_t)(i % BATCH);
+        int bad = i % 5 == 4 ? (int)rows - 1 : -1;   /* a row that fails its checks alone */
+        for (uint32_t r = 0; r < rows; r++) {
+            int64_t seq = 1000 + 10 * b->id + r;
+            int32_t ok = 0;
+            b->tok[r] = (b->id * 31 + i * 7 + (int)r) % VOCAB;
+            b->pos[r] = len[r];
+            CHECK(calrt_kv_apply(dev, seq, (uint64_t)len[r] + 1, &ok) == 0 && ok, "kv_apply");
+            CHECK(calrt_set_kv_seq_row(dev, b->inp, r, seq) == 0, "kv_seq_row");
+            CHECK(calrt_set_csr_row(dev, b->inp, "cur_seq", r, 1) == 0, "csr_row");
+            CHECK(calrt_set_csr_row(dev, b->inp, "total_seq", r,
+                                    (int)r == bad ? len[r] + 7 : len[r] + 1) == 0, "csr_row");
+        }
+        for (uint32_t r = rows; r < BATCH; r++) b->tok[r] = b->pos[r] = 99999;  /* unread */
+        CHECK(calrt_set_batch_rows(dev, b->inp, rows) == 0, "batch rows");
+        memset(b->logits, 0xAA, sizeof b->logits);
+        int32_t rc;
+        while ((rc = calrt_infer(dev, b->model, b->inp, b->out, NULL)) == CALRT_DEVICE_BUSY)
+            sched_yield();
+        CHECK(rc == 0, "batch infer %d", rc);
+        CHECK(calrt_wait(dev, b->out, -1) == 0, "batch wait");
+        int32_t st = -1;
+        CHECK(calrt_get_status(dev, b->out, &st) == 0 && st == CALRT_STATUS_DONE_OK,
+              "batch status %d", st);
+        for (uint32_t r = 0; r < BATCH + 1; r++) {
+            int32_t want_st = r >= rows ? CALRT_STATUS_IDLE : (int)r == bad
+                ? CALRT_STATUS_DONE_CCU_EXCEPTION : CALRT_STATUS_DONE_OK;
+            CHECK(calrt_get_row_status(dev, b->out, r, &st) == 0 && st == want_st,
+                  "batcher %d job %d row %u: status %d, want %d", b->id, i, r, st, want_st);
+            if (r >= BATCH) continue;
+            if (r < rows && (int)r != bad) {
+                h[r] = ref_step(h[r], (uint32_t)b->tok[r], (uint32_t)b->pos[r]);
+                len[r]++;
+                ref_logits_row(h[r], want, VOCAB);
+                CHECK(memcmp(want, &b->logits[r * VOCAB], sizeof want) == 0,
+                      "batcher %d job %d row %u: wrong logits", b->id, i, r);
+            } else {
+                CHECK(memcmp(zero, &b->logits[r * VOCAB], sizeof zero) == 0,
+                      "batcher %d job %d row %u: not zero", b->id, i, r);
+            }
+        }
+    }
+    return NULL;
+}
+
+static void run_batchers(void) {
+    batcher_t bs[2];
+    pthread_t th[2];
+    for (int i = 0; i < 2; i++) {
+        batcher_t *b = &bs[i];
+        memset(b, 0, sizeof *b);
+        b->id = i;
+        CHECK(calrt_model_lookup(dev, "s_batch_decode", &b->model) == 0, "batch lookup");
+        CHECK(calrt_create_buffers(dev, b->model, CALRT_ENGINE_AUTO, &b->inp, &b->out) == 0,
+              "batch create");
+        CHECK(calrt_map_buf(dev, b->inp, "input_ids", b->tok, sizeof b->tok, "S32") == 0,
+              "map");
+        CHECK(calrt_map_buf(dev, b->inp, "position_ids", b->pos, sizeof b->pos, "S32") == 0,
+              "map");
+        CHECK(calrt_map_buf(dev, b->out, "logits", b->logits, sizeof b->logits, "BF16") == 0,
+              "map");
+        pthread_create(&th[i], NULL, batcher_main, b);
+    }
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    for (int i = 0; i < 2; i++)
+        CHECK(calrt_destroy_buffers(dev, bs[i].inp, bs[i].out) == 0, "batch destroy");
 }
 
 /* ---- phase 2: resets racing with jobs --------------------------------------------- */
@@ -315,6 +412,10 @@ int main(void) {
           "stats %llu %llu", (unsigned long long)ex, (unsigned long long)ab);
     for (int i = 0; i < THREADS; i++)
         CHECK(calrt_destroy_buffers(dev, ws[i].inp, ws[i].out) == 0, "destroy");
+
+    /* phase 1b: batch jobs, still in parallel mode */
+    CHECK(calrt_emu_set_batch_row_share(dev, 0.25) == 0, "batch row share");
+    run_batchers();
 
     /* phase 2: resets racing with jobs, some stale (ghosts), some hung */
     CHECK(calrt_enable_parallel_mode(dev, 0) == 0, "serial");

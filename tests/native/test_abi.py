@@ -49,3 +49,26 @@ def test_calbin_text_round_trips_names_with_spaces_and_percent() -> None:
         assert d.configure(cb) == 0
         assert d.get_all_models() == (0, cb.models)
         assert d.model("odd name%=é_decode")[0] == 0
+
+
+def test_every_fault_point_and_effect_has_its_c_enum() -> None:
+    """CalrtDriver pushes a rule down as ``CALRT_EMU_POINT_<POINT>`` and
+    ``CALRT_EMU_EFFECT_<EFFECT>``: each point and effect of faults.py has one, distinct,
+    and the point count covers them."""
+    from calfsm.drivers.faults import EFFECTS, FAULT_POINTS
+    lib, _, _ = load_library(None)
+    points = {getattr(lib, f"CALRT_EMU_POINT_{p.name.upper()}") for p in FAULT_POINTS}
+    assert len(points) == len(FAULT_POINTS) == lib.CALRT_EMU_POINT_COUNT
+    assert points == set(range(lib.CALRT_EMU_POINT_COUNT))
+    effects = {e for es in EFFECTS.values() for e in es}
+    assert len({getattr(lib, f"CALRT_EMU_EFFECT_{e.upper()}") for e in effects}) == len(effects)
+
+
+def test_the_batch_calls_are_required_and_the_capability_has_its_field() -> None:
+    for fn in ("calrt_set_batch_rows", "calrt_set_kv_seq_row", "calrt_set_csr_row",
+               "calrt_get_row_status"):
+        assert fn in REQUIRED
+    assert "calrt_emu_set_batch_row_share" in EMULATOR
+    ffi = cffi.FFI()
+    ffi.cdef(cdef_from_header(HEADER))
+    assert "batch_rows" in dict(ffi.typeof("calrt_capabilities_t").fields)
