@@ -144,6 +144,18 @@ CAPABILITIES: tuple[CapabilityInfo, ...] = (
                    "when submit succeeded and wait failed, is the job's KV either untouched "
                    "or fully written (never partly), and the prefix intact?",
                    "kv_after_failed_wait"),
+    CapabilityInfo("batch_rows_independent",
+                   "batch graphs: is every row of a batch job bit-exact the same row run "
+                   "alone (no cross-talk in logits or KV), up to the real maximum rows?",
+                   "batch_semantics", lambda c: c.batch_rows),
+    CapabilityInfo("batch_mixed_rows",
+                   "batch graphs: can rows of different lengths and positions (prefill and "
+                   "decode) share one job, each correct?", "batch_semantics",
+                   lambda c: c.batch_rows),
+    CapabilityInfo("batch_kv_no_partial_update",
+                   "batch graphs: does a failed batch job (or a failed row) leave every "
+                   "row's KV untouched or fully written, never partly?", "batch_semantics",
+                   lambda c: c.batch_rows),
     *(CapabilityInfo(f"reset_{kind.value}",
                      f"reset {kind.value}: does it stop in-flight DMA, leave host buffers "
                      "alone, end both engines' jobs, and pass the golden after it (its "

@@ -6,7 +6,7 @@ device), each writing its evidence into ``--out`` (by default the directory ever
 command reads), then asks
 :class:`calfsm.capabilities.EvidenceStore` what is proven on this device — the same
 answer the executor and ``calfsm capabilities --evidence-dir OUT`` give — and prints
-whether two jobs in flight may be enabled.
+whether two jobs in flight and continuous batching may be enabled.
 
 Exit status 0 when every runner made all its observations (whatever they found).
 """
@@ -23,7 +23,9 @@ from calfsm.drivers import load_driver
 from calfsm.manifest import builtin_manifest
 
 RUNNERS = ("parallel_mode", "overlap", "cancel_after_timeout", "kv_after_failed_wait",
-           "reset_semantics")
+           "reset_semantics", "batch_semantics")
+#: the batch runner asks a batch calbin: the batch form of the manifest the others use
+BATCH_FORM = {"tiny": "tiny-b8", "qwen3-b1": "qwen3-b8"}
 VENDOR = Path(__file__).resolve().parent / "vendor"
 
 
@@ -45,7 +47,10 @@ def main(argv: list[str] | None = None) -> int:
     out = evidence_dir(args.out)
     common = ["--driver", args.driver, "--manifest", args.manifest, "--out", str(out),
               "--latency", args.latency]
-    codes = {name: run_one(name, common) for name in RUNNERS}
+    batch = [BATCH_FORM.get(args.manifest, args.manifest) if a == args.manifest else a
+             for a in common]
+    codes = {name: run_one(name, batch if name == "batch_semantics" else common)
+             for name in RUNNERS}
     with load_driver(args.driver, manifest_or_calbin=builtin_manifest(args.manifest)) as d:
         device, version, declared = device_identity(d), d.version(), d.capabilities()
     store = EvidenceStore(out)
@@ -55,6 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     two = store.capability("parallel_two_in_flight", device=device, runtime_version=version)
     print(f"two in flight: {'may be enabled' if two.level is Level.PROVEN else 'stays off'}"
           f" ({two.reason[:80]}...)")
+    rows = store.capability("batch_rows_independent", device=device, runtime_version=version)
+    print(f"continuous batching: {'may be enabled' if rows.level is Level.PROVEN else 'stays off'}"
+          f" ({rows.reason[:80]}...)")
     return 0 if all(rc == 0 for rc in codes.values()) else 1
 
 

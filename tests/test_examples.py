@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from calfsm.capabilities import CAPABILITIES
 from calfsm.direct import DirectRunner
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
@@ -58,6 +59,7 @@ def test_vendor_evidence_example_runs_every_runner(tmp_path: Path) -> None:
     assert levels["parallel_two_in_flight"] == "proven"
     assert levels["pingpong_overlap"] == "proven"
     assert levels["safe_cancel_after_timeout"] == "failed"
-    assert len(levels) == 10
-    assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.json"))) == 5
-    assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.md"))) == 5
+    assert len(levels) == len(CAPABILITIES)
+    assert levels["batch_rows_independent"] == "proven"
+    assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.json"))) == 6
+    assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.md"))) == 6
