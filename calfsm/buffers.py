@@ -140,6 +140,8 @@ class BufferSlot:
     reason: str | None = None
     holder: _LeaseCore | None = None
     destroyed: bool = False
+    #: rows its input buffer is set to carry (a batch graph; ``set_batch_rows``)
+    batch_rows: int = 1
 
     def tensor(self, name: str) -> tuple[TensorContract, Any] | None:
         """The contract of a tensor of this slot by exact name, and the buffer it is in."""
@@ -390,6 +392,41 @@ class BufferLease:
         self.set_csr(c.csr_total_seq, int(slot.positions.item(n - 1)) + 1)
         return n
 
+    def load_row(self, row: int, src: BufferSlot, seq_id: int, n: int, *,
+                 job_id: int | None = None) -> None:
+        """Row ``row`` (>= 1) of this batch graph's slot: the first ``n`` tokens and
+        positions of ``src`` (another job's slot, written and checked when that job was
+        prepared), its KV sequence and both CSRs, as :meth:`load` sets row 0's. An error
+        names ``job_id`` (the row's own job) and ``seq_id``."""
+        core = self._live()
+        slot = core.slot
+        c = slot.contract
+        if not 1 <= row < c.max_batch or not 1 <= n <= c.max_tokens:
+            raise InvalidArgument(f"row {row} of {n} tokens outside the {c.kind.value} "
+                                  f"graph's {c.max_batch} rows of {c.max_tokens}",
+                                  stage="prepare", **self._ctx(core))
+        at = row * c.max_tokens
+        slot.tokens[at:at + n] = src.tokens[:n]
+        slot.positions[at:at + n] = src.positions[:n]
+        driver, inp = core.pool.driver, slot.inp
+        ctx = {**self._ctx(core), "seq_id": seq_id}    # the row's job, not the leader's
+        if job_id is not None:
+            ctx["job_id"] = job_id
+        check(driver.set_kv_seq(inp, int(seq_id), row=row), "kv_seq", **ctx)
+        check(driver.set_csr(inp, c.csr_cur_seq, int(n), row=row), "csr", **ctx)
+        check(driver.set_csr(inp, c.csr_total_seq, int(src.positions[n - 1]) + 1,
+                             row=row), "csr", **ctx)
+
+    def set_rows(self, rows: int) -> None:
+        """How many rows the next job of this batch graph's slot carries (said only when
+        it changes)."""
+        core = self._live()
+        slot = core.slot
+        if slot.batch_rows != rows:
+            check(core.pool.driver.set_batch_rows(slot.inp, int(rows)),  # type: ignore[attr-defined]
+                  "batch_rows", **self._ctx(core))
+            slot.batch_rows = int(rows)
+
     def undo_slices(self) -> None:
         """Restore every tensor sliced through this lease. Tries all of them; a slice whose
         undo failed stays tracked (the slot will be quarantined on return) and the first
@@ -516,10 +553,12 @@ class BufferPool:
     def build(cls, driver: Driver, generation: int,
               models: Mapping[TaskKind, tuple[Any, SubmodelContract]], *,
               engines: Sequence[EngineSlot] = (EngineSlot.AUTO,),
-              slots_per_engine: int = 1) -> BufferPool:
-        """Create every slot now: per (task kind, engine) ``slots_per_engine`` buffer sets,
-        host arrays allocated and mapped once. Any failure destroys what was created and
-        raises the classified error (stage ``buffers`` or ``map``)."""
+              slots_per_engine: int = 1,
+              extra: Mapping[TaskKind, int] | None = None) -> BufferPool:
+        """Create every slot now: per (task kind, engine) ``slots_per_engine`` buffer sets
+        (and ``extra[kind]`` more), host arrays allocated and mapped once. Any failure
+        destroys what was created and raises the classified error (stage ``buffers`` or
+        ``map``)."""
         if slots_per_engine < 1:
             raise InvalidArgument(f"slots_per_engine must be >= 1, got {slots_per_engine}",
                                   stage="buffers", generation=generation)
@@ -530,7 +569,7 @@ class BufferPool:
         try:
             for kind, (model, contract) in models.items():
                 for engine in engines:
-                    for _ in range(slots_per_engine):
+                    for _ in range(slots_per_engine + (extra or {}).get(kind, 0)):
                         slots.append(_make_slot(driver, generation, len(slots), kind,
                                                 EngineSlot(engine), model, contract))
         except BaseException:
@@ -772,6 +811,8 @@ def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
         check(driver.map_buffer(inp, contract.token_or_embed.name, token), "map", **ctx)
         check(driver.map_buffer(inp, contract.position.name, position), "map", **ctx)
         check(driver.map_buffer(out, contract.logits.name, logits), "map", **ctx)
+        if contract.batched:    # one row per job, said once (the device's default too)
+            check(driver.set_batch_rows(inp, 1), "batch_rows", **ctx)  # type: ignore[attr-defined]
     except BaseException:
         _destroy(driver, slot)
         raise

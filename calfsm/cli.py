@@ -51,7 +51,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
-from calfsm.observe import JobAccepted, Observer
+from calfsm.observe import DeviceStep, JobAccepted, Observer
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.serve import cli as serve_cli
@@ -112,7 +112,7 @@ def _latency(spec: str) -> LatencyModel | None:
     kind, _, args = spec.partition(":")
     if kind != "real":
         raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N,"
-                              "transfer_share=F]'", stage="cli")
+                              "transfer_share=F,batch_row_share=F]'", stage="cli")
     return LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=50e-6).with_params(
         args, stage="cli")
 
@@ -142,12 +142,19 @@ class CountingExecutor(DeviceExecutor, Observer):
         self._count_lock = threading.Lock()
         self.jobs_enqueued = 0
         self.jobs_refused: Counter[str] = Counter()     # category -> jobs refused
+        self.decode_steps = self.decode_rows = 0        # batch graph decode jobs, rows
         super().__init__(*args, **kwargs)
         self.add_observer(self)
 
     def job_accepted(self, event: JobAccepted) -> None:
         with self._count_lock:
             self.jobs_enqueued += 1
+
+    def device_step(self, step: DeviceStep) -> None:
+        if step.kind is TaskKind.DECODE:
+            with self._count_lock:
+                self.decode_steps += 1
+                self.decode_rows += step.rows
 
     def enqueue(self, request: Request) -> JobHandle:
         try:
@@ -452,12 +459,14 @@ def _parser() -> argparse.ArgumentParser:
                           "virtual clock, the order the sequences take turns in")
     run.add_argument("--latency", default="virtual",
                      metavar="virtual|real[:decode_ms=N,prefill_token_us=N,"
-                             "transfer_share=F]",
+                             "transfer_share=F,batch_row_share=F]",
                      help="virtual: the driver's own clock (the sim's is virtual and "
                           "never sleeps); real: a fixed latency on the wall clock, each "
                           "value a finite number >= 0 (decode_ms=10, "
                           "prefill_token_us=50 unless given; transfer_share, below 1, "
-                          "is the part of each job spent in H2D/D2H, 0 unless given)")
+                          "is the part of each job spent in H2D/D2H, 0 unless given; "
+                          "batch_row_share, below 1, what each row past the first adds "
+                          "to a batch decode step, 0 unless given)")
     run.add_argument("--path", default="streams", choices=PATHS,
                      help="streams: each prompt a generation stream on a sequence of its "
                           "own (open_sequence + generate: the library samples and enqueues "
@@ -656,6 +665,9 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     table.add_row("path", args.path + (", resume" if args.resume else ""))
     table.add_row("jobs in flight: asked / running",
                   f"{args.max_inflight} / {health.max_inflight}")
+    if ex.decode_steps:     # a batch graph: how full its decode steps ran
+        table.add_row(f"rows per decode step (at most {health.max_batch})",
+                      f"{ex.decode_rows / ex.decode_steps:.2f}")
     for note in health.notes:
         table.add_row("note", note)
     for metric, value in _sampling_rows(args.sampling):

@@ -16,7 +16,9 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from calfsm.batchjob import row_logits
 from calfsm.core import Core, job_ctx
+from calfsm.drivers.base import OutputStatus
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -30,7 +32,7 @@ from calfsm.job import InferenceResult, JobContext, Successor
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.outcomes import Outcomes, limited
-from calfsm.staging import check_output, read_output
+from calfsm.staging import check_job, check_output, read_output, status_name
 from calfsm.submission import Submission
 
 __all__ = ["Completion"]
@@ -95,6 +97,9 @@ class Completion:
         """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
         if job.lease is None:       # abandoned by a shutdown that could not drain it
             return
+        if job.batch is not None:
+            self._complete_rows(job)
+            return
         core = self.core
         clock, life = core.clock, core.life
         slot = job.lease.slot
@@ -124,6 +129,139 @@ class Completion:
         if logits is None:
             return
         self._succeed(job, logits, t1)
+
+    # ---- a batch: one wait, every row on its own -----------------------------------
+    def _complete_rows(self, leader: JobContext) -> None:
+        """The complete step of a batch (calfsm/batchjob.py): one ``wait`` on the
+        leader's slot, then each row as a job alone (:meth:`_end_rows`). Until the last
+        row's continuation ran, the submitter holds a partial batch back for the rows
+        these continuations queue (``Submission.rows_following``)."""
+        core = self.core
+        rows = leader.batch
+        assert rows is not None
+        zombie = leader.ended
+        t0 = core.clock.now()
+        rc = core.driver.wait(leader.lease.slot.out, self.completion_timeout_s(leader))
+        t1 = core.clock.now()
+        core.heartbeat["completion"] = t1
+        for row in rows:
+            row.timings.device_wait_ms += (t1 - t0) * 1e3
+        if rc == CalrtCode.TIMEOUT:
+            if not zombie:
+                self._execution_timeout_rows(rows)
+            if core.life.state == LifecycleState.FAILED and not core.life.closing:
+                log.error("abandoning a batch of %d rows led by job %s on a failed device",
+                          len(rows), leader.job_id, extra=job_ctx(leader, "wait"))
+                return
+            self.device.wait_again(leader)
+            return
+        held = [len(rows)]
+
+        def let_go() -> None:           # the submitter need wait for no more rows
+            if held[0]:
+                self.device.rows_following(-held[0])
+                held[0] = 0
+
+        self.device.rows_following(len(rows))
+        try:
+            for row in rows:
+                self.device.release_inflight(row)
+            core.hooks.after_device_freed()
+            leader.lease.mark_off_device()
+            self._end_rows(leader, rows, rc, zombie, t1, let_go)
+        finally:
+            let_go()
+            for row in rows:
+                row.batch = None
+                row.rides = False
+
+    def _end_rows(self, leader: JobContext, rows: list[JobContext], rc: int,
+                  zombie: bool, waited: float, let_go: Callable[[], None]) -> None:
+        """Each row of a finished batch ends as a job alone would: a job-level failure
+        (the wait, the status, the output size) fails every row and is shown to the
+        fault policy once, a row's own ending fails only it, every row that ran well is
+        converted, continued, committed and resolved. Every row is converted before any
+        resolves, so the leader's slot (holding every row's output) is given back only
+        after the last row was read; every row's continuation runs before any commits,
+        and then the submitter may go (``let_go``) with the next steps they queued while
+        this thread commits and resolves."""
+        core = self.core
+        slot = leader.lease.slot
+        if zombie:
+            for row in rows:
+                self._late_completion(row, rc)
+            return
+        with core.device_lock:
+            current = leader.epoch is core.life.epoch and not leader.epoch.retired
+            if current and rc == 0:
+                reading = read_output(core.driver, slot.out, slot.contract)
+                ends = [core.driver.row_status(slot.out, r)  # type: ignore[attr-defined]
+                        for r in range(len(rows))]
+        if not current:
+            for row in rows:
+                self._late_completion(row, rc)
+            return
+        for row in rows:
+            _fire(row, "complete")
+        results = self._row_results(leader, rc, reading if rc == 0 else None,
+                                    ends if rc == 0 else [])
+        continued = [not isinstance(result, CalfsmError)
+                     and row.kv.prev_len <= row.kv.target_len
+                     for row, result in zip(rows, results, strict=True)]
+        for row, result, early in zip(rows, results, continued, strict=True):
+            if early:
+                self._continue(row, result)
+        let_go()
+        decided = False
+        for row, result, early in zip(rows, results, continued, strict=True):
+            if isinstance(result, CalfsmError):
+                job_level = result.stage != "row"
+                self._completion_failed(row, result, decide=not (job_level and decided))
+                decided = decided or job_level
+            else:
+                self._succeed(row, result, waited, continued=early)
+
+    def _row_results(self, leader: JobContext, rc: int, reading: Any,
+                     ends: list[int]) -> list[Any]:
+        """Each row's float32 logits (converted into its target), or its error: the
+        job's (every row the same failure, each with its own context) or the row's own
+        ending (stage ``row``)."""
+        rows = leader.batch
+        assert rows is not None
+        contract = leader.lease.slot.contract
+        results: list[Any] = []
+        for r, row in enumerate(rows):
+            ctx = job_ctx(row, None)
+            try:
+                if rc != 0:
+                    raise from_calrt(rc, "wait", **ctx)
+                check_job(reading, contract, ctx)
+            except CalfsmError as e:
+                results.append(e)
+                continue
+            if ends[r] != OutputStatus.DONE_OK:
+                results.append(Unavailable(
+                    f"row {r} of a batch job ended {status_name(ends[r])} although the job "
+                    "ended DONE_OK", category=ErrorCategory.DEVICE, **job_ctx(row, "row")))
+                continue
+            try:
+                results.append(check_output(reading, row_logits(leader, r), contract,
+                                            row.token_count, row.request.target, ctx))
+            except CalfsmError as e:
+                results.append(e)
+        return results
+
+    def _execution_timeout_rows(self, rows: list[JobContext]) -> None:
+        """A batch's wait passed the execution deadline (FI07): every row as a job
+        alone; the drain begins once."""
+        self._execution_timeout(rows[0])
+        for row in rows[1:]:
+            err = DeadlineExceeded("execution deadline passed; the job may still be "
+                                   "running on the device", category=ErrorCategory.TRANSIENT,
+                                   calrt_code=int(CalrtCode.TIMEOUT), **job_ctx(row, "wait"))
+            row.epoch.kv.mark_unknown(row.kv, "execution timeout")
+            _fire(row, "quarantine")
+            self.outcomes.finish(row, err, "quarantined")
 
     def _output(self, job: JobContext, rc: int) -> Any:
         """Read and check the output of a job whose Wait returned ``rc`` (the slices are
@@ -159,8 +297,10 @@ class Completion:
             return None
         return logits
 
-    def _succeed(self, job: JobContext, logits: Any, waited: float) -> None:
-        """The job ran and its output is good: continuation, KV commit, resolve, lease.
+    def _succeed(self, job: JobContext, logits: Any, waited: float, *,
+                 continued: bool = False) -> None:
+        """The job ran and its output is good: continuation, KV commit, resolve, lease
+        (``continued``: a batch row whose continuation already ran, :meth:`_end_rows`).
 
         Spec 6.5 orders KV commit -> undo slices -> resolve -> return the lease. The
         slices were undone in :meth:`_output`, in the same device-lock section as the
@@ -174,7 +314,7 @@ class Completion:
         # it need not wait for this commit. Not after a rewinding prefill, whose commit
         # may trim on the device and fail: a step must never follow a KV nobody vouches for
         early = kv.prev_len <= kv.target_len
-        if early:
+        if early and not continued:
             self._continue(job, logits)
         try:
             job.epoch.kv.commit(kv)
@@ -232,16 +372,19 @@ class Completion:
         self.outcomes.finish(job, err, "failed")
         job.epoch.pool.release(lease)
 
-    def _completion_failed(self, job: JobContext, err: CalfsmError) -> None:
+    def _completion_failed(self, job: JobContext, err: CalfsmError, *,
+                           decide: bool = True) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
-        Unknown (the device ran), the slot is quarantined, the fault policy decides."""
+        Unknown (the device ran), the slot is quarantined, the fault policy decides
+        (``decide=False``: a batch's other rows of one job-level failure it has seen)."""
         # the raw output, for observers (a dump sink): the slot is quarantined below, so
         # its host arrays stay as the device left them
         outcomes = self.outcomes
         output = job.lease.slot.logits_bf16 if outcomes.observers.jobs else None
         outcomes.withhold(job, str(err))
         _fire(job, "quarantine")
-        self.core.decide(err)                  # before the caller hears
+        if decide:
+            self.core.decide(err)              # before the caller hears
         outcomes.finish(job, err, "quarantined", output=output)
 
     def _execution_timeout(self, job: JobContext) -> None:
@@ -275,3 +418,4 @@ class Completion:
             self.outcomes.finish(job, Unavailable(
                 f"completion of generation {job.generation} arrived after a reset; "
                 "result discarded", **job_ctx(job, "stale_completion")), "quarantined")
+

@@ -83,6 +83,14 @@ class ExecutorConfig:
     evidence_dir: str | None = None
     #: the dump sink (spec S12): off (None) unless a DumpConfig names its directory
     dump: DumpConfig | None = attrs.field(default=None, validator=_dump_config)
+    #: rows per device job on a batch calbin (continuous batching): None as many as the
+    #: manifest's decode graph and the batch runner's evidence allow, 1 off. Batching
+    #: runs only when the evidence proves it (calfsm/batching.py)
+    max_batch: int | None = attrs.field(
+        default=None, validator=attrs.validators.optional(_at_least_one))
+    #: how long the submitter may hold a partial batch for rows a batch being completed
+    #: is about to queue (threaded mode; step mode never waits)
+    batch_window_s: float = attrs.field(default=0.002, validator=_non_negative)
 
 
 @attrs.frozen
@@ -120,6 +128,8 @@ class Health:
     completion_heartbeat: float
     reason: str | None
     max_inflight: int = 1
+    #: rows one device step carries at most (continuous batching; 1: off)
+    max_batch: int = 1
     #: configuration the executor could not honour, and why (e.g. max_inflight)
     notes: tuple[str, ...] = ()
     broken: str | None = None

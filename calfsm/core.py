@@ -86,7 +86,8 @@ class Core:
     def __init__(self, driver: Driver, life: Lifecycle, faults: FaultPolicy, *,
                  timeouts: PipelineTimeouts, service: ServiceModel, max_inflight: int,
                  engines: tuple[EngineSlot, ...], apply: Callable[[Verdict], None],
-                 drain: Callable[[str], bool]) -> None:
+                 drain: Callable[[str], bool], max_rows: int = 1,
+                 batch_window_s: float = 0.0) -> None:
         self.driver = driver
         self.clock = driver.clock
         self.life = life
@@ -95,6 +96,10 @@ class Core:
         #: expected and measured step costs: the execution timeout, the estimates
         self.service = service
         self.max_inflight = max_inflight
+        #: rows one device job of a batch graph's decode carries (1: no batching)
+        self.max_rows = max_rows
+        #: how long a partial batch may wait for rows being completed (threaded)
+        self.batch_window_s = batch_window_s
         self.engines = engines
         #: the lifecycle carries out a policy decision ...
         self.apply = apply

@@ -20,7 +20,14 @@ import numpy as np
 from calfsm import refmodel
 from calfsm.buffers import BufferPool
 from calfsm.drivers.base import SEQ_LIMIT, Calbin, Driver, EngineSlot, JobTag
-from calfsm.errors import CalfsmError, Internal, ManifestError, check, from_calrt
+from calfsm.errors import (
+    CalfsmError,
+    Incompatible,
+    Internal,
+    ManifestError,
+    check,
+    from_calrt,
+)
 from calfsm.kv import KvCoordinator
 from calfsm.manifest import Manifest, ModelGeneration, SubmodelContract, TaskKind
 from calfsm.service import ServiceModel, WarmupTiming
@@ -62,10 +69,23 @@ class Epoch:
         self.pool.retire()
 
 
+def check_batch_calls(manifest: Manifest, driver: Driver) -> None:
+    """Refuse a calbin with batch graphs on a driver without the batch calls
+    (``Capabilities.batch_rows``): it could not say which row a job's inputs are, so
+    not even one row per job would run (category compatibility: no reset helps)."""
+    batched = [s for s in manifest.submodels if s.batched]
+    if batched and not driver.capabilities().batch_rows:
+        names = ", ".join(s.kind.value for s in batched)
+        raise Incompatible(f"{names}: batch graphs (max_batch "
+                           f"{max(s.max_batch for s in batched)}) need a driver with the "
+                           f"batch calls; driver {driver.name!r} "
+                           "has none (Capabilities.batch_rows; docs/driver-protocol.md, "
+                           "Batches)", stage="manifest")
+
 def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: int, *,
                 max_inflight: int, slots_per_engine: int, token_budget: int | None,
                 engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
-                configure: bool = True) -> Epoch:
+                configure: bool = True, batch_rows: int = 1) -> Epoch:
     """Resolve, configure and build an epoch. Raises a classified :class:`CalfsmError`.
 
     The manifest is resolved against the calbin's model list *before* the device is
@@ -73,9 +93,13 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     against what the configured device lists; a manifest for another CalRT version than
     the driver runs is refused before configuring too (``Incompatible``).
     ``configure=False`` reuses a configuration the device kept (after a CCU-only reset).
+    With ``batch_rows`` > 1 (continuous batching) the decode graph gets that many times
+    the slots plus one batch more: every row of the step on the device, the rows queued
+    for the next step and their steps staged ahead each hold a slot of their own.
     """
     manifest.resolve(calbin.models)
     manifest.check_runtime(driver.version())   # before the device hears of it, like FI01
+    check_batch_calls(manifest, driver)
     if configure:
         check(driver.configure(calbin), "configure", generation=generation)
     code, listed = driver.get_all_models()
@@ -88,13 +112,16 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
         handles[sub.kind] = handle
     model = manifest.generation(generation, device_models)
     max_seq = max(s.max_seq for s in manifest.submodels)
+    rows = max(1, batch_rows)
     kv = KvCoordinator(driver, max_seq=max_seq,
-                       token_budget=token_budget or max_seq * max(4, 2 * max_inflight),
+                       token_budget=token_budget or max_seq * max(4, 2 * max_inflight, rows),
                        generation=generation)
     pool = BufferPool.build(
         driver, generation,
         {kind: (handles[kind], model.submodel(kind)) for kind in handles},
-        engines=engines, slots_per_engine=slots_per_engine)
+        engines=engines, slots_per_engine=slots_per_engine,
+        extra={TaskKind.DECODE: (slots_per_engine + 1) * rows - slots_per_engine}
+        if rows > 1 else None)
     return Epoch(generation, manifest, calbin, model, handles, kv, pool)
 
 

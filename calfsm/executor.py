@@ -25,6 +25,7 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+from calfsm.batching import plan_batching
 from calfsm.capacity import LiveStreams
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver
@@ -65,11 +66,18 @@ class DeviceExecutor:
         self.config = cfg = config or ExecutorConfig()
         self.clock = driver.clock
         plan = plan_inflight(cfg.max_inflight, driver, evidence_dir=cfg.evidence_dir)
-        self._notes: tuple[str, ...] = (plan.note,) if plan.note else ()
-        if plan.note:
-            log.warning("%s", plan.note, extra={"stage": "config"})
+        batching = plan_batching(manifest, driver, requested=cfg.max_batch,
+                                 evidence_dir=cfg.evidence_dir)
+        self._notes: tuple[str, ...] = tuple(p.note for p in (plan, batching) if p.note)
+        for note in self._notes:
+            log.warning("%s", note, extra={"stage": "config"})
         if plan.proof:
             log.info("two in flight on Ping/Pong: %s", plan.proof, extra={"stage": "config"})
+        if batching.proof:
+            log.info("continuous batching, %d rows per step: %s", batching.max_rows,
+                     batching.proof, extra={"stage": "config"})
+        #: rows one device step carries at most (1: no batching; calfsm/batching.py)
+        self.max_batch = batching.max_rows
         engines = plan.engines
         self._life = life = Lifecycle(self.clock)
         self.faults = FaultPolicy(cfg.recovery)
@@ -86,14 +94,17 @@ class DeviceExecutor:
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
                 default_deadline_s=cfg.default_deadline_s,
                 zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
-            service=self.service, apply=self._apply, drain=self.recover)
+            service=self.service, apply=self._apply, drain=self.recover,
+            max_rows=batching.max_rows,
+            batch_window_s=cfg.batch_window_s if cfg.threaded else 0.0)
         self._steps = StreamSteps(self._pipeline)     # the streams' plumbing, not the facade's
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
             service=self.service,
             build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
-                                token_budget=cfg.token_budget, engines=engines))
+                                token_budget=cfg.token_budget, engines=engines,
+                                batch_rows=batching.max_rows))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
@@ -454,7 +465,8 @@ class DeviceExecutor:
             generation=life.generation, inflight=inflight, queue_depth=depth,
             submitter_heartbeat=p.heartbeat("submitter"),
             completion_heartbeat=p.heartbeat("completion"), reason=life.reason,
-            max_inflight=p.max_inflight, notes=self._notes, broken=p.broken,
+            max_inflight=p.max_inflight, max_batch=self.max_batch, notes=self._notes,
+            broken=p.broken,
             live=live_reason is None, live_reason=live_reason, oldest_job_s=age,
             hang_suspected=suspect, ready_reason=ready_reason)
 

@@ -117,6 +117,13 @@ class JobContext:
     #: called once a parked job is queued for the device, by a caller that blocks until
     #: its job is admitted (:meth:`calfsm.admission.Admission.wait_admitted`)
     on_admitted: Callable[[], None] | None = None
+    #: the rows of the one device job this job is a row of (itself first when it leads:
+    #: its slot is the one the device runs), from claim to completion; None: a job alone
+    batch: list[JobContext] | None = None
+    #: a row of a batch another job leads: its own slot never reaches the device (its
+    #: inputs were copied into the leader's), so a failure gives it back, never
+    #: quarantines it
+    rides: bool = False
 
 
 class Successor(NamedTuple):

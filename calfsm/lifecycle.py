@@ -731,13 +731,14 @@ def _on_exhausted(owner: DeviceLifecycle) -> Callable[[TaskKind, str], None]:
 
 
 def epoch_builder(driver: Driver, *, max_inflight: int, slots_per_engine: int,
-                  token_budget: int | None, engines: tuple[EngineSlot, ...]
-                  ) -> Callable[..., Epoch]:
+                  token_budget: int | None, engines: tuple[EngineSlot, ...],
+                  batch_rows: int = 1) -> Callable[..., Epoch]:
     """``build(manifest, calbin, generation, configure=True)`` with one executor's
     settings."""
     def build(manifest: Manifest, calbin: Calbin, generation: int, *,
               configure: bool = True) -> Epoch:
         return build_epoch(driver, manifest, calbin, generation, configure=configure,
                            max_inflight=max_inflight, slots_per_engine=slots_per_engine,
-                           token_budget=token_budget, engines=engines)
+                           token_budget=token_budget, engines=engines,
+                           batch_rows=batch_rows)
     return build

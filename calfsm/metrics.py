@@ -40,7 +40,7 @@ except ImportError as e:        # pragma: no cover - the extra is part of dev
 
 from calfsm.errors import ErrorCategory, ResourceExhausted
 from calfsm.machines.lifecycle import LifecycleState
-from calfsm.observe import JOB_OUTCOMES, REJECTION_REASONS, JobEnded, Observer
+from calfsm.observe import JOB_OUTCOMES, REJECTION_REASONS, DeviceStep, JobEnded, Observer
 from calfsm.streams import FinishReason
 
 if TYPE_CHECKING:
@@ -62,6 +62,8 @@ E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 15.0, 20.
 #: the parts of one job (seconds): admission, queue, device
 DEVICE_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025,
                   0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: rows per batch job: every count up to 8, then powers of two
+BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
 
 #: the ``reason`` label of ``calfsm_rejections_total``: the refusals at the door
 #: (:data:`calfsm.observe.REJECTION_REASONS`) and a job larger than the whole KV budget
@@ -123,6 +125,13 @@ class ExecutorMetrics(Observer):
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of ended streams.")
         self.generation_tokens = counter("generation_tokens",
                                          "Tokens delivered by ended streams.")
+        self.batch_rows = hist("batch_rows",
+                               "Rows (streams' steps) per device job of a batch graph "
+                               "(continuous batching; one observation per job).",
+                               BATCH_BUCKETS, ("kind",))
+        self.padding_rows = counter("batch_padding_rows",
+                                    "Rows of batch graph jobs that carried nothing (the "
+                                    "graph's max_batch minus the rows it ran).", ("kind",))
         for r in FinishReason:
             self.finished.labels(r.value)
         for r in REJECTIONS:
@@ -130,7 +139,7 @@ class ExecutorMetrics(Observer):
         self._metrics = (self.ttft, self.tpot, self.e2e, self.queue_time,
                          self.admission_wait, self.device_time, self.job_latency,
                          self.finished, self.rejections, self.resumes, self.prompt_tokens,
-                         self.generation_tokens)
+                         self.generation_tokens, self.batch_rows, self.padding_rows)
         self._by_kind: dict[Any, tuple[Any, Any, Any, Any]] = {}
         self._collector = _BooksCollector(self)
         registered: list[Any] = []
@@ -210,6 +219,11 @@ class ExecutorMetrics(Observer):
 
     def request_rejected(self, error: Any, reason: str) -> None:
         self.rejections.labels(reason).inc()
+
+    def device_step(self, step: DeviceStep) -> None:
+        self.batch_rows.labels(step.kind.value).observe(step.rows)
+        if step.capacity > step.rows:
+            self.padding_rows.labels(step.kind.value).inc(step.capacity - step.rows)
 
 
 class _BooksCollector:

@@ -26,6 +26,8 @@ override what you need). ``executor.add_observer(obs)`` registers it in the exec
 ``stream_ended(stream, result)``   a stream finished (once), with its GenerationResult
 ``request_rejected(error, reason)`` a request refused at once, before any job existed:
                                    ``reason`` is one of :data:`REJECTION_REASONS`
+``device_step(DeviceStep)``        a job of a batch graph was submitted, with how many
+                                   rows it carries (continuous batching) of how many
 
 So ``job_accepted`` and ``job_refused`` account for every call of the two entries, and
 the ends with ``announced`` pair one to one with the ``job_accepted`` before them (the
@@ -65,7 +67,7 @@ from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.results import GenerationResult
 
-__all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "JobAccepted", "JobEnded",
+__all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "DeviceStep", "JobAccepted", "JobEnded",
            "Observer", "Observers", "StreamView", "rejection_reason"]
 
 
@@ -117,7 +119,7 @@ def rejection_reason(err: CalfsmError, *, opening: bool = False) -> str | None:
 
 #: the observer methods the executor calls
 EVENTS = ("job_accepted", "job_refused", "job_ended", "stream_started", "stream_resumed",
-          "stream_ended", "request_rejected")
+          "stream_ended", "request_rejected", "device_step")
 
 
 @attrs.frozen(slots=True)
@@ -157,6 +159,16 @@ class JobEnded:
     announced: bool = True
 
 
+@attrs.frozen(slots=True)
+class DeviceStep:
+    """One device job of a batch graph submitted: ``rows`` rows (streams' steps) of the
+    graph's ``capacity`` (its ``max_batch``); the rest is padding."""
+
+    kind: TaskKind
+    rows: int
+    capacity: int
+
+
 class Observer:
     """The observer protocol, as no-op methods: override the events you want."""
 
@@ -185,6 +197,9 @@ class Observer:
 
     def request_rejected(self, error: CalfsmError, reason: str) -> None:
         """A request was refused at once (``error`` is what the caller got)."""
+
+    def device_step(self, step: DeviceStep) -> None:
+        """A job of a batch graph went to the device, carrying ``step.rows`` rows."""
 
 
 class Observers:
@@ -269,3 +284,7 @@ class Observers:
     def request_rejected(self, error: CalfsmError, reason: str) -> None:
         if self._fns["request_rejected"]:
             self._call("request_rejected", error, reason)
+
+    def device_step(self, step: DeviceStep) -> None:
+        if self._fns["device_step"]:
+            self._call("device_step", step)

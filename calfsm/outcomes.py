@@ -183,8 +183,11 @@ class Outcomes:
         if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
             job.epoch.kv.mark_unknown(job.kv, reason)
         if job.lease is not None:
-            job.epoch.pool.quarantine(job.lease, reason)
-            job.lease = None
+            lease, job.lease = job.lease, None
+            if job.rides:       # the device never had this slot: a row of another's job
+                job.epoch.pool.release(lease)
+            else:
+                job.epoch.pool.quarantine(lease, reason)
 
     def abandon(self, job: JobContext, err: CalfsmError) -> None:
         """Give up a job the device may still hold: its KV Unknown, its slot

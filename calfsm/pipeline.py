@@ -79,10 +79,12 @@ class Pipeline:
     def __init__(self, driver: Driver, life: Lifecycle, faults: FaultPolicy, *,
                  timeouts: PipelineTimeouts, service: ServiceModel, max_inflight: int,
                  engines: tuple[EngineSlot, ...], apply: Callable[[Verdict], None],
-                 drain: Callable[[str], bool]) -> None:
+                 drain: Callable[[str], bool], max_rows: int = 1,
+                 batch_window_s: float = 0.0) -> None:
         self.core = core = Core(driver, life, faults, timeouts=timeouts, service=service,
                                 max_inflight=max_inflight, engines=engines, apply=apply,
-                                drain=drain)
+                                drain=drain, max_rows=max_rows,
+                                batch_window_s=batch_window_s)
         self.outcomes = Outcomes(core)
         self.device = Submission(core, self.outcomes, lambda jobs: self.admission.hold(jobs))
         self.admission = Admission(core, self.outcomes, self.device)

@@ -155,8 +155,11 @@ class ThreadRuntime(_Runtime):
         # a stream's next step, queued by the completion thread while the device idles:
         # let the submitter call infer before this thread goes on (delivering the token,
         # returning the lease), as when it frees the device with a job queued
+        # (not while the submitter holds a batch back for the rows this thread is about
+        # to queue: it would only wait for a submit that comes after them)
         if not self._yield and threading.current_thread() is self._completion_thread \
-                and self.pipeline.inflight < self.pipeline.max_inflight:
+                and self.pipeline.inflight < self.pipeline.max_inflight \
+                and self.pipeline.device.submittable():
             self._submitted_bell.wait(0)      # only a submit after this ring counts
             self._yield = True
         self._submit_bell.ring()

@@ -126,11 +126,13 @@ class ServiceModel:
         20 ms, and so a 6000-token prompt at two minutes (admission refused it)."""
         return tokens > 0 and tokens * self._token_s >= self._decode_s
 
-    def execution_timeout_s(self, kind: TaskKind, tokens: int) -> float:
-        """How long ``wait`` may take before the job is given up as hung (FI07)."""
+    def execution_timeout_s(self, kind: TaskKind, tokens: int, rows: int = 1) -> float:
+        """How long ``wait`` may take before the job is given up as hung (FI07). A job
+        of ``rows`` rows is given what they would take one after another (a batch step
+        never costs more, whatever its rows share)."""
         if self.fixed_timeout_s is not None:
             return self.fixed_timeout_s
-        return max(self._floor_s, self._factor * self.expected_s(kind, tokens))
+        return max(self._floor_s, self._factor * rows * self.expected_s(kind, tokens))
 
     def suspect_after_s(self, kind: TaskKind, tokens: int) -> float:
         """A job on the device longer than this is a suspected hang (``health()`` stops

@@ -25,15 +25,19 @@ from calfsm.errors import CalrtCode, ErrorCategory, Unavailable, from_calrt, out
 from calfsm.logits import extract_logits
 from calfsm.manifest import SubmodelContract
 
-__all__ = ["OutputReading", "check_ending", "check_output", "read_output"]
+__all__ = ["OutputReading", "check_ending", "check_job", "check_output", "read_output",
+           "status_name"]
 
 #: (status, output_bytes code, bytes produced)
 OutputReading = tuple[int, int, int]
 
 
 def read_output(driver: Driver, out: Any, contract: SubmodelContract) -> OutputReading:
-    """The device calls that tell how a finished job ended (no judgement yet)."""
+    """The device calls that tell how a finished job ended (no judgement yet). A job of a
+    batch graph carries its one row as row 0, which ends on its own (``row_status``)."""
     status = driver.status(out)
+    if contract.batched and status == OutputStatus.DONE_OK:
+        status = driver.row_status(out, 0)  # type: ignore[attr-defined]
     code, produced = driver.output_bytes(out, contract.logits.name)
     return status, code, produced
 
@@ -42,18 +46,16 @@ def check_ending(reading: OutputReading, ctx: dict[str, Any]) -> None:
     """Raise the classified error of a job that did not end well (status, output code)."""
     status, code, _ = reading
     if status != OutputStatus.DONE_OK:
-        raise Unavailable(f"device reported {_status_name(status)} although Wait "
+        raise Unavailable(f"device reported {status_name(status)} although Wait "
                           "succeeded", category=ErrorCategory.DEVICE, stage="status", **ctx)
     if code != 0:
         raise from_calrt(code, "output", **ctx)
 
 
-def check_output(reading: OutputReading, logits_bf16: np.ndarray,
-                 contract: SubmodelContract, token_count: int,
-                 target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
+def check_job(reading: OutputReading, contract: SubmodelContract,
+              ctx: dict[str, Any]) -> None:
     """Raise the classified error of a bad ending or of an output of any size but the
-    tensor's (an output fault); else the float32 logits of the last token, written into
-    ``target`` (allocated when None)."""
+    tensor's (an output fault): what fails a job as a whole, every row of a batch."""
     check_ending(reading, ctx)
     produced = reading[2]
     expected = contract.logits.byte_size
@@ -63,12 +65,23 @@ def check_output(reading: OutputReading, logits_bf16: np.ndarray,
                            f"its byte size is {expected} (a job that ends DONE_OK writes "
                            "the whole tensor)", calrt_code=CalrtCode.SHAPE_MISMATCH,
                            stage="output", **ctx)
+
+
+def check_output(reading: OutputReading, logits_bf16: np.ndarray,
+                 contract: SubmodelContract, token_count: int,
+                 target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
+    """Raise the classified error of a bad ending or of an output of any size but the
+    tensor's (an output fault); else the float32 logits of the last token, written into
+    ``target`` (allocated when None)."""
+    check_job(reading, contract, ctx)
+    produced = reading[2]
     if target is None:
         target = np.empty(contract.vocab, dtype=np.float32)
     return extract_logits(logits_bf16, produced, contract, token_count, target)
 
 
-def _status_name(status: int) -> str:
+def status_name(status: int) -> str:
+    """A device status by its name (a value the protocol does not know, by number)."""
     try:
         return OutputStatus(status).name
     except ValueError:

@@ -14,6 +14,7 @@ import logging
 from collections import deque
 from collections.abc import Callable
 
+from calfsm.batchjob import batchable, gather, program_rows
 from calfsm.core import READY, Core, job_ctx
 from calfsm.drivers.base import EngineSlot, JobTag
 from calfsm.errors import (
@@ -27,10 +28,16 @@ from calfsm.errors import (
 )
 from calfsm.job import JobContext
 from calfsm.machines.job import JOB_MACHINE, JobState
+from calfsm.manifest import TaskKind
+from calfsm.observe import DeviceStep
 from calfsm.outcomes import Outcomes
 from calfsm.recovery import Decision
 
 __all__ = ["Submission"]
+
+#: the categories of an ``infer`` refusal that prove the graph did not run (FI05)
+_NOT_RUN = (ErrorCategory.TRANSIENT, ErrorCategory.REQUEST, ErrorCategory.PROGRAMMING,
+            ErrorCategory.LIFECYCLE)
 
 log = logging.getLogger("calfsm.pipeline")
 
@@ -53,6 +60,15 @@ class Submission:
         #: ping/pong: the job each fixed engine runs now (one per engine, spec 6.4);
         #: empty with one in flight on the AUTO engine
         self._engine_busy: dict[EngineSlot, JobContext] = {}
+        #: batching: rows of a batch being completed whose next steps may still join the
+        #: queue (the submitter holds a partial batch for them, within the window)
+        self._rows_following = 0
+        #: the rows of the batch completed last, and when its last continuation ran
+        self._last_rows = 0
+        self._followed_at = 0.0
+        #: batching: the last job claimed was a prefill (the next claim prefers decodes,
+        #: so prompts arriving never starve the running streams)
+        self._prefill_last = False
 
     # ---- observation ---------------------------------------------------------------
     @property
@@ -155,14 +171,54 @@ class Submission:
         """A job is queued whose engine is free, an in-flight slot is free and the device
         takes work."""
         core = self.core
-        return bool(self._submit_q) and self._inflight < core.max_inflight \
-            and core.life.state == READY and self._next_claim() is not None
+        if not (self._submit_q and self._inflight < core.max_inflight
+                and core.life.state == READY):
+            return False
+        i = self._next_claim()
+        return i is not None and not self._hold_for_rows(self._submit_q[i])
+
+    def _hold_for_rows(self, job: JobContext) -> bool:
+        """Hold a partial batch back for rows on their way: while the completion side
+        runs the continuations of a finished batch (each may queue its stream's next
+        step: a bounded wait, never longer than that batch's host work), and then for at
+        most ``batch_window_s`` while fewer rows are queued than that batch had."""
+        core = self.core
+        if not batchable(job, core.max_rows):
+            return False
+        queued = sum(1 for j in self._submit_q if j.kind is job.kind)
+        if queued >= core.max_rows:
+            return False
+        if self._rows_following:
+            return True
+        return queued < self._last_rows \
+            and core.clock.now() < self._followed_at + core.batch_window_s
+
+    def rows_following(self, n: int) -> None:
+        """The completion side is about to run (``n`` > 0) or has run (``-n``) the
+        continuations of ``n`` rows of a batch; when none is left, a held batch may go
+        (at once, or at the end of the window)."""
+        core = self.core
+        with core.lock:
+            if n > 0 and not self._rows_following:
+                self._last_rows = n
+            self._rows_following += n
+            if self._rows_following == 0:
+                self._followed_at = core.clock.now()
+                if self._submit_q:
+                    core.hooks.work_queued()
+        if n < 0:
+            core.hooks.after_work_queued()
 
     def _next_claim(self) -> int | None:
         """Index of the first queued job whose engine runs nothing now (ping/pong: one
         job per fixed engine), or None. Jobs of one sequence never wait side by side, so
         taking a later job first reorders only independent sequences."""
         busy = self._engine_busy
+        if self._prefill_last and self.core.max_rows > 1:
+            for i, job in enumerate(list(self._submit_q)):
+                if job.kind is TaskKind.DECODE and (
+                        job.lease is None or job.lease.slot.engine not in busy):
+                    return i
         if not busy:
             return 0 if self._submit_q else None
         for i, job in enumerate(list(self._submit_q)):   # a copy: callers may not lock
@@ -190,6 +246,15 @@ class Submission:
             else:
                 job = self._submit_q[i]
                 del self._submit_q[i]
+            if batchable(job, core.max_rows):
+                riders = gather(job, self._submit_q, core.max_rows)
+                for r in riders:
+                    self._submit_q.remove(r)
+                    r.rides = True
+                job.batch = rows = [job, *riders]
+                for r in riders:
+                    r.batch = rows
+            self._prefill_last = job.kind.is_prefill
             self._inflight += 1
             job.holds_inflight = True
             engine = job.lease.slot.engine if job.lease is not None else EngineSlot.AUTO
@@ -206,11 +271,17 @@ class Submission:
                 return None
             now = core.clock.now()
             first = min(j.queue_deadline for j in self._submit_q) - now
+            held_until = self._followed_at + core.batch_window_s
+            if self._last_rows and not self._rows_following and held_until > now:
+                first = min(first, held_until - now)    # a held batch goes then
         backoff = core.faults.backoff_until - now
         return max(0.0, min(first, backoff) if backoff > 0 else first)
 
     def submit(self, job: JobContext) -> None:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
+        if job.batch is not None:
+            self._submit_rows(job)
+            return
         core, life, outcomes = self.core, self.core.life, self.outcomes
         if job.cancel_requested or life.closing:
             self.release_inflight(job)
@@ -245,7 +316,11 @@ class Submission:
                     self._on_device.append(job)
                     self._complete_q.append(job)
                     core.hooks.job_submitted()
-                return
+        if rc == 0:
+            if slot.contract.batched:       # one row of a batch graph: the rest padding
+                outcomes.observers.device_step(DeviceStep(job.kind, 1,
+                                                          slot.contract.max_batch))
+            return
         if rc is None:
             self.release_inflight(job)
             if core.holdable(job) and not life.closing:
@@ -257,13 +332,154 @@ class Submission:
             return
         self._submit_failed(job, from_calrt(rc, "submit", **job_ctx(job, None)))
 
+    # ---- a batch: one device job, several rows ------------------------------------
+    def _submit_rows(self, leader: JobContext) -> None:
+        """Submit ``leader`` with the rows :meth:`claim` gathered (calfsm/batchjob.py).
+        Each row is checked as a job alone is (a cancelled or expired row fails alone,
+        before the device hears of it); the leader's failing before submit puts the
+        others back at the head of the queue, in order."""
+        rows = self._rows_still_wanted(leader)
+        if rows is None or not self._program(rows):
+            return
+        core, life = self.core, self.core.life
+        epoch, slot = leader.epoch, leader.lease.slot
+        tag = JobTag(leader.job_id, leader.seq_id, leader.generation)
+        handle = epoch.handles[leader.kind]
+        with core.device_lock:
+            if epoch is not life.epoch or epoch.retired or life.state != READY:
+                rc = None
+            elif slot.engine is EngineSlot.AUTO:
+                rc = core.driver.infer(handle, slot.inp, slot.out, tag=tag)
+            else:
+                rc = core.driver.infer_fixed(handle, slot.inp, slot.out, slot.engine,
+                                             tag=tag)
+            if rc == 0:
+                self._rows_on_device(rows)
+        if rc == 0:
+            self.outcomes.observers.device_step(DeviceStep(leader.kind, len(rows),
+                                                           slot.contract.max_batch))
+            return
+        self.release_inflight(leader)
+        _unbatch(rows)
+        self._rows_not_submitted(rows, rc)
+
+    def _rows_still_wanted(self, leader: JobContext) -> list[JobContext] | None:
+        """The rows to submit: a cancelled or expired rider fails alone; a cancelled or
+        expired leader fails and puts the others back (None: nothing to submit)."""
+        life, outcomes = self.core.life, self.outcomes
+        rows = leader.batch
+        assert rows is not None
+        now = self.core.clock.now()
+        live: list[JobContext] = []
+        for row in rows:
+            if row.cancel_requested or life.closing:
+                err: CalfsmError = Cancelled("cancelled before submit",
+                                             **job_ctx(row, "submit"))
+            elif now >= row.queue_deadline:
+                err = DeadlineExceeded("queue deadline passed before submit",
+                                       **job_ctx(row, "queue"))
+            else:
+                live.append(row)
+                continue
+            if row is leader:
+                self._requeue_rows(rows[1:])
+                self.release_inflight(leader)
+                _unbatch([leader])
+                outcomes.fail_before_submit(leader, err)
+                return None
+            _unbatch([row])
+            outcomes.fail_before_submit(row, err)
+        leader.batch = live
+        for row in live[1:]:
+            row.batch = live
+        return live
+
+    def _program(self, rows: list[JobContext]) -> bool:
+        """Write the rows into the leader's slot; a row the device refuses fails alone
+        (the others go back to the head of the queue) and the policy sees it."""
+        try:
+            program_rows(rows)
+            return True
+        except CalfsmError as e:
+            leader = rows[0]
+            culprit = next((r for r in rows if r.job_id == e.job_id), leader)
+            self.release_inflight(leader)
+            self._requeue_rows([r for r in rows if r is not culprit])
+            _unbatch([culprit])
+            self.core.decide(e)
+            self.outcomes.fail_before_submit(culprit, e)
+            return False
+
+    def _rows_on_device(self, rows: list[JobContext]) -> None:
+        """``infer`` took the job (device lock held): every row is submitted, each with
+        its own execution deadline; only the leader's slot is on the device."""
+        core, leader = self.core, rows[0]
+        now = core.clock.now()
+        timeout = core.service.execution_timeout_s(leader.kind, leader.token_count,
+                                                   rows=len(rows))
+        leader.lease.mark_on_device()
+        for row in rows:
+            row.timings.submitted = now
+            row.execution_deadline = now + timeout
+            self.outcomes.leave_waiting(row)
+            row.epoch.kv.mark_submitted(row.kv)
+        with core.lock:
+            for row in rows:
+                _fire(row, "submit")
+                self._on_device.append(row)
+            self._complete_q.append(rows[0])
+            core.hooks.job_submitted()
+
+    def _rows_not_submitted(self, rows: list[JobContext], rc: int | None) -> None:
+        """``infer`` did not take the job: each row ends (or waits, or goes back) as a job
+        alone would (:meth:`submit`, :meth:`_submit_failed`); the policy sees it once."""
+        core, life, outcomes, leader = self.core, self.core.life, self.outcomes, rows[0]
+        if rc is None:
+            for row in rows:
+                if core.holdable(row) and not life.closing:
+                    self._hold([row])
+                else:
+                    outcomes.fail_before_submit(row, Unavailable(
+                        f"device left Ready ({life.state}) before the job was submitted",
+                        retry_after_s=life.retry_after_s, **job_ctx(row, "submit")))
+            return
+        now = core.clock.now()
+        err = from_calrt(rc, "submit", **job_ctx(leader, None))
+        not_run = err.category in _NOT_RUN
+        verdict = core.faults.decide(err, now, requeues=leader.requeues if not_run else None)
+        if verdict.decision is Decision.REQUEUE:
+            leader.requeues += 1
+            self._requeue_rows(rows)
+            outcomes.count("requeued")
+            log.info("batch of %d rows led by job %s requeued after %s", len(rows),
+                     leader.job_id, err.message, extra=err.context())
+            return
+        core.apply(verdict)
+        for row in rows:
+            row_err = from_calrt(rc, "submit", **job_ctx(row, None))
+            if verdict.until > now and row_err.retry_after_s is None:
+                row_err.retry_after_s = round(verdict.until - now, 6)
+            if not_run:
+                outcomes.fail_before_submit(row, row_err)
+            else:
+                outcomes.withhold(row, str(row_err))
+                _fire(row, "fail")
+                outcomes.finish(row, row_err, "failed")
+
+    def _requeue_rows(self, rows: list[JobContext]) -> None:
+        """Rows that did not go back to the head of the submit queue, in their order."""
+        _unbatch(rows)
+        with self.core.lock:
+            self._submit_q.extendleft(reversed(rows))
+            if rows:
+                self.core.hooks.work_queued()
+
     def _submit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """``infer`` returned an error. Busy and request errors prove the graph did not
         run: roll back (FI05), or requeue when the policy says so. Device or unknown
         errors leave the KV Unknown (FI06)."""
         core = self.core
-        not_run = err.category in (ErrorCategory.TRANSIENT, ErrorCategory.REQUEST,
-                                   ErrorCategory.PROGRAMMING, ErrorCategory.LIFECYCLE)
+        not_run = err.category in _NOT_RUN
         now = core.clock.now()
         verdict = core.faults.decide(err, now, requeues=job.requeues if not_run else None)
         if verdict.until > now and err.retry_after_s is None:
@@ -361,3 +577,11 @@ class Submission:
             jobs = list(self._complete_q) + list(self._on_device)
             self._complete_q.clear()
         return jobs
+
+
+def _unbatch(rows: list[JobContext]) -> None:
+    """The rows no longer share a device job (each goes on, or ends, alone)."""
+    for row in rows:
+        row.batch = None
+        row.rides = False
+

@@ -9,6 +9,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from calfsm.batching import MAX_ROWS_OBSERVATION
+from calfsm.batching import REQUIRED_CAPABILITIES as BATCH_CAPABILITIES
 from calfsm.capabilities import Evidence, Verdict, device_identity
 from calfsm.clock import RealClock
 from calfsm.drivers.faults import FaultPlan, FaultRule
@@ -194,6 +196,27 @@ def write_evidence(directory: Path, driver: Any, *, holds: bool = True,
     path = Path(directory) / name
     path.write_text(ev.to_json(), "utf-8")
     return path
+
+
+def write_batch_evidence(directory: Path, driver: Any, *, holds: bool = True,
+                         max_rows: int = 8, name: str = "batch.json") -> Path:
+    """An evidence file for ``driver`` as the batch runner writes it: every batch
+    capability holds (or not), ``max_rows`` rows per job seen working;
+    tests/test_batch_semantics.py has the runner write the file the executor reads."""
+    ev = Evidence("batch_semantics", device_identity(driver), driver.version(), "0" * 64,
+                  time.time(), {MAX_ROWS_OBSERVATION: max_rows},
+                  {c: Verdict(holds, "observed" if holds else "rows mixed up")
+                   for c in BATCH_CAPABILITIES})
+    path = Path(directory) / name
+    path.write_text(ev.to_json(), "utf-8")
+    return path
+
+
+def batching(directory: Path, driver: Any, **evidence: Any) -> dict[str, Any]:
+    """ExecutorConfig keywords for continuous batching on ``driver``, its evidence
+    written to ``directory``."""
+    write_batch_evidence(directory, driver, **evidence)
+    return {"evidence_dir": str(directory)}
 
 
 def two_in_flight(directory: Path, driver: Any) -> dict[str, Any]:

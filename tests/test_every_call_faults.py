@@ -25,9 +25,11 @@ smaller threaded variant, and a minimal reproduction of each defect found (``KNO
 from __future__ import annotations
 
 import contextlib
+import tempfile
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
@@ -45,15 +47,17 @@ from calfsm.drivers.faults import (
     FaultPlan,
     FaultRule,
 )
+from calfsm.drivers.sim import SimDriver
 from calfsm.epoch import WARMUP_SEQ, Epoch
 from calfsm.errors import CODE_TABLE, CalfsmError, CalrtCode, Cancelled, ErrorCategory
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.job import JobHandle, Request
 from calfsm.kv import SeqState
 from calfsm.lifecycle import Lifecycle
+from calfsm.manifest import Manifest, builtin_manifest
 from calfsm.recovery import RecoveryPolicy
 from calfsm.scheduler import StepScheduler
-from tests.executor_helpers import TINY, make_sim
+from tests.executor_helpers import TINY, make_sim, write_batch_evidence
 
 POINT_OF_CALL = {call: p.name for p in FAULT_POINTS for call in p.calls}
 FAIL_EFFECT = {p.name: p.fail_effect for p in FAULT_POINTS}
@@ -67,10 +71,26 @@ EXECUTOR_POINTS = [p.name for p in FAULT_POINTS if p.name not in NOT_CALLED_BY_E
 #: (KV kept, so recovery releases the lost sequences); CCU (configuration kept)
 CAPS = {
     "full": Capabilities(resets=frozenset(ResetKind)),
+    #: the batch calbin with batching proven: decodes share device jobs (the batch
+    #: paths of submit and complete, every row's calls)
+    "batch": Capabilities(resets=frozenset(ResetKind), batch_rows=True),
     "config": Capabilities(resets=frozenset({ResetKind.CONFIGURATION, ResetKind.CCU})),
     "ccu": Capabilities(resets=frozenset({ResetKind.CCU})),
 }
 SEQS = 3
+B8 = builtin_manifest("tiny-b8")
+#: the batch runner's evidence for the simulated device, for the "batch" scenarios
+EVIDENCE = tempfile.TemporaryDirectory(prefix="calfsm-batch-evidence-")
+write_batch_evidence(Path(EVIDENCE.name), SimDriver(B8))
+
+
+def manifest_of(sc: Scenario) -> Manifest:
+    return B8 if sc.caps == "batch" else TINY
+
+
+def batch_config(sc: Scenario) -> dict[str, Any]:
+    """Batching on, up to one row per sequence of the scenarios, for "batch"."""
+    return {"evidence_dir": EVIDENCE.name, "max_batch": SEQS} if sc.caps == "batch" else {}
 #: CalRT codes by category, from the one table, plus a code CalRT does not define
 CODES_BY_CATEGORY: dict[ErrorCategory, tuple[int, ...]] = {
     cat: tuple(int(c) for c, (k, _) in CODE_TABLE.items() if k is cat)
@@ -210,7 +230,7 @@ def step_config(sc: Scenario) -> ExecutorConfig:
         threaded=False, execution_timeout_s=0.5, admission_timeout_s=0.3,
         queue_timeout_s=0.3, recovery=RecoveryPolicy(
             grace_period_s=0.05, zombie_wait_s=0.05, error_budget=2,
-            max_requeues=sc.max_requeues))
+            max_requeues=sc.max_requeues), **batch_config(sc))
 
 
 def _remember(run: Run) -> Callable[[], None]:
@@ -254,13 +274,13 @@ def _installs(into: list[Epoch]) -> Iterator[None]:
         yield
 
 
-def start(driver: PhasedDriver, config: ExecutorConfig) -> Run:
+def start(driver: PhasedDriver, config: ExecutorConfig, manifest: Manifest = TINY) -> Run:
     """Build the executor; a start-up failure is a result too."""
     epochs: list[Epoch] = []
     before = frozenset(threading.enumerate())
     try:
         with _installs(epochs):
-            ex = DeviceExecutor(driver, TINY, config)
+            ex = DeviceExecutor(driver, manifest, config)
     except CalfsmError as e:
         return Run(driver, None, startup_error=e, epochs=epochs, threads_before=before)
     run = Run(driver, ex, epochs=epochs, threads_before=before)
@@ -271,8 +291,10 @@ def start(driver: PhasedDriver, config: ExecutorConfig) -> Run:
 def run_step(sc: Scenario, plan: FaultPlan, *, settle_steps: int = 3000) -> Run:
     """Run ``sc`` in step mode on a simulated device failing as ``plan`` says, settle it
     and close it (each stage's checks are the caller's)."""
-    driver = PhasedDriver(make_sim("step", faults=plan, capabilities=CAPS[sc.caps]))
-    run = start(driver, step_config(sc))
+    manifest = manifest_of(sc)
+    driver = PhasedDriver(make_sim("step", faults=plan, capabilities=CAPS[sc.caps],
+                                   manifest=manifest))
+    run = start(driver, step_config(sc), manifest)
     ex = run.ex
     if ex is None:
         return run
@@ -311,7 +333,7 @@ def run_step(sc: Scenario, plan: FaultPlan, *, settle_steps: int = 3000) -> Run:
         elif isinstance(op, Switch):
             driver.phase = "switch"
             try:
-                ex.switch_model(TINY, timeout=1.0)
+                ex.switch_model(manifest, timeout=1.0)
             except CalfsmError as e:        # not Ready, no reset for it, or rolled back
                 run.refused.append(e)
     if sc.settle:
@@ -469,7 +491,12 @@ FIXED_OPS: tuple[Op, ...] = (
     Enqueue(1, 2), Switch(), Enqueue(1, 2), Steps(30),
     Enqueue(1, 3), Enqueue(2, 1), Steps(1),
 )
-FIXED = {caps: Scenario(caps, FIXED_OPS, sched_seed=3, settle=False) for caps in CAPS}
+#: the batch scenario also queues one decode per sequence at once, so they share a job
+BATCH_OPS: tuple[Op, ...] = (Enqueue(0, 3), Enqueue(1, 2), Enqueue(2, 4), Steps(40),
+                             Enqueue(0, 0), Enqueue(1, 0), Enqueue(2, 0), Steps(40),
+                             *FIXED_OPS)
+FIXED = {caps: Scenario(caps, BATCH_OPS if caps == "batch" else FIXED_OPS, sched_seed=3,
+                        settle=False) for caps in CAPS}
 
 
 def _dry(sc: Scenario) -> Run | Exception:
@@ -500,7 +527,7 @@ def _calls_by_path(caps: str) -> dict[tuple[str, str], list[int]]:
     out: dict[tuple[str, str], list[int]] = {}
     dry = DRY[caps]
     for i, key in enumerate(dry.driver.reached if isinstance(dry, Run) else ()):
-        if caps == "full" or key[0] == "recover":
+        if caps in ("full", "batch") or key[0] == "recover":
             out.setdefault(key, []).append(i)
     return out
 
@@ -541,7 +568,8 @@ def test_first_call_of_each_point_fails(point: str) -> None:
     """nth=1 with the point's default code (or refusal): the first call fails, wherever
     it is (mostly start-up, which then retries through recovery or refuses to start with
     a classified error), and nothing leaks."""
-    sc = FIXED["full"]
+    # the batch calls are made on the batch calbin only
+    sc = FIXED["batch" if point == "set_batch_rows" else "full"]
     run = run_step(sc, FaultPlan.of(FaultRule(point, FAIL_EFFECT[point], nth=1)))
     assert run.driver.fired_in, f"{point} #1 never fired"
     check_closed(run)
@@ -649,7 +677,7 @@ def threaded_config(sc: Scenario) -> ExecutorConfig:
         threaded=True, execution_timeout_s=0.3, admission_timeout_s=0.5,
         queue_timeout_s=1.0, shutdown_timeout_s=2.0, recovery=RecoveryPolicy(
             grace_period_s=0.05, zombie_wait_s=0.05, error_budget=2,
-            max_requeues=sc.max_requeues))
+            max_requeues=sc.max_requeues), **batch_config(sc))
 
 
 def _settle_threaded(run: Run) -> None:
@@ -664,8 +692,10 @@ def _settle_threaded(run: Run) -> None:
 def run_threaded(sc: Scenario, plan: FaultPlan) -> Run:
     """``sc`` on worker threads (real clock, zero device latency): jobs are enqueued
     until a ``Steps`` op, which waits for all of them; then close()."""
-    driver = PhasedDriver(make_sim("threaded", faults=plan, capabilities=CAPS[sc.caps]))
-    run = start(driver, threaded_config(sc))
+    manifest = manifest_of(sc)
+    driver = PhasedDriver(make_sim("threaded", faults=plan, capabilities=CAPS[sc.caps],
+                                   manifest=manifest))
+    run = start(driver, threaded_config(sc), manifest)
     ex = run.ex
     if ex is None:
         return run
@@ -690,7 +720,7 @@ def run_threaded(sc: Scenario, plan: FaultPlan) -> Run:
                 _settle_threaded(run)
             elif isinstance(op, Switch):
                 try:
-                    ex.switch_model(TINY, timeout=WAIT_S)
+                    ex.switch_model(manifest, timeout=WAIT_S)
                 except CalfsmError as e:
                     run.refused.append(e)
         _settle_threaded(run)

@@ -36,6 +36,7 @@ import asyncio
 import math
 import tempfile
 import threading
+from pathlib import Path
 from typing import Any
 
 import attrs
@@ -52,7 +53,7 @@ from hypothesis.stateful import (
 )
 
 from calfsm.direct import DirectRunner
-from calfsm.drivers.faults import FaultPlan, FaultRule
+from calfsm.drivers.faults import BATCH_SWARM_KINDS, FaultPlan, FaultRule
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -65,13 +66,20 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.machines.flow import FLOW_MACHINE, FlowState
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.sequence import SequenceState
-from calfsm.manifest import TaskKind
+from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.recovery import RecoveryPolicy
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream
-from tests.executor_helpers import TINY, make_executor, make_sim, two_in_flight
+from tests.executor_helpers import (
+    TINY,
+    make_executor,
+    make_sim,
+    two_in_flight,
+    write_batch_evidence,
+)
 
+B8 = builtin_manifest("tiny-b8")
 #: chained reservations checked (see test_the_model_check_sees_chained_reservations)
 CHAINS_SEEN = [0]
 SEQS = 3                                   #: the executor's max_sequences
@@ -180,11 +188,21 @@ class StreamRecord:
 class StreamMachine(RuleBasedStateMachine):
 
     @initialize(fault_seed=st.integers(0, 10_000), sched_seed=st.integers(0, 10_000),
-                rate=st.sampled_from([0.02, 0.05, 0.15]), inflight=st.sampled_from([1, 2]))
-    def start(self, fault_seed: int, sched_seed: int, rate: float, inflight: int) -> None:
-        plan = FaultPlan.swarm(fault_seed, rate=rate).targeting(range(SEQS), fault_seed)
-        self.driver = make_sim("step", faults=plan)
+                rate=st.sampled_from([0.02, 0.05, 0.15]), inflight=st.sampled_from([1, 2]),
+                rows=st.sampled_from([1, 2, SEQS]))
+    def start(self, fault_seed: int, sched_seed: int, rate: float, inflight: int,
+              rows: int) -> None:
+        # rows > 1: the batch calbin, its steps batched up to ``rows`` per device job
+        manifest = B8 if rows > 1 else TINY
+        kinds = BATCH_SWARM_KINDS if rows > 1 else None
+        plan = FaultPlan.swarm(fault_seed, rate=rate, kinds=kinds).targeting(
+            range(SEQS), fault_seed)
+        self.driver = make_sim("step", faults=plan, manifest=manifest)
         two = two_in_flight(EVIDENCE.name, self.driver) if inflight == 2 else {}
+        if rows > 1:
+            write_batch_evidence(Path(EVIDENCE.name), self.driver)
+            two = {**two, "evidence_dir": EVIDENCE.name, "max_batch": rows}
+        self.rows = rows
         self.loop = asyncio.new_event_loop()
         self.records: list[StreamRecord] = []
         self.seqs: list[Sequence] = []
@@ -194,7 +212,7 @@ class StreamMachine(RuleBasedStateMachine):
         self.closing: list[Sequence] = []              #: sequences the test closed
         policy = RecoveryPolicy(grace_period_s=0.05, zombie_wait_s=0.05, error_budget=2)
         try:
-            self.ex = DeviceExecutor(self.driver, TINY, ExecutorConfig(
+            self.ex = DeviceExecutor(self.driver, manifest, ExecutorConfig(
                 threaded=False, execution_timeout_s=0.5, admission_timeout_s=0.3,
                 queue_timeout_s=0.3, recovery=policy, max_sequences=SEQS, **two))
         except CalfsmError as e:
@@ -514,7 +532,27 @@ class StreamMachine(RuleBasedStateMachine):
     def _check_step(self) -> None:
         self._check_jobs()
         self._check_books()
+        self._check_batches()
         self._check_streams()
+
+    def _check_batches(self) -> None:
+        """Each device job of rows: at most ``rows`` of them, one per sequence, every row
+        sharing the leader's list; the leader alone may hold a slot on the device, and
+        every row is a job on the device (or being completed) with its own reservation."""
+        for job, _ in self.jobs.values():
+            rows = job.batch
+            if rows is None:
+                assert not job.rides, job
+                continue
+            assert 1 <= len(rows) <= self.rows, rows
+            assert len({r.seq_id for r in rows}) == len(rows), rows
+            assert all(r.batch is rows for r in rows)
+            assert not rows[0].rides and all(r.rides for r in rows[1:])
+            for r in rows[1:]:
+                assert r.lease is None or not r.lease.on_device, r
+            if job.state == "Submitted":
+                assert job.kv is not None and job.kv.state in ("Submitted", "Unknown"), \
+                    job.kv
 
     def _check_jobs(self) -> None:
         for job, handle in self.jobs.values():
@@ -802,7 +840,7 @@ def test_the_oracle_keeps_no_stale_record_after_a_stream_refused_busy():
     m = StreamMachine()
     greedy = dict(sampling="greedy", seed=0, stop_at=None, deadline=None, resume=False)
     try:
-        m.start(fault_seed=FAULT_FREE, sched_seed=0, rate=0.02, inflight=1)
+        m.start(fault_seed=FAULT_FREE, sched_seed=0, rate=0.02, inflight=1, rows=1)
         m.checked()
         m.generate(which=0, prompt=[5], max_tokens=1, **greedy)
         m.checked()
@@ -845,7 +883,7 @@ def test_the_model_checks_chained_reservations():
     machine = StreamMachine()
     seen = CHAINS_SEEN[0]
     try:
-        machine.start(fault_seed=0, sched_seed=0, rate=1e-9, inflight=1)
+        machine.start(fault_seed=0, sched_seed=0, rate=1e-9, inflight=1, rows=1)
         machine.generate(which=0, prompt=[1, 2, 3], sampling=SAMPLING[0], seed=0,
                          max_tokens=8, stop_at=None, deadline=None, resume=True)
         for _ in range(20):
