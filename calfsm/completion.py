@@ -28,7 +28,7 @@ from calfsm.errors import (
     Unavailable,
     from_calrt,
 )
-from calfsm.job import InferenceResult, JobContext, Successor
+from calfsm.job import InferenceResult, JobContext
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.outcomes import Outcomes, limited
@@ -47,12 +47,15 @@ class Completion:
     """The complete step and its failures (see the module docstring)."""
 
     def __init__(self, core: Core, outcomes: Outcomes, device: Submission,
-                 follow: Callable[[JobContext, Successor], None]) -> None:
+                 follow: Callable[..., None],
+                 defer: Callable[[Callable[[], None]], None]) -> None:
         self.core = core
         self.outcomes = outcomes
         self.device = device
         #: runs what a continuation decided (the overlap part's)
         self._follow = follow
+        #: hands work to the admission side (a batch's, once its next step went)
+        self._defer = defer
         self._completing = 0        # jobs out of the complete queue, step not yet done
 
     def busy(self) -> bool:
@@ -164,8 +167,7 @@ class Completion:
 
         self.device.rows_following(len(rows))
         try:
-            for row in rows:
-                self.device.release_inflight(row)
+            self.device.release_inflight(leader, rows[1:])
             core.hooks.after_device_freed()
             leader.lease.mark_off_device()
             self._end_rows(leader, rows, rc, zombie, t1, let_go)
@@ -208,10 +210,13 @@ class Completion:
         continued = [not isinstance(result, CalfsmError)
                      and row.kv.prev_len <= row.kv.target_len
                      for row, result in zip(rows, results, strict=True)]
+        later: list[Callable[[], None]] = []     # staging the steps after: off the path
         for row, result, early in zip(rows, results, continued, strict=True):
             if early:
-                self._continue(row, result)
+                self._continue(row, result, later)
         let_go()
+        for fn in later:
+            self._defer(fn)
         decided = False
         for row, result, early in zip(rows, results, continued, strict=True):
             if isinstance(result, CalfsmError):
@@ -346,7 +351,8 @@ class Completion:
         core.service.observe(job.kind, job.token_count, job.timings.queued, waited)
         core.faults.succeeded()
 
-    def _continue(self, job: JobContext, logits: Any) -> None:
+    def _continue(self, job: JobContext, logits: Any,
+                  later: list[Callable[[], None]] | None = None) -> None:
         """Run the job's continuation (a stream's decision: sample, record) before the
         job resolves, and then what it decided: the step prepared ahead goes to the
         submitter with its token, so the device gets its next step before the caller's
@@ -362,7 +368,10 @@ class Completion:
                           extra=job_ctx(job, "continue"))
             return
         if successor is not None:
-            self._follow(job, successor)
+            if later is None:
+                self._follow(job, successor)
+            else:
+                self._follow(job, successor, defer=later.append)
 
     def _kv_commit_failed(self, job: JobContext, err: CalfsmError) -> None:
         """The job ran and its slot is clean, but its KV could not be committed."""

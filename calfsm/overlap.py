@@ -108,15 +108,17 @@ class Overlap:
         way (parked)."""
         return self._release(job, request, self._checked)
 
-    def follow(self, job: JobContext, successor: Successor) -> None:
+    def follow(self, job: JobContext, successor: Successor, *,
+               defer: Callable[[Callable[[], None]], None] | None = None) -> None:
         """Run what the continuation of ``job`` decided (:class:`~calfsm.job.Successor`),
         on its way back: the staged step must be the one for the position ``job``
         fills; its request was checked when it was staged, so only the token is new,
-        and only it is checked and written."""
+        and only it is checked and written. ``defer`` takes the work after it (the
+        admission side's by default; a batch collects it until its next step went)."""
         staged, token, then = successor
         if self._release(staged.context, (token, job), self._with_token) \
                 and then is not None:
-            self.admission.defer(then)
+            (defer or self.admission.defer)(then)
 
     def _checked(self, job: JobContext, request: Request) -> Request:
         self._check(job, request)

@@ -89,7 +89,8 @@ class Pipeline:
         self.device = Submission(core, self.outcomes, lambda jobs: self.admission.hold(jobs))
         self.admission = Admission(core, self.outcomes, self.device)
         self.overlap = Overlap(core, self.admission)
-        self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow)
+        self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow,
+                                     self.admission.defer)
 
     # ---- what the parts share, read by the lifecycle and the runtimes --------------
     @property

@@ -248,12 +248,13 @@ class Submission:
                 del self._submit_q[i]
             if batchable(job, core.max_rows):
                 riders = gather(job, self._submit_q, core.max_rows)
-                for r in riders:
-                    self._submit_q.remove(r)
-                    r.rides = True
-                job.batch = rows = [job, *riders]
-                for r in riders:
-                    r.batch = rows
+                if riders:          # alone, it goes the way of any job (one row)
+                    for r in riders:
+                        self._submit_q.remove(r)
+                        r.rides = True
+                    job.batch = rows = [job, *riders]
+                    for r in riders:
+                        r.batch = rows
             self._prefill_last = job.kind.is_prefill
             self._inflight += 1
             job.holds_inflight = True
@@ -294,6 +295,8 @@ class Submission:
             return
         epoch = job.epoch
         slot = job.lease.slot
+        if slot.batch_rows != 1 and not self._program([job]):   # it led a batch before
+            return
         tag = JobTag(job.job_id, job.seq_id, job.generation)
         handle = epoch.handles[job.kind]
         driver = core.driver
@@ -540,13 +543,16 @@ class Submission:
                 _fire_if(job, "fail")
             self.outcomes.finish(job, err, "failed")
 
-    def release_inflight(self, job: JobContext) -> None:
-        """The job no longer occupies the device: off the on-device list, its in-flight
-        slot given back (idempotent), whoever drives the pipeline told."""
+    def release_inflight(self, job: JobContext,
+                         riders: list[JobContext] | None = None) -> None:
+        """The job no longer occupies the device: off the on-device list (with the
+        ``riders`` of its batch), its in-flight slot given back (idempotent), whoever
+        drives the pipeline told."""
         core = self.core
         with core.lock:
-            if job in self._on_device:
-                self._on_device.remove(job)
+            for j in (job, *(riders or ())):
+                if j in self._on_device:
+                    self._on_device.remove(j)
             if job.holds_inflight:
                 job.holds_inflight = False
                 self._inflight -= 1
