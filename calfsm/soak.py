@@ -129,6 +129,13 @@ def rss_bytes() -> int:
         return peak if sys.platform == "darwin" else peak * 1024
 
 
+def soak_kinds(manifest: Manifest) -> tuple[str, ...]:
+    """The default swarm kinds for ``manifest``: :data:`SOAK_KINDS`, and on a batch
+    calbin (a batched decode graph) the fault of one row of a batch job too."""
+    batched = manifest.submodel(TaskKind.DECODE).batched
+    return (*SOAK_KINDS, "row_ccu_exception") if batched else SOAK_KINDS
+
+
 def soak_plan(spec: str, seed: int, sequences: int, *, rate: float = 0.005,
               kinds: tuple[str, ...] = SOAK_KINDS) -> FaultPlan:
     """``none``, ``swarm`` (a seeded plan of some of ``kinds``, never empty, aimed at
@@ -715,9 +722,11 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
                    help="none, swarm (a seeded random mix of --kinds) or a fault plan file")
     p.add_argument("--seed", type=int, default=0, metavar="N",
                    help="seeds the clients, the swarm plan and the driver")
-    p.add_argument("--kinds", default=",".join(SOAK_KINDS), metavar="K,K,...",
-                   help="swarm kinds to draw from; left out by default: "
-                        f"{', '.join(EXCLUDED_KINDS)} (why: docs/soak.md)")
+    p.add_argument("--kinds", default=None, metavar="K,K,...",
+                   help="swarm kinds to draw from (default: "
+                        f"{','.join(SOAK_KINDS)}, and on a batch calbin also "
+                        "row_ccu_exception, a fault of one row of a batch job); left out "
+                        f"by default: {', '.join(EXCLUDED_KINDS)} (why: docs/soak.md)")
     p.add_argument("--fault-rate", type=float, default=0.005, metavar="R",
                    help="swarm: each drawn kind fires on about this fraction of the calls "
                         "at its point, in (0, 1]")
@@ -800,8 +809,9 @@ def main(args: argparse.Namespace) -> int:
             raise InvalidArgument(f"--fault-rate must be in (0, 1], got {args.fault_rate}",
                                   stage="soak")
         manifest = manifest_from_option(args.manifest, stage="soak")
+        kinds = _kinds(args.kinds) if args.kinds is not None else soak_kinds(manifest)
         plan = soak_plan(args.faults, args.seed, config.clients, rate=args.fault_rate,
-                         kinds=_kinds(args.kinds))
+                         kinds=kinds)
         driver = load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
                              faults=plan, trace=False)
         if not args.no_plots:

@@ -75,6 +75,7 @@ STAGE_RULES: dict[str, frozenset[tuple[str, str]]] = {
     "submit": frozenset({("infer", "code")}),
     "wait": frozenset({("wait", "code"), ("infer", "hang")}),
     "status": frozenset({("infer", "ccu_exception")}),
+    "row": frozenset({("infer", "row_ccu_exception")}),
     "output": frozenset({("infer", "short_output"), ("infer", "nan"), ("infer", "inf"),
                          ("output_bytes", "code")}),
     "slice": frozenset({("slice_tensor", "code"), ("undo_slice", "code")}),
@@ -87,7 +88,7 @@ STAGE_RULES: dict[str, frozenset[tuple[str, str]]] = {
 
 #: stages where the executor judges what the device returned: an error there is the
 #: device's even without a CalRT code (a CCU exception, bad logits)
-OBSERVED_STAGES = frozenset({"status", "output", "wait"})
+OBSERVED_STAGES = frozenset({"status", "output", "wait", "row"})
 
 
 @attrs.frozen
