@@ -39,6 +39,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -47,11 +48,14 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.manifest import builtin_manifest
+from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.sampling import SamplingParams
 from calfsm.serve import ByteTokenizer, realtime_sim
 
 MANIFEST = "qwen3-b1"
+#: the model name the server answers to (the manifest's; --manifest changes it)
+MODEL = [MANIFEST]
+VOCAB = [151936]
 
 
 def _pct(xs: list[float], q: float) -> float:
@@ -60,7 +64,7 @@ def _pct(xs: list[float], q: float) -> float:
 
 
 def _prompt(i: int) -> list[int]:
-    return [(i * 7919 + k * 104729) % 151936 for k in range(8)]
+    return [(i * 7919 + k * 104729) % VOCAB[0] for k in range(8)]
 
 
 async def streams_round(ex: DeviceExecutor, clients: int, tokens: int
@@ -86,7 +90,7 @@ async def server_round(url: str, clients: int, tokens: int, tok: ByteTokenizer
     limits = httpx.Limits(max_connections=clients + 4, max_keepalive_connections=clients)
 
     async def one(c: httpx.AsyncClient, i: int) -> tuple[list[float], list[int]]:
-        body = {"model": MANIFEST, "prompt": _prompt(i), "max_tokens": tokens,
+        body = {"model": MODEL[0], "prompt": _prompt(i), "max_tokens": tokens,
                 "temperature": 0, "stream": True}
         times, text = [], []
         async with c.stream("POST", "/v1/completions", json=body) as r:
@@ -115,11 +119,17 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(decode_ms: float, max_sequences: int) -> tuple[subprocess.Popen, str]:
+def start_server(decode_ms: float, max_sequences: int, *, manifest: str = "qwen3-b1",
+                 share: float = 0.0, evidence: str | None = None
+                 ) -> tuple[subprocess.Popen, str]:
     port = _free_port()
+    extra = ["--batch-row-share", str(share)] if share else []
+    if evidence is not None:
+        extra += ["--evidence-dir", evidence]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "calfsm.cli", "serve", "--manifest", MANIFEST, "--port",
+        [sys.executable, "-m", "calfsm.cli", "serve", "--manifest", manifest, "--port",
          str(port), "--decode-ms", str(decode_ms), "--max-sequences", str(max_sequences),
+         *extra,
          # every client is 127.0.0.1, one client to the server: lift its per-client limits
          "--max-client-streams", str(max_sequences), "--max-client-waiting",
          str(max_sequences), "--request-timeout", "600"], stdout=subprocess.DEVNULL,
@@ -145,17 +155,35 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=3, help="rounds per client count")
     ap.add_argument("--decode-ms", type=float, default=10.0)
     ap.add_argument("--quick", action="store_true", help="1 and 8 clients, 2 rounds")
+    ap.add_argument("--manifest", default=MANIFEST,
+                    help="a built-in manifest; a batch one (tiny-b8, qwen3-b8) batches on "
+                         "the batch runner's evidence, written first into a temporary "
+                         "directory both paths read")
+    ap.add_argument("--batch-row-share", type=float, default=0.0,
+                    help="what each row past the first adds to a batch decode step")
     args = ap.parse_args()
     counts = [1, 8] if args.quick else [int(x) for x in args.clients.split(",")]
     rounds = 2 if args.quick else args.rounds
-    manifest = builtin_manifest(MANIFEST)
-    tok = ByteTokenizer(151936)
-    ex = DeviceExecutor(realtime_sim(manifest, decode_ms=args.decode_ms), manifest,
+    manifest = builtin_manifest(args.manifest)
+    MODEL[0] = manifest.name
+    VOCAB[0] = manifest.submodel(TaskKind.DECODE).vocab
+    evidence = None
+    if manifest.submodel(TaskKind.DECODE).batched:
+        evidence = tempfile.mkdtemp(prefix="calfsm-bench-evidence-")
+        subprocess.run([sys.executable, "examples/vendor/batch_semantics.py", "--manifest",
+                        args.manifest, "--out", evidence], check=True,
+                       capture_output=True, timeout=300)
+    tok = ByteTokenizer(manifest.submodel(TaskKind.DECODE).vocab)
+    ex = DeviceExecutor(realtime_sim(manifest, decode_ms=args.decode_ms,
+                                     batch_row_share=args.batch_row_share), manifest,
                         ExecutorConfig(max_sequences=max(counts) + 4,
-                                       max_waiting=2 * max(counts) + 8))
-    proc, url = start_server(args.decode_ms, max(counts) + 4)
-    print(f"bench_server: {MANIFEST}, {args.decode_ms:g} ms per decode, {args.tokens} "
-          f"tokens per client, {rounds} rounds, pid {os.getpid()}; server {url}")
+                                       max_waiting=2 * max(counts) + 8,
+                                       evidence_dir=evidence))
+    proc, url = start_server(args.decode_ms, max(counts) + 4, manifest=args.manifest,
+                             share=args.batch_row_share, evidence=evidence)
+    print(f"bench_server: {manifest.name}, {args.decode_ms:g} ms per decode, "
+          f"{args.tokens} tokens per client, {rounds} rounds, rows per step "
+          f"{ex.max_batch}, pid {os.getpid()}; server {url}")
     rows = []
     try:
         for n in counts:

@@ -89,7 +89,8 @@ class ExecutorConfig:
     max_batch: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_at_least_one))
     #: how long the submitter may hold a partial batch for rows a batch being completed
-    #: is about to queue (threaded mode; step mode never waits)
+    #: is about to queue (threaded mode on a real clock; step mode, and a virtual clock,
+    #: never wait)
     batch_window_s: float = attrs.field(default=0.002, validator=_non_negative)
 
 

@@ -96,7 +96,9 @@ class DeviceExecutor:
                 zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
             service=self.service, apply=self._apply, drain=self.recover,
             max_rows=batching.max_rows,
-            batch_window_s=cfg.batch_window_s if cfg.threaded else 0.0)
+            # a window is wall time: on a virtual clock nobody advances it never ends
+            batch_window_s=cfg.batch_window_s
+            if cfg.threaded and not getattr(self.clock, "virtual", False) else 0.0)
         self._steps = StreamSteps(self._pipeline)     # the streams' plumbing, not the facade's
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,

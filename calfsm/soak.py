@@ -545,6 +545,7 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     tally.open_jobs = ex.open_jobs
     tally.leased_drained = ex.stats().leased
     tally.fired = soak.fired_by_point()
+    tally.rows_per_job = ex.max_batch
     tally.final_state, tally.failure_reason = ex.lifecycle_state, ex.failure_reason
     tally.executor_bugs = ex.stats().errors_by_category.get(ErrorCategory.PROGRAMMING.value, 0)
     try:

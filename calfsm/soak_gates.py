@@ -139,6 +139,9 @@ class Tally:
     unexplained_count: int = 0
     attributed: Counter[str] = attrs.Factory(Counter)  # fault point -> errors it explains
     fired: dict[str, int] | None = None                # fault point -> times fired
+    #: the most rows one device job carried (continuous batching): a fault of a job
+    #: fails each of its rows, so it explains up to that many errors
+    rows_per_job: int = 1
     leased_drained: int = 0         # leased once the workload drained
     leased_closed: int = 0          # leased after close()
     close_error: str | None = None  # close() could not drain the device
@@ -290,10 +293,14 @@ def _device_gate(tally: Tally) -> Gate:
         problems.append(f"{tally.unexplained_count} unexplained: "
                         + "; ".join(tally.unexplained[:3]))
     if tally.fired is not None:
-        over = {p: n for p, n in tally.attributed.items() if n > tally.fired.get(p, 0)}
+        rows = max(1, tally.rows_per_job)
+        over = {p: n for p, n in tally.attributed.items()
+                if n > rows * tally.fired.get(p, 0)}
         if over:
+            each = f" x {rows} rows per job" if rows > 1 else ""
             problems.append("more errors than faults fired at " + ", ".join(
-                f"{p} ({n} > {tally.fired.get(p, 0)})" for p, n in sorted(over.items())))
+                f"{p} ({n} > {tally.fired.get(p, 0)}{each})"
+                for p, n in sorted(over.items())))
     if tally.final_state == "Failed" and not tally.plan_fails_resets:
         problems.append(f"executor Failed without an injected reset failure: "
                         f"{tally.failure_reason}")

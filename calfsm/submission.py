@@ -295,14 +295,15 @@ class Submission:
             return
         epoch = job.epoch
         slot = job.lease.slot
-        if slot.batch_rows != 1 and not self._program([job]):   # it led a batch before
-            return
         tag = JobTag(job.job_id, job.seq_id, job.generation)
         handle = epoch.handles[job.kind]
         driver = core.driver
+        refused: CalfsmError | None = None
         with core.device_lock:      # no reset between this check and the job on the device
             if epoch is not life.epoch or epoch.retired or life.state != READY:
                 rc = None
+            elif slot.batch_rows != 1 and (refused := _programmed([job])) is not None:
+                rc = -1                 # it led a batch before: back to one row failed
             elif slot.engine is EngineSlot.AUTO:
                 rc = driver.infer(handle, slot.inp, slot.out, tag=tag)
             else:
@@ -319,6 +320,9 @@ class Submission:
                     self._on_device.append(job)
                     self._complete_q.append(job)
                     core.hooks.job_submitted()
+        if refused is not None:
+            self._program_refused([job], refused)
+            return
         if rc == 0:
             if slot.contract.batched:       # one row of a batch graph: the rest padding
                 outcomes.observers.device_step(DeviceStep(job.kind, 1,
@@ -342,15 +346,18 @@ class Submission:
         before the device hears of it); the leader's failing before submit puts the
         others back at the head of the queue, in order."""
         rows = self._rows_still_wanted(leader)
-        if rows is None or not self._program(rows):
+        if rows is None:
             return
         core, life = self.core, self.core.life
         epoch, slot = leader.epoch, leader.lease.slot
         tag = JobTag(leader.job_id, leader.seq_id, leader.generation)
         handle = epoch.handles[leader.kind]
-        with core.device_lock:
+        refused: CalfsmError | None = None
+        with core.device_lock:      # programmed and run against no reset in between
             if epoch is not life.epoch or epoch.retired or life.state != READY:
                 rc = None
+            elif (refused := _programmed(rows)) is not None:
+                rc = -1
             elif slot.engine is EngineSlot.AUTO:
                 rc = core.driver.infer(handle, slot.inp, slot.out, tag=tag)
             else:
@@ -361,6 +368,9 @@ class Submission:
         if rc == 0:
             self.outcomes.observers.device_step(DeviceStep(leader.kind, len(rows),
                                                            slot.contract.max_batch))
+            return
+        if refused is not None:
+            self._program_refused(rows, refused)
             return
         self.release_inflight(leader)
         _unbatch(rows)
@@ -397,21 +407,17 @@ class Submission:
             row.batch = live
         return live
 
-    def _program(self, rows: list[JobContext]) -> bool:
-        """Write the rows into the leader's slot; a row the device refuses fails alone
-        (the others go back to the head of the queue) and the policy sees it."""
-        try:
-            program_rows(rows)
-            return True
-        except CalfsmError as e:
-            leader = rows[0]
-            culprit = next((r for r in rows if r.job_id == e.job_id), leader)
-            self.release_inflight(leader)
-            self._requeue_rows([r for r in rows if r is not culprit])
-            _unbatch([culprit])
-            self.core.decide(e)
-            self.outcomes.fail_before_submit(culprit, e)
-            return False
+    def _program_refused(self, rows: list[JobContext], e: CalfsmError) -> None:
+        """Writing the rows into the leader's slot failed (:func:`_programmed`): the row
+        the device refused fails alone (the others go back to the head of the queue)
+        and the policy sees it."""
+        leader = rows[0]
+        culprit = next((r for r in rows if r.job_id == e.job_id), leader)
+        self.release_inflight(leader)
+        self._requeue_rows([r for r in rows if r is not culprit])
+        _unbatch([culprit])
+        self.core.decide(e)
+        self.outcomes.fail_before_submit(culprit, e)
 
     def _rows_on_device(self, rows: list[JobContext]) -> None:
         """``infer`` took the job (device lock held): every row is submitted, each with
@@ -590,4 +596,14 @@ def _unbatch(rows: list[JobContext]) -> None:
     for row in rows:
         row.batch = None
         row.rides = False
+
+
+def _programmed(rows: list[JobContext]) -> CalfsmError | None:
+    """Write the rows into the leader's slot (device lock held); the error of the row
+    the device refused, to be handled once the lock is given back."""
+    try:
+        program_rows(rows)
+    except CalfsmError as e:
+        return e
+    return None
 

@@ -258,3 +258,17 @@ def test_max_batch_caps_the_rows_and_one_turns_batching_off(golden, tmp_path):
             got = run_streams(ex, PROMPTS[:16], GREEDY, lanes=8)
             assert [list(got[i][0].tokens) for i in range(16)] == golden[:16]
             assert max(batch_sizes(ex)) == rows
+
+
+def test_threaded_on_a_virtual_clock_never_holds_a_batch_for_a_window(golden, tmp_path):
+    """The batch window is wall time: on a virtual clock nobody advances it (the soak's
+    setting) a partial batch must not wait for it (it once held the streams forever)."""
+    drv = SimDriver(B8, seed=0)
+    ex = DeviceExecutor(drv, B8, ExecutorConfig(threaded=True, **batching(tmp_path, drv)))
+    with ex:
+        assert drv.clock.virtual and ex.max_batch == 8
+        # streams that end one after another: each step after an end has fewer rows
+        streams = [ex.generate(PROMPTS[i], SamplingParams(max_tokens=4 + 3 * i))
+                   for i in range(5)]
+        for i, s in enumerate(streams):
+            assert list(s.result(30).tokens) == golden[i][:4 + 3 * i]

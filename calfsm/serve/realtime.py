@@ -21,9 +21,11 @@ __all__ = ["realtime_sim"]
 
 def realtime_sim(manifest: Manifest, *, decode_ms: float = 10.0,
                  prefill_token_us: float = 50.0, seed: int = 0,
-                 faults: FaultPlan | None = None) -> SimDriver:
+                 faults: FaultPlan | None = None,
+                 batch_row_share: float = 0.0) -> SimDriver:
     """A simulated device for ``manifest`` that takes real time: ``decode_ms`` per decode
-    step and ``prefill_token_us`` per prefilled token, on ``time.monotonic``."""
+    step and ``prefill_token_us`` per prefilled token, on ``time.monotonic``; a batch
+    decode step of R rows ``decode_ms * (1 + batch_row_share * (R - 1))``."""
     for name, value in (("decode_ms", decode_ms), ("prefill_token_us", prefill_token_us)):
         if isinstance(value, bool) or not isinstance(value, int | float) \
                 or not 0 <= value < float("inf"):
@@ -31,4 +33,5 @@ def realtime_sim(manifest: Manifest, *, decode_ms: float = 10.0,
                                   stage="config")
     return SimDriver(manifest, seed=seed, faults=faults, clock=RealClock(), trace=False,
                      latency=LatencyModel.fixed(decode_s=decode_ms * 1e-3,
-                                                prefill_per_token_s=prefill_token_us * 1e-6))
+                                                prefill_per_token_s=prefill_token_us * 1e-6,
+                                                batch_row_share=batch_row_share))
