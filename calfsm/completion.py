@@ -32,7 +32,13 @@ from calfsm.job import InferenceResult, JobContext
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.outcomes import Outcomes, limited
-from calfsm.staging import check_job, check_output, read_output, status_name
+from calfsm.staging import (
+    check_job,
+    check_output,
+    convert_row,
+    read_output,
+    status_name,
+)
 from calfsm.submission import Submission
 
 __all__ = ["Completion"]
@@ -234,24 +240,29 @@ class Completion:
         rows = leader.batch
         assert rows is not None
         contract = leader.lease.slot.contract
-        results: list[Any] = []
-        for r, row in enumerate(rows):
-            ctx = job_ctx(row, None)
+
+        def judged(ctx: dict[str, Any]) -> CalfsmError | None:
             try:
                 if rc != 0:
                     raise from_calrt(rc, "wait", **ctx)
                 check_job(reading, contract, ctx)
             except CalfsmError as e:
-                results.append(e)
-                continue
+                return e
+            return None
+
+        if judged(job_ctx(leader, None)) is not None:    # the job failed: every row, once
+            return [judged(job_ctx(row, None)) for row in rows]
+        results: list[Any] = []
+        for r, row in enumerate(rows):
             if ends[r] != OutputStatus.DONE_OK:
                 results.append(Unavailable(
                     f"row {r} of a batch job ended {status_name(ends[r])} although the job "
                     "ended DONE_OK", category=ErrorCategory.DEVICE, **job_ctx(row, "row")))
                 continue
             try:
-                results.append(check_output(reading, row_logits(leader, r), contract,
-                                            row.token_count, row.request.target, ctx))
+                results.append(convert_row(reading, row_logits(leader, r), contract,
+                                           row.token_count, row.request.target,
+                                           job_ctx(row, None)))
             except CalfsmError as e:
                 results.append(e)
         return results

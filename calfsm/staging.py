@@ -25,7 +25,8 @@ from calfsm.errors import CalrtCode, ErrorCategory, Unavailable, from_calrt, out
 from calfsm.logits import extract_logits
 from calfsm.manifest import SubmodelContract
 
-__all__ = ["OutputReading", "check_ending", "check_job", "check_output", "read_output",
+__all__ = ["OutputReading", "check_ending", "check_job", "check_output", "convert_row",
+           "read_output",
            "status_name"]
 
 #: (status, output_bytes code, bytes produced)
@@ -74,6 +75,15 @@ def check_output(reading: OutputReading, logits_bf16: np.ndarray,
     tensor's (an output fault); else the float32 logits of the last token, written into
     ``target`` (allocated when None)."""
     check_job(reading, contract, ctx)
+    return convert_row(reading, logits_bf16, contract, token_count, target, ctx)
+
+
+def convert_row(reading: OutputReading, logits_bf16: np.ndarray,
+                contract: SubmodelContract, token_count: int,
+                target: np.ndarray | None, ctx: dict[str, Any]) -> np.ndarray:
+    """:func:`check_output` after :func:`check_job` passed: the float32 logits of the
+    last token (bounds and finite values checked), written into ``target`` (allocated
+    when None). A batch judges its job once and converts each row with this."""
     produced = reading[2]
     if target is None:
         target = np.empty(contract.vocab, dtype=np.float32)
