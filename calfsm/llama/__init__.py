@@ -13,7 +13,8 @@ batches, ``llama_get_logits_ith`` and the memory operations)::
             token = int(ctx.get_logits_ith(-1).argmax())
             batch = LlamaBatch.get_one([token])
 
-- :mod:`~calfsm.llama.batch`: :class:`LlamaBatch` and its check against one sequence;
+- :mod:`~calfsm.llama.batch`: :class:`LlamaBatch` and its check (one sequence, or
+  several on a batch calbin);
 - :mod:`~calfsm.llama.context`: :class:`LlamaContext` (``decode``, ``decode_sync``,
   the logits), :func:`decode`, :func:`decode_sync`;
 - :mod:`~calfsm.llama.codes`: the one table from calfsm's errors to the return codes;

@@ -11,7 +11,9 @@ vocabulary (the caller's own array, or one allocated once here) and its
 :meth:`LlamaContext.decode_sync` checks the whole batch first
 (:func:`~calfsm.llama.batch.plan_batch`, then the executor's
 :func:`~calfsm.request.check_request` for every job), so a bad batch runs nothing. Then
-each ubatch is one executor job, in order; a job whose last token is flagged writes that
+each ubatch is one executor job; the k-th ubatches of every sequence in the batch (a
+batch calbin may take several) are queued together, one round, so their decodes share
+device steps where the executor batches; a job whose last token is flagged writes that
 token's logits straight into its row of the output buffer (the request's ``target``:
 no vocabulary-sized temporary); the other jobs write into one scratch row owned by the
 context. ``get_logits_ith(i)`` is a view of the row of batch token ``i``.
@@ -49,7 +51,7 @@ from calfsm.epoch import WARMUP_SEQ
 from calfsm.errors import CalfsmError, Cancelled, InvalidArgument, Unavailable
 from calfsm.job import InferenceResult, JobHandle
 from calfsm.llama import codes
-from calfsm.llama.batch import BatchPlan, LlamaBatch, plan_batch
+from calfsm.llama.batch import BatchPlan, LlamaBatch, SeqPart, Ubatch, plan_batch
 from calfsm.llama.memory import LlamaMemory
 from calfsm.manifest import TaskKind
 from calfsm.request import Request, check_request
@@ -68,16 +70,28 @@ _STAGE = "llama_decode"
 
 @attrs.frozen
 class DecodeResult:
-    """A decoded batch: its sequence (llama id), where it started, the batch indexes
-    that have logits (row ``k`` of the output buffer is ``outputs[k]``) and each job's
-    result — its ``logits`` a view of its row (of the scratch row for a job without an
-    output), valid until the next decode."""
+    """A decoded batch: its (first) sequence (llama id), where that started, the batch
+    indexes that have logits (row ``k`` of the output buffer is ``outputs[k]``), each
+    job's result in the order they ran — its ``logits`` a view of its row (of the scratch
+    row for a job without an output), valid until the next decode — and every sequence
+    the batch held, in order of first appearance."""
 
     seq_id: int
     pos0: int
     n_tokens: int
     outputs: tuple[int, ...]
     jobs: tuple[InferenceResult, ...] = attrs.field(repr=False)
+    seq_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen
+class _Job:
+    """One ubatch's job: its part of the batch, the request, its output row (or None)."""
+
+    part: SeqPart
+    ub: Ubatch
+    request: Request
+    row: int | None
 
 
 class LlamaContext:
@@ -103,6 +117,9 @@ class LlamaContext:
         self.executor = executor
         self.n_vocab = epoch.contract(TaskKind.DECODE).vocab
         self.n_ctx = epoch.contract(TaskKind.DECODE).max_seq
+        #: a batch may hold several sequences: the decode graph has a batch dimension,
+        #: and the executor puts their decodes into one device job where it batches
+        self.multi_sequence = epoch.contract(TaskKind.DECODE).batched
         self._max_tokens = {k: c.max_tokens for k, c in epoch.model.submodels.items()}
         limit = self._max_tokens.get(TaskKind.PREFILL_IDS, 1)
         if n_ubatch is not None and (isinstance(n_ubatch, bool) or not isinstance(
@@ -118,7 +135,7 @@ class LlamaContext:
         self._lock = threading.RLock()
         self._abort_cb: Callable[[], bool] | None = None
         self._abort_lock = threading.Lock()
-        self._current: JobHandle | None = None
+        self._current: list[JobHandle] = []         # the jobs of the round in flight
         self._abort_requested = False
         self._decoding = False
         self._sequences: list[Sequence] = []
@@ -159,14 +176,15 @@ class LlamaContext:
                 plan = plan_batch(batch, seq_ids=self.memory.seq_ids,
                                   n_ubatch=self._ubatch_limit(batch),
                                   n_outputs_max=self.n_outputs_max,
-                                  next_pos=self.memory.n_held, context=ctx)
-                requests = self._requests(plan)
+                                  next_pos=self.memory.n_held, context=ctx,
+                                  multi=self.multi_sequence)
+                rounds = self._requests(plan)
             except CalfsmError as err:
                 raise self._logged(err) from None
             with self._abort_lock:
                 self._decoding, self._abort_requested = True, False
             try:
-                return self._run(plan, requests)
+                return self._run(plan, rounds)
             finally:
                 with self._abort_lock:
                     self._decoding = False
@@ -176,97 +194,132 @@ class LlamaContext:
             return self._max_tokens.get(TaskKind.PREFILL_EMBEDS, 1)
         return self.n_ubatch
 
-    def _requests(self, plan: BatchPlan) -> list[Request]:
-        """One request per ubatch, each checked against its graph before any runs."""
+    def _requests(self, plan: BatchPlan) -> list[list[_Job]]:
+        """One request per ubatch, in rounds (:meth:`BatchPlan.rounds`), each checked
+        against its graph before any runs."""
         epoch = self.executor.epoch
         if epoch is None:
             raise Unavailable("the executor has no configured model", stage=_STAGE)
-        dev = self.memory.device_seq(plan.seq)
         kw = {} if self.deadline_s is None else {"deadline_s": self.deadline_s}
-        out, row = [], 0
-        for ub in plan.ubatches:
-            if ub.output:
-                target, row = self._logits[row], row + 1
-            else:
-                target = self._scratch
-            past = plan.pos0 + ub.start
-            if plan.embd is not None:
-                if TaskKind.PREFILL_EMBEDS not in self._max_tokens:
-                    raise InvalidArgument("the model has no prefill_embeds graph",
-                                          stage="llama_batch", seq_id=dev)
-                req = Request.prefill_embeds(dev, plan.embd[ub.start:ub.stop],
-                                             past_len=past, target=target, **kw)
-            elif ub.stop - ub.start == 1:
-                req = Request.decode(dev, plan.tokens.item(ub.start), past, target=target,
-                                     **kw)
-            else:
-                req = Request.prefill(dev, plan.tokens[ub.start:ub.stop], past_len=past,
-                                      target=target, **kw)
-            check_request(req, epoch.contract(req.kind), seq_limit=WARMUP_SEQ,
-                          context={"seq_id": dev, "generation": epoch.generation,
-                                   "stage": "llama_batch"})
-            out.append(req)
+        rank = {b: r for r, b in enumerate(plan.outputs)}   # batch index -> output row
+        out = []
+        for rnd in plan.rounds():
+            jobs = []
+            for part, ub in rnd:
+                dev = self.memory.device_seq(part.seq)
+                b = part.batch_index(ub)
+                target = self._logits[rank[b]] if ub.output else self._scratch
+                past = part.pos0 + ub.start
+                index = list(part.index[ub.start:ub.stop])
+                if plan.embd is not None:
+                    if TaskKind.PREFILL_EMBEDS not in self._max_tokens:
+                        raise InvalidArgument("the model has no prefill_embeds graph",
+                                              stage="llama_batch", seq_id=dev)
+                    req = Request.prefill_embeds(dev, plan.embd[index], past_len=past,
+                                                 target=target, **kw)
+                elif len(index) == 1:
+                    req = Request.decode(dev, plan.tokens.item(index[0]), past,
+                                         target=target, **kw)
+                else:
+                    req = Request.prefill(dev, plan.tokens[index], past_len=past,
+                                          target=target, **kw)
+                check_request(req, epoch.contract(req.kind), seq_limit=WARMUP_SEQ,
+                              context={"seq_id": dev, "generation": epoch.generation,
+                                       "stage": "llama_batch"})
+                jobs.append(_Job(part, ub, req, rank.get(b) if ub.output else None))
+            out.append(jobs)
         return out
 
-    def _run(self, plan: BatchPlan, requests: list[Request]) -> DecodeResult:
+    def _run(self, plan: BatchPlan, rounds: list[list[_Job]]) -> DecodeResult:
         results: list[InferenceResult] = []
-        rows: dict[int, int] = {}
+        rows: dict[int, int] = {}               # batch index -> output row, finished
+        ran: set[int] = set()                   # parts with a finished ubatch
         try:
-            if plan.pos0 == 0 and self.memory.is_lost(plan.seq):
-                try:                                 # start again: clear it first
-                    self.memory.seq_rm(plan.seq, -1, -1)
-                except CalfsmError as err:
-                    raise self._logged(err) from None
-            for ub, req in zip(plan.ubatches, requests, strict=True):
-                results.append(self._job(req))
-                if ub.output:
-                    rows[ub.stop - 1] = len(rows)
+            for part in plan.parts:
+                if part.pos0 == 0 and self.memory.is_lost(part.seq):
+                    try:                         # start again: clear it first
+                        self.memory.seq_rm(part.seq, -1, -1)
+                    except CalfsmError as err:
+                        raise self._logged(err) from None
+            for jobs in rounds:
+                done, err = self._round(jobs)
+                for job, result in done:
+                    results.append(result)
+                    ran.add(job.part.seq)
+                    if job.row is not None:
+                        rows[job.part.batch_index(job.ub)] = job.row
+                if err is not None:
+                    raise err
         except CalfsmError as err:
             code = codes.return_code(err)
             if code in (codes.NO_KV_SLOT, codes.INVALID_INPUT):
                 rows = {}
-                if results:
-                    self._restore(plan, err)
-            self._rows, self._n_outputs = rows, len(rows)
+                self._restore([p for p in plan.parts if p.seq in ran], err)
+            self._set_outputs(rows)
             raise
-        self._rows, self._n_outputs = rows, len(rows)
+        self._set_outputs(rows)
         return DecodeResult(plan.seq, plan.pos0, plan.n_tokens, plan.outputs,
-                            tuple(results))
+                            tuple(results), tuple(p.seq for p in plan.parts))
 
-    def _restore(self, plan: BatchPlan, err: CalfsmError) -> None:
+    def _set_outputs(self, rows: dict[int, int]) -> None:
+        """The rows a finished (or partly finished) decode answers for; ``get_logits``
+        covers the leading rows that all finished."""
+        have = set(rows.values())
+        n = 0
+        while n in have:
+            n += 1
+        self._rows, self._n_outputs = rows, n
+
+    def _restore(self, parts: list[SeqPart], err: CalfsmError) -> None:
         """Truncate the ubatches this call committed (llama.cpp: after 1 or -1 the memory
         is as before the call). A failed truncation is raised instead."""
         try:
-            self.memory.truncate(plan.seq, plan.pos0)
+            for part in parts:
+                self.memory.truncate(part.seq, part.pos0)
         except CalfsmError as e:
             raise self._logged(e) from err
 
-    def _job(self, request: Request) -> InferenceResult:
-        """Run one job to its end, in either executor mode."""
+    def _round(self, jobs: list[_Job]
+               ) -> tuple[list[tuple[_Job, InferenceResult]], CalfsmError | None]:
+        """Run one round's jobs together (their decodes may share device steps) to their
+        ends, in either executor mode: the finished ones, and the first error in round
+        order (every job enqueued is waited for, whatever failed)."""
         by = ("abort()" if self._abort_requested else
               "the abort callback" if self._abort_cb is not None and self._abort_cb()
               else None)
         if by is not None:
-            raise self._logged(Cancelled(f"aborted by {by} before the next ubatch",
-                                         stage=_STAGE, seq_id=request.seq_id,
-                                         generation=self.executor.generation))
-        try:
-            handle = self.executor.enqueue_nowait(request)
-        except CalfsmError as err:          # refused before a job existed: ours to log
-            raise self._logged(err.with_context(seq_id=request.seq_id)) from None
-        with self._abort_lock:
-            self._current = handle
-            if self._abort_requested:
-                handle.cancel()
+            return [], self._logged(Cancelled(
+                f"aborted by {by} before the next ubatch", stage=_STAGE,
+                seq_id=jobs[0].request.seq_id, generation=self.executor.generation))
+        handles: list[JobHandle] = []
+        refused: CalfsmError | None = None
+        for job in jobs:
+            try:
+                handle = self.executor.enqueue_nowait(job.request)
+            except CalfsmError as err:      # refused before a job existed: ours to log
+                refused = self._logged(err.with_context(seq_id=job.request.seq_id))
+                break
+            handles.append(handle)
+            with self._abort_lock:
+                self._current.append(handle)
+                if self._abort_requested:
+                    handle.cancel()
         try:
             if not self.executor.config.threaded:
-                StepScheduler.for_steps(self.executor.steps).run_until(handle.done)
-            return handle.result()
-        except Cancelled as err:            # the executor does not log a cancel
-            raise self._logged(err) from None
+                StepScheduler.for_steps(self.executor.steps).run_until(
+                    lambda: all(h.done() for h in handles))
+            done, first = [], None
+            for job, handle in zip(jobs, handles, strict=False):
+                try:
+                    done.append((job, handle.result()))
+                except Cancelled as err:    # the executor does not log a cancel
+                    first = first or self._logged(err)
+                except CalfsmError as err:
+                    first = first or err
+            return done, first or refused
         finally:
             with self._abort_lock:
-                self._current = None
+                self._current = []
 
     def _logged(self, err: CalfsmError) -> CalfsmError:
         code = codes.return_code(err)
@@ -287,8 +340,8 @@ class LlamaContext:
             if not self._decoding:
                 return False
             self._abort_requested = True
-            handle = self._current
-        if handle is not None:
+            handles = list(self._current)
+        for handle in handles:
             handle.cancel()
         return True
 
