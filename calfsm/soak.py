@@ -48,6 +48,7 @@ from typing import Any
 import attrs
 import numpy as np
 
+from calfsm.capabilities_cli import EVIDENCE_DIR_HELP
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.drivers.faults import SWARM_KINDS, FaultPlan
 from calfsm.errors import (
@@ -760,6 +761,9 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
     p.add_argument("--execution-timeout", default="1s", metavar="TIME",
                    help="the executor's execution deadline: how soon a hung job is given "
                         "up and the device reset")
+    p.add_argument("--evidence-dir", default=None, metavar="DIR",
+                   help=EVIDENCE_DIR_HELP + "; on a batch manifest it decides whether "
+                        "the soak's steps carry several rows")
     p.add_argument("--out", default="soak-out", metavar="DIR",
                    help="directory for report.md, report.json, samples.csv, soak-*.png")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
@@ -789,7 +793,8 @@ def _config(args: argparse.Namespace) -> SoakConfig:
         sample_s=None if args.sample_every is None else parse_duration(args.sample_every),
         stuck_s=parse_duration(args.stuck), rss_slope_mib_per_h=args.rss_slope,
         rss_floor_mib=args.rss_floor,
-        executor=ExecutorConfig(execution_timeout_s=parse_duration(args.execution_timeout)))
+        executor=ExecutorConfig(execution_timeout_s=parse_duration(args.execution_timeout),
+                                evidence_dir=args.evidence_dir))
 
 
 def _kinds(text: str) -> tuple[str, ...]:
@@ -825,7 +830,8 @@ def main(args: argparse.Namespace) -> int:
         error(f"error: {e}")
         return EXIT_USAGE
     about = {"driver": args.driver, "manifest": args.manifest, "seed": args.seed,
-             "clients": config.clients, "fault plan": plan.describe()}
+             "clients": config.clients, "fault plan": plan.describe(),
+             "evidence dir": args.evidence_dir or "(default rule)"}
     result = _run(config, driver, manifest, quiet=args.quiet)
     if result is None:
         return EXIT_START_FAILED

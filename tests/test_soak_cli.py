@@ -453,3 +453,27 @@ def test_usage_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
     err = capsys.readouterr().err
     assert message in err and err.startswith("calfsm: error:")
     assert not (tmp_path / "report.json").exists()
+
+
+def test_a_batch_soak_reads_its_evidence_dir_and_batches(tmp_path, caplog):
+    """``--evidence-dir`` decides whether the soak's steps carry several rows on a batch
+    manifest, as it does for ``run`` and ``serve``."""
+    from calfsm.drivers.sim import SimDriver
+    from tests.executor_helpers import write_batch_evidence
+
+    caplog.set_level(logging.CRITICAL)
+    evidence = tmp_path / "evidence"
+    evidence.mkdir()
+    with SimDriver(builtin_manifest("tiny-b8")) as d:
+        write_batch_evidence(evidence, d)
+    runs = {}
+    for name, argv in (("batched", ["--evidence-dir", str(evidence)]),
+                       ("none", ["--evidence-dir", str(tmp_path / "empty")])):
+        out = tmp_path / name
+        rc = main(["soak", "--manifest", "tiny-b8", "--duration", "3s", "--warmup", "1s",
+                   "--seed", "2", "--no-plots", "--quiet", "--out", str(out), *argv])
+        runs[name] = (rc, json.loads((out / "report.json").read_text()))
+    for rc, report in runs.values():
+        assert rc == 0, report["gates"]
+    assert runs["batched"][1]["tally"]["rows_per_job"] == 8
+    assert runs["none"][1]["tally"]["rows_per_job"] == 1
