@@ -17,6 +17,10 @@ Two paths, each with its own executor on its own ``realtime_sim(manifest, decode
   time is when its SSE line reaches the client. Each client's text is checked to
   decode to the same tokens as the streams path gave.
 
+Aggregate tokens/s is every client's tokens over the round's wall time (prefills
+included), the figure to set beside a batch manifest's cost model (``--manifest tiny-b8
+--batch-row-share 0.05 --clients 64``, and the same on ``tiny``).
+
 Time per output token (TPOT) is the gap between two consecutive tokens of one client,
 pooled over the clients (an SSE chunk that holds two tokens — a byte the text decoder
 held until the next token completed it — counts as two tokens at half its gap); P50 and
@@ -187,17 +191,19 @@ def main() -> int:
     rows = []
     try:
         for n in counts:
-            res: dict[str, list[tuple[float, float]]] = {"streams": [], "server": []}
+            res: dict[str, list[tuple[float, float, float]]] = {"streams": [], "server": []}
             for r in range(rounds):
                 order = ("streams", "server") if r % 2 == 0 else ("server", "streams")
                 got = {}
                 for path in order:
+                    t0 = time.perf_counter()
                     if path == "streams":
                         gaps, toks = asyncio.run(streams_round(ex, n, args.tokens))
                     else:
                         gaps, toks = asyncio.run(server_round(url, n, args.tokens, tok))
+                    rate = sum(map(len, toks.values())) / (time.perf_counter() - t0)
                     got[path] = toks
-                    res[path].append((_pct(gaps, 0.5), _pct(gaps, 0.99)))
+                    res[path].append((_pct(gaps, 0.5), _pct(gaps, 0.99), rate))
                 if got["streams"] != got["server"]:
                     raise SystemExit(f"{n} clients: the server's tokens differ")
             rows.append((n, res))
@@ -211,18 +217,19 @@ def main() -> int:
         return fmt.format(lo) if lo == hi else f"{fmt.format(lo)}-{fmt.format(hi)}"
 
     print(f"\n{'clients':>7} | {'streams P50 / P99 ms':>24} | {'server P50 / P99 ms':>24} | "
-          f"{'server/streams P50':>18} | {'P99':>13}")
+          f"{'server/streams P50':>18} | {'P99':>13} | {'tokens/s streams / server':>25}")
     verdict = None
     for n, res in rows:
-        s50 = [a for a, _ in res["streams"]]
-        s99 = [b for _, b in res["streams"]]
-        v50 = [a for a, _ in res["server"]]
-        v99 = [b for _, b in res["server"]]
+        s50 = [a for a, _, _ in res["streams"]]
+        s99 = [b for _, b, _ in res["streams"]]
+        v50 = [a for a, _, _ in res["server"]]
+        v99 = [b for _, b, _ in res["server"]]
         r50 = [v / s for v, s in zip(v50, s50)]
         r99 = [v / s for v, s in zip(v99, s99)]
+        rates = [rng([c for _, _, c in res[p]], 1, "{:.0f}") for p in ("streams", "server")]
         print(f"{n:>7} | {rng(s50) + ' / ' + rng(s99):>24} | "
               f"{rng(v50) + ' / ' + rng(v99):>24} | {rng(r50, 1, '{:.4f}'):>18} | "
-              f"{rng(r99, 1, '{:.4f}'):>13}")
+              f"{rng(r99, 1, '{:.4f}'):>13} | {' / '.join(rates):>25}")
         if n == 1:
             verdict = max(r50)
     if verdict is not None:

@@ -13,6 +13,10 @@ reads the mapped token and position arrays *at that moment*, checks CSRs, slices
 KV allocation like the device would, and ends ``DONE_CCU_EXCEPTION`` (writing nothing)
 when they disagree; otherwise it runs the hash chain against the sequence's KV words and
 writes the whole output array (:mod:`calfsm.refmodel`).
+In real time a fault-free job is computed a little before its finish time (by what
+computing its graph and rows has cost this host, with a margin) and ends at that time:
+the latency model is what the device costs, and a device computes during its step, so
+the simulator's own arithmetic must not make the step longer than the model says.
 
 *Time.* With a :class:`~calfsm.clock.VirtualClock` (the default) nothing sleeps: ``wait``
 moves the clock to the job's finish (or by its timeout). With a
@@ -310,8 +314,8 @@ class _Buf:
 
 
 class _Job:
-    __slots__ = ("effect", "engine", "finish", "ghost", "inp", "model", "ordinal", "out",
-                 "phases", "rows", "rule", "rule_row", "seq", "seqs", "tag")
+    __slots__ = ("computed", "effect", "engine", "finish", "ghost", "inp", "model", "ordinal",
+                 "out", "phases", "rows", "rule", "rule_row", "seq", "seqs", "tag")
 
     def __init__(self, ordinal: int, model: _Model, inp: _Buf, out: _Buf,
                  tag: JobTag | None, engine: int, seq: int) -> None:
@@ -333,6 +337,9 @@ class _Job:
         self.ghost = False
         #: planned (start, end) of H2D, compute, D2H on the device clock
         self.phases: tuple[tuple[float, float], ...] = ()
+        #: real time only: how the job ended when it was computed ahead of its finish
+        #: time (``_finish``'s arguments), published when that time comes
+        self.computed: tuple[OutputStatus, int, list[OutputStatus] | None] | None = None
 
 
 # ---------------------------------------------------------------------------------------
@@ -404,6 +411,10 @@ class SimDriver(ClosesOnExit, HandleChecks):
         self._max_seq = 0
         self._parallel = False
         self._queue: list[_Job] = []
+        #: real time: what computing a job costs this host, by (graph, rows), and the job
+        #: being computed ahead of its finish time (its ``_finish`` is held back)
+        self._compute_s: dict[tuple[str, int], float] = {}
+        self._ahead: _Job | None = None
         self._ghosts: list[_Job] = []
         #: serial: when the device is free; parallel: the compute unit's and the last
         #: finish; the DMA channel's bookings (start, end), sorted
@@ -878,12 +889,18 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 ghosts.remove(job)
             else:
                 queue.pop(0)
-            self._execute(job)
+            if job.computed is not None:
+                self._finish(job, *job.computed)
+            else:
+                self._execute(job)
 
     def _finish(self, job: _Job, status: OutputStatus, nbytes: int,
                 rows: list[OutputStatus] | None = None) -> None:
         """End ``job`` with ``status``; ``rows``: each row's end when it ran (DONE_OK),
         else every row ends as the job did."""
+        if job is self._ahead:          # computed ahead: ends at its finish time
+            job.computed = (status, nbytes, rows)
+            return
         out, inp = job.out, job.inp
         if out.job is job:
             out.job = None
@@ -903,6 +920,17 @@ class SimDriver(ClosesOnExit, HandleChecks):
         self._cond.notify_all()
 
     def _execute(self, job: _Job) -> None:
+        if self._virtual:
+            self._compute(job)
+            return
+        t0 = time.perf_counter()
+        self._compute(job)
+        key = (job.model.name, job.rows)
+        spent = time.perf_counter() - t0
+        known = self._compute_s.get(key)
+        self._compute_s[key] = spent if known is None else 0.8 * known + 0.2 * spent
+
+    def _compute(self, job: _Job) -> None:
         model, inp, out = job.model, job.inp, job.out
         if model.batch > 1 and job.effect != "ccu_exception" and model.computable:
             self._execute_rows(job)
@@ -1039,6 +1067,25 @@ class SimDriver(ClosesOnExit, HandleChecks):
         else:
             refmodel.prefill_tile(hashes, model.rows, dest[:model.rows * model.vocab])
 
+    def _compute_at(self, job: _Job) -> float:
+        """Real time: when the waiting thread computes ``job`` (inf: never ahead). The
+        modelled time is what the device costs; computing the reference model is this
+        host's cost, which a device does during its step, not after it. So a fault-free
+        job at the head of the queue is computed just before its finish time (by the
+        cost measured for its graph and rows, with a margin) and ends at that time."""
+        if job.computed is not None or job.effect is not None or job.ghost \
+                or not self._queue or self._queue[0] is not job or math.isinf(job.finish):
+            return math.inf
+        cost = self._compute_s.get((job.model.name, job.rows))
+        return job.finish - (2 * cost + 1e-4 if cost is not None else 0.0)
+
+    def _compute_ahead(self, job: _Job) -> None:
+        self._ahead = job
+        try:
+            self._execute(job)
+        finally:
+            self._ahead = None
+
     @_traced("wait", lambda out, timeout_s: (("out", _label(out)), ("timeout", _num(timeout_s))))
     def wait(self, out: _Buf, timeout_s: float) -> int:
         if self._closed or not self._buf_ok(out) or out.is_input:
@@ -1076,11 +1123,16 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 continue
             if now >= deadline:
                 return _TIMEOUT
+            ahead = self._compute_at(job)
+            if now >= ahead:
+                self._compute_ahead(job)
+                continue
             until = min(job.finish, deadline)
-            if until - now > lead:
+            if min(until - lead, ahead) > now:
                 # releases the lock; a reset or close wakes it (a hang with no limit:
                 # only they do, and Condition.wait takes no infinite timeout)
-                self._cond.wait(None if math.isinf(until) else until - now - lead)
+                wake = min(until - lead, ahead)
+                self._cond.wait(None if math.isinf(wake) else wake - now)
                 continue
             self._lock.release()        # the last stretch: poll, lock free, GIL yielded
             try:
