@@ -160,15 +160,17 @@ class Admission:
 
     # ---- accept --------------------------------------------------------------------
     def accept(self, request: Request, canceller: Callable[[JobContext], None], *,
-               continuing: bool = False, staging: bool = False) -> JobContext:
+               continuing: bool = False, staging: bool = False,
+               request_id: str | None = None) -> JobContext:
         """Gate, then make the job and its handle; raises only for a closed or non-Ready
         executor, a full wait queue (or a bad ``request`` type). Every accepted job has
         one outcome. ``continuing``: a running stream's next step (see JobContext).
         Observers hear of the job (job_accepted) or of the refusal (job_refused) here,
         holding no lock; ``staging``: a step prepared ahead, announced only when it is
-        released, and a refusal is not the caller's."""
+        released, and a refusal is not the caller's. ``request_id``: the job's (default:
+        the request's own)."""
         try:
-            job = self._make_job(request, canceller, continuing)
+            job = self._make_job(request, canceller, continuing, request_id)
         except CalfsmError as e:
             if not staging:
                 self.outcomes.observers.job_refused(e, request)
@@ -180,7 +182,7 @@ class Admission:
         return job
 
     def _make_job(self, request: Request, canceller: Callable[[JobContext], None],
-                  continuing: bool) -> JobContext:
+                  continuing: bool, request_id: str | None) -> JobContext:
         core = self.core
         if not isinstance(request, Request):
             raise InvalidArgument(f"enqueue takes a Request, got {type(request).__name__}",
@@ -197,7 +199,8 @@ class Admission:
             job_id=next(self._ids), request=request, generation=life.generation,
             seq_id=request.seq_id, kind=request.kind, past_len=request.past_len,
             token_count=request.token_count,
-            deadline=now + deadline_s if deadline_s > 0 else now)
+            deadline=now + deadline_s if deadline_s > 0 else now,
+            request_id=request_id or request.request_id)
         job.engine = request.engine
         job.timings.accepted = now
         job.continuing = continuing

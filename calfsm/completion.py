@@ -428,9 +428,8 @@ class Completion:
         if old is not self.core.life.epoch or old.retired:
             self.outcomes.count("stale_completions")
             limited.warning("stale_completion", "stale completion of generation %s fenced",
-                            job.generation, extra={
-                "job_id": job.job_id, "seq_id": job.seq_id, "generation": job.generation,
-                "calrt_code": rc, "stage": "stale_completion"})
+                            job.generation, extra={**job_ctx(job, "stale_completion"),
+                                                   "calrt_code": rc})
         self.outcomes.withhold(
             job, "completion after the job was given up or its generation reset")
         if not job.ended:

@@ -130,7 +130,7 @@ class Core:
 def job_ctx(job: JobContext, stage: str | None) -> dict[str, Any]:
     """The context an error or log line about ``job`` carries."""
     ctx: dict[str, Any] = {"job_id": job.job_id, "seq_id": job.seq_id,
-                           "generation": job.generation}
+                           "generation": job.generation, "request_id": job.request_id}
     if stage is not None:
         ctx["stage"] = stage
     return ctx

@@ -198,6 +198,7 @@ class CalfsmError(Exception):
         calrt_code: int | None = None,
         stage: str | None = None,
         retry_after_s: float | None = None,
+        request_id: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
@@ -208,9 +209,11 @@ class CalfsmError(Exception):
         self.calrt_code = calrt_code
         self.stage = stage
         self.retry_after_s = retry_after_s
+        self.request_id = request_id
 
     _CONTEXT_FIELDS: ClassVar[tuple[str, ...]] = (
-        "job_id", "seq_id", "generation", "calrt_code", "stage", "retry_after_s")
+        "job_id", "seq_id", "generation", "calrt_code", "stage", "retry_after_s",
+        "request_id")
 
     @property
     def retryable(self) -> bool:
@@ -237,6 +240,7 @@ class CalfsmError(Exception):
             "calrt_code": self.calrt_code,
             "stage": self.stage,
             "retry_after_s": self.retry_after_s,
+            "request_id": self.request_id,
         }
 
     def with_context(self, **context: Any) -> CalfsmError:
@@ -265,6 +269,8 @@ class CalfsmError(Exception):
         ]
         if self.retry_after_s is not None:
             parts.append(f"retry_after={self.retry_after_s:g}s")
+        if self.request_id is not None:
+            parts.append(f"req={self.request_id}")
         return " ".join(parts)
 
     def __reduce__(self):  # keep errors picklable with their context

@@ -25,17 +25,20 @@ import math
 from collections.abc import Callable
 from typing import Any
 
+import attrs
+
 from calfsm.batching import plan_batching
 from calfsm.capacity import LiveStreams
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver
 from calfsm.dump import DumpSink
 from calfsm.epoch import WARMUP_SEQ, Epoch
-from calfsm.errors import CalfsmError, Cancelled, ExecutorClosed, Unavailable
+from calfsm.errors import CalfsmError, Cancelled, ExecutorClosed, InvalidArgument, Unavailable
 from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
+from calfsm.liverequests import LiveRequests, RequestInfo
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.observe import Observers, rejection_reason
 from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
@@ -85,6 +88,8 @@ class DeviceExecutor:
         self.service = ServiceModel(manifest.timing,
                                     execution_timeout_s=cfg.execution_timeout_s)
         #: the live streams and the admission estimate for a new one
+        #: the live streams and jobs by request id (abort, requests)
+        self.live_requests = LiveRequests(self.clock)
         self.live_streams = LiveStreams(self.service, self.clock,
                                         slack=cfg.admission_slack,
                                         enabled=cfg.admission_estimate)
@@ -151,12 +156,29 @@ class DeviceExecutor:
         return handle
 
     def _accept(self, request: Request, *, continuing: bool = False) -> JobContext:
+        live = self.live_requests
+        if isinstance(request, Request):        # else the admission refuses it below
+            rid = request.request_id
+            own = not live.is_stream(rid, request.seq_id)  # a stream's step: its entry
+        else:
+            rid, own = None, False
         try:
-            return self._pipeline.admission.accept(request, self._pipeline.cancel,
-                                         continuing=continuing)
+            if own and rid is None:
+                rid = live.new_id()
+            job = self._pipeline.admission.accept(request, self._pipeline.cancel,
+                                                  continuing=continuing, request_id=rid)
         except CalfsmError as e:
             self._rejected(e)
             raise
+        if own:
+            handle = job.handle
+            try:
+                live.add(rid, "job", handle)
+            except CalfsmError:
+                handle.cancel()         # an id live elsewhere: this job must not run
+                raise
+            handle.add_done_callback(lambda h: live.discard(rid, h))
+        return job
 
     def _rejected(self, err: CalfsmError, *, opening: bool = False) -> None:
         reason = rejection_reason(err, opening=opening)
@@ -194,9 +216,19 @@ class DeviceExecutor:
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2) -> Stream:
+                 max_resumes: int = 2, request_id: str | None = None,
+                 n: int | None = None, parent: str | None = None) -> Any:
         """One-shot generation on a fresh sequence, released when the stream ends (its
         id is free again by the time the stream's result is delivered).
+
+        ``request_id``: the stream's id (default: generated; ``stream.request_id``),
+        what :meth:`abort` takes. ``n``: return a list of ``n`` streams of the same
+        prompt instead of one stream, stream ``i`` drawing from ``params.seed + i`` (a
+        seed of None: fresh entropy for each) with id ``request_id-i``; aborting
+        ``request_id`` aborts them all. If one of them is refused, those already started
+        are cancelled and the refusal is raised. ``parent``: an id that groups this
+        stream with others the caller starts (a server's choices of one request):
+        ``abort(parent)`` aborts them all.
 
         ``deadline_s``: the stream's own deadline; a stream that cannot end in time by
         the measured service rate, or that would make a running one late, is refused at
@@ -204,6 +236,28 @@ class DeviceExecutor:
         lost the sequence's KV, replay the prompt and the tokens so far on the new
         generation and go on, at most ``max_resumes`` times for this stream."""
         params = params or SamplingParams()
+        if n is None:
+            return self._generate(prompt, params, deadline_s, resume, max_resumes,
+                                  request_id, parent)
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise InvalidArgument(f"n must be an integer >= 1, got {n!r}", stage="request")
+        parent, ids = self.live_requests.reserve_parent(request_id, n)
+        streams: list[Stream] = []
+        try:
+            for i, rid in enumerate(ids):
+                own = params if params.seed is None else attrs.evolve(
+                    params, seed=params.seed + i)
+                streams.append(self._generate(prompt, own, deadline_s, resume,
+                                              max_resumes, rid, parent))
+        except BaseException:
+            for s in streams:
+                s.cancel()
+            raise
+        return streams
+
+    def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,
+                  resume: bool, max_resumes: int, request_id: str | None,
+                  parent: str | None) -> Stream:
         try:        # the estimate first: a refusal costs no sequence and no buffers
             self._admit_stream(prompt, params, deadline_s)
         except CalfsmError as e:
@@ -212,12 +266,24 @@ class DeviceExecutor:
         seq = self.open_sequence()
         try:
             return Stream(seq, prompt, params, deadline_s=deadline_s, resume=resume,
-                          max_resumes=max_resumes, close_sequence=True, admitted=True)
+                          max_resumes=max_resumes, close_sequence=True, admitted=True,
+                          request_id=request_id, parent=parent)
         except BaseException as e:
             seq.close()
             if isinstance(e, CalfsmError):
                 self._rejected(e)
             raise
+
+    def abort(self, request_id: str) -> bool:
+        """Cancel the live stream or job ``request_id`` (or every stream of an ``n > 1``
+        generate) wherever it is, by the rules of ``cancel``: waiting or staged, nothing
+        reaches the device; on the device, it runs to its end and its result is dropped.
+        False if no live request has that id (unknown, or already ended)."""
+        return self.live_requests.abort(request_id)
+
+    def requests(self) -> list[RequestInfo]:
+        """The live streams and jobs, oldest first: id, kind, state, age, tokens so far."""
+        return self.live_requests.snapshot()
 
     def _admit_stream(self, prompt: Any, params: Any, deadline_s: Any) -> None:
         """The admission estimate of a one-shot stream, before anything is taken for it

@@ -86,6 +86,8 @@ class JobContext:
     past_len: int
     token_count: int
     deadline: float                      # overall, clock time
+    #: the request it serves (a stream's steps carry the stream's; calfsm/liverequests.py)
+    request_id: str | None = None
     state: str = JobState.CREATED.value
     cancel_requested: bool = False
     engine: EngineSlot = EngineSlot.AUTO
@@ -165,6 +167,16 @@ class JobHandle:
     @property
     def seq_id(self) -> int:
         return self._job.seq_id
+
+    @property
+    def request_id(self) -> str | None:
+        """The request the job serves (calfsm/liverequests.py)."""
+        return self._job.request_id
+
+    def describe(self) -> tuple[str, int]:
+        """Its state and tokens so far, for ``executor.requests()``: a job gives its
+        logits when it ends, no tokens."""
+        return self._job.state, 0
 
     @property
     def context(self) -> JobContext:

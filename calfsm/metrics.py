@@ -194,7 +194,7 @@ class ExecutorMetrics(Observer):
         if t.submitted:
             queue.observe(max(0.0, t.submitted - t.queued))
             device.observe(t.device_wait_ms * 1e-3)
-        latency.observe(max(0.0, t.completed - start))
+        latency.observe(max(0.0, t.completed - start), _exemplar(event.request_id))
         if outcome == "failed" and isinstance(event.error, ResourceExhausted):
             self.rejections.labels("kv_budget").inc()   # larger than the whole budget
 
@@ -209,11 +209,12 @@ class ExecutorMetrics(Observer):
         with self._lock:
             self._running.discard(id(stream))
         self.finished.labels(result.finish_reason.value).inc()
+        exemplar = _exemplar(getattr(stream, "request_id", None))
         if result.ttft_s is not None:
-            self.ttft.observe(result.ttft_s)
+            self.ttft.observe(result.ttft_s, exemplar)
         for gap in result.inter_token_s:
             self.tpot.observe(gap)
-        self.e2e.observe(max(0.0, self._clock.now() - stream.started))
+        self.e2e.observe(max(0.0, self._clock.now() - stream.started), exemplar)
         self.prompt_tokens.inc(result.usage.prompt_tokens)
         self.generation_tokens.inc(result.usage.completion_tokens)
 
@@ -312,3 +313,13 @@ class _BooksCollector:
             for s in LifecycleState:
                 state.add_metric([s.value], float(s.value == now))
         yield state
+
+
+#: OpenMetrics bounds an exemplar's label names and values to 128 characters in all
+_EXEMPLAR_ROOM = 128 - len("request_id")
+
+
+def _exemplar(request_id: str | None) -> dict[str, str] | None:
+    """The exemplar naming the request an observation came from (shown in the
+    OpenMetrics exposition: ``Accept: application/openmetrics-text``)."""
+    return None if request_id is None else {"request_id": request_id[:_EXEMPLAR_ROOM]}

@@ -135,6 +135,8 @@ class JobAccepted:
     request: Request
     accepted: float
     staged: bool = False
+    #: the request the job serves (a stream's steps: the stream's id)
+    request_id: str | None = None
 
 
 @attrs.frozen(slots=True)
@@ -157,6 +159,8 @@ class JobEnded:
     #: job_accepted was called for this job (False: a step prepared ahead that ended
     #: before it was released; it never ran)
     announced: bool = True
+    #: the request the job served (a stream's steps: the stream's id)
+    request_id: str | None = None
 
 
 @attrs.frozen(slots=True)

@@ -86,7 +86,7 @@ class Outcomes:
         if self.observers.accepts:
             self.observers.job_accepted(JobAccepted(
                 job.job_id, job.seq_id, job.generation, job.kind, request,
-                job.timings.accepted, staged))
+                job.timings.accepted, staged, job.request_id))
 
     def observe(self, job: JobContext, outcome: str, result: InferenceResult | None,
                 err: CalfsmError | None, output: Any = None) -> None:
@@ -94,7 +94,7 @@ class Outcomes:
         a caller that has the outcome finds it counted."""
         self.observers.job_ended(JobEnded(
             job.job_id, job.seq_id, job.generation, job.kind, outcome, job.timings,
-            job.request, result, err, output, job.announced))
+            job.request, result, err, output, job.announced, job.request_id))
 
     # ---- ending a job --------------------------------------------------------------
     def succeeded(self, job: JobContext, result: InferenceResult) -> None:

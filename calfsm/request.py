@@ -33,7 +33,11 @@ from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
-__all__ = ["EMBED_DTYPES", "Request", "check_embeds", "check_request", "check_token"]
+__all__ = ["EMBED_DTYPES", "MAX_REQUEST_ID", "Request", "check_embeds", "check_request",
+           "check_request_id", "check_token"]
+
+#: the longest request id (``X-Request-Id`` values are usually a UUID, 36 characters)
+MAX_REQUEST_ID = 128
 
 _I64 = np.dtype(np.int64)
 _I64_MIN, _I64_MAX = -2**63, 2**63 - 1
@@ -188,6 +192,7 @@ class Request:
     target: np.ndarray | None = attrs.field(default=None, eq=False)
     seq_count: int = 1
     engine: EngineSlot = EngineSlot.AUTO
+    request_id: str | None = None
 
     def __attrs_post_init__(self) -> None:
         seq_id = self.seq_id
@@ -220,6 +225,8 @@ class Request:
             _set(self, "seq_count", _integer(self.seq_count, "seq_count"))
         if type(self.engine) is not EngineSlot:
             _set(self, "engine", _engine(self.engine))
+        if self.request_id is not None:
+            check_request_id(self.request_id)
 
     @property
     def token_count(self) -> int:
@@ -261,6 +268,16 @@ class Request:
 
 _new = object.__new__
 _FIELDS = tuple(f.name for f in attrs.fields(Request))
+
+
+def check_request_id(value: Any, *, field: str = "request_id") -> str:
+    """``value`` if it is a request id: 1 to :data:`MAX_REQUEST_ID` visible ASCII
+    characters (what an ``X-Request-Id`` header carries: no spaces, no controls)."""
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_REQUEST_ID \
+            or not value.isascii() or not value.isprintable() or " " in value:
+        raise _bad(f"{field} must be 1 to {MAX_REQUEST_ID} visible ASCII characters, got "
+                   f"{reprlib.repr(value)}")
+    return value
 
 
 def check_request(request: Request, contract: SubmodelContract, *, seq_limit: int,

@@ -89,6 +89,7 @@ class ExecutorFace(Protocol):
 
     clock: Any
     live_streams: Any                   # calfsm.capacity.LiveStreams
+    live_requests: Any                  # calfsm.liverequests.LiveRequests
     observers: Any                      # calfsm.observe.Observers
 
     @property
@@ -365,11 +366,11 @@ class Sequence:
     # ---- generation ----------------------------------------------------------------
     def generate(self, prompt: Seq[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2) -> Stream:
+                 max_resumes: int = 2, request_id: str | None = None) -> Stream:
         """Start a stream: prefill ``prompt`` after what the sequence holds, then sample
         and decode until a finish reason."""
         return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
-                      resume=resume, max_resumes=max_resumes)
+                      resume=resume, max_resumes=max_resumes, request_id=request_id)
 
     # ---- closing -------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -439,12 +440,15 @@ class Sequence:
 
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
-    ``cancel()``, and ``result()`` / ``await stream.final()``."""
+    ``cancel()``, and ``result()`` / ``await stream.final()``. ``request_id`` names it
+    in the executor (given, else generated): its steps, errors, log lines and observer
+    events carry it, and ``executor.abort(request_id)`` cancels it."""
 
     def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
-                 admitted: bool = False) -> None:
+                 admitted: bool = False, request_id: str | None = None,
+                 parent: str | None = None) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be SamplingParams", stage="request")
         ex = sequence.executor
@@ -462,14 +466,7 @@ class Stream:
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
-        if deadline_s is not None and not (isinstance(deadline_s, int | float)
-                                           and deadline_s > 0):
-            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
-                                  stage="request")
-        if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
-                or max_resumes < 0:
-            raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
-                                  f"{max_resumes!r}", stage="request")
+        _check_limits(deadline_s, max_resumes)
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
         self._max_new = max_new_tokens(params, self._max_seq, sequence.position,
                                        len(self.prompt))
@@ -496,8 +493,12 @@ class Stream:
         #: what the continuation of the step in flight decided: (its job id, outcome)
         self._decided: tuple[int, _Outcome] | None = None
         self._ending = False            # _finish has begun: nothing more is recorded
+        #: this stream's id in the executor (calfsm/liverequests.py)
+        self.request_id: str = ex.live_requests.add(request_id, "stream", self,
+                                                    parent=parent)
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                target=self._flow.row(), deadline_s=self._left())
+                                target=self._flow.row(), deadline_s=self._left(),
+                                request_id=self.request_id)      # every field checked
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
@@ -506,6 +507,14 @@ class Stream:
     def flow_state(self) -> str:
         """The state of the stream's flow (:class:`~calfsm.machines.flow.FlowState`)."""
         return self._flow.state
+
+    def describe(self) -> tuple[str, int]:
+        """Its state (the flow's; the step in flight's too, as ``flow/job``) and the
+        tokens it has made so far, for ``executor.requests()``."""
+        handle = self._flow.inflight
+        state = self._flow.state if handle is None or handle.done() \
+            else f"{self._flow.state}/{handle.state}"
+        return state, len(self._tokens)
 
     @property
     def started(self) -> float:
@@ -664,9 +673,10 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        seq_id, left = self.sequence.seq_id, self._left()
+        seq_id, left, rid = self.sequence.seq_id, self._left(), self.request_id
         self._flow.stage_next(
-            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left),
+            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
+                                            request_id=rid),
             lambda: self._ending or self._cancelled)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
@@ -772,7 +782,8 @@ class Stream:
                 return None, None, Successor(staged, token, then)
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
-                                 target=flow.staged_row(staged), deadline_s=self._left())
+                                 target=flow.staged_row(staged), deadline_s=self._left(),
+                                 request_id=self.request_id)
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
 
@@ -898,9 +909,10 @@ class Stream:
         seq.executor.observers.stream_resumed(self)
         _limited.warning("resume", "stream on sequence %s resumes after a reset: "
                          "replaying %s tokens", seq.seq_id, len(history),
-                         extra={"seq_id": seq.seq_id, "stage": "resume"})
+                         extra={"seq_id": seq.seq_id, "stage": "resume",
+                                "request_id": self.request_id})
         self._submit(Request.prefill(seq.seq_id, history, target=self._flow.row(),
-                                     deadline_s=self._left()))
+                                     deadline_s=self._left(), request_id=self.request_id))
 
     # ---- ending --------------------------------------------------------------------
     def _finish(self, reason: FinishReason, error: CalfsmError | None = None) -> None:
@@ -912,6 +924,7 @@ class Stream:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
                 drop_tracebacks(error)
+                error.with_context(request_id=self.request_id)
             if self._held and reason is not FinishReason.CANCELLED:
                 # no stop sequence came: what was held back is output after all (a
                 # cancel delivers nothing more)
@@ -927,6 +940,7 @@ class Stream:
                 Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes)
         ex = self.sequence.executor
         ex.live_streams.remove(self)
+        ex.live_requests.discard(self.request_id, self)
         # observers first (holding no lock), so a consumer that has the result finds
         # the stream counted
         ex.observers.stream_ended(self, result)
@@ -955,6 +969,17 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
+    """A stream's deadline (None or seconds > 0) and resume budget (an int >= 0)."""
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got {max_resumes!r}",
+                              stage="request")
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,

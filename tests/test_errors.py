@@ -140,6 +140,7 @@ def test_success_is_not_an_error() -> None:
 def _full() -> CalfsmError:
     err = from_calrt(CalrtCode.DEVICE_BUSY, "submit", job_id=11, seq_id=5, generation=3)
     err.retry_after_s = 0.25
+    err.request_id = "r-1"
     return err
 
 
@@ -148,7 +149,7 @@ def test_str_is_one_line_with_every_context_field() -> None:
     assert "\n" not in text
     for part in ("Unavailable[transient]", "stage=submit", "job=11", "seq=5", "gen=3",
                  "calrt=17(DEVICE_BUSY)", "http=503", "grpc=UNAVAILABLE",
-                 "retry_after=0.25s"):
+                 "retry_after=0.25s", "req=r-1"):
         assert part in text, part
 
 
@@ -178,7 +179,9 @@ def test_context_dict_for_structured_logging() -> None:
     ctx = _full().context()
     assert ctx == {"error": "Unavailable", "category": "transient", "http_status": 503,
                    "grpc_code": "UNAVAILABLE", "job_id": 11, "seq_id": 5, "generation": 3,
-                   "calrt_code": 17, "stage": "submit", "retry_after_s": 0.25}
+                   "calrt_code": 17, "stage": "submit", "retry_after_s": 0.25,
+                   "request_id": "r-1"}
+    assert "req=r-1" in str(_full())
 
 
 @pytest.mark.parametrize("err", [

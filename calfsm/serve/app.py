@@ -60,7 +60,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import attrs
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.exposition import choose_encoder
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.requests import Request
@@ -72,6 +73,7 @@ from calfsm.executor import DeviceExecutor
 from calfsm.lograte import RateLimitedLog
 from calfsm.manifest import TaskKind
 from calfsm.metrics import ExecutorMetrics
+from calfsm.request import check_request_id
 from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
 from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
@@ -89,6 +91,8 @@ __all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
 
 log = logging.getLogger("calfsm.serve")
 _limited = RateLimitedLog(log)
+#: the header that names a request, in (optional: generated otherwise) and out
+REQUEST_ID_HEADER = "x-request-id"
 
 ExecutorFactory = Callable[[], Awaitable[DeviceExecutor]]
 #: how often a shutdown that waits looks whether it was told to stop waiting
@@ -285,8 +289,10 @@ class _Server:
             raise ApiError(503, f"the server is {self.start_error or 'starting'}",
                            code="unavailable",
                            retry_after_s=None if self.start_error else 1.0)
-        return Response(generate_latest(self.metrics.registry),
-                        media_type=CONTENT_TYPE_LATEST)
+        # Prometheus text, or OpenMetrics (with each histogram's request-id exemplars)
+        # when the scraper asks for it
+        encode, media = choose_encoder(request.headers.get("accept", ""))
+        return Response(encode(self.metrics.registry), media_type=media)
 
     # ---- models --------------------------------------------------------------------
     async def models(self, request: Request) -> Response:
@@ -306,19 +312,22 @@ class _Server:
     async def _generate(self, request: Request, parse: Callable[..., GenerationPlan],
                         shape: Shape) -> Response:
         client = client_of(request.scope)
+        rid = request.headers.get(REQUEST_ID_HEADER)
         try:
             ex = self.running()
             assert self.limits is not None and self.tokenizer is not None
             assert self.books is not None
+            rid = check_request_id(rid, field=REQUEST_ID_HEADER) if rid is not None \
+                else ex.live_requests.new_id()
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),
                                   self.config.max_json_depth)
                 plan = parse(body, self.limits, self.tokenizer)
-                choices = self._start(ex, plan, client)
+                choices = self._start(ex, plan, client, rid)
         except ApiError as e:
-            return _error_response(e, client)
+            return _with_id(_error_response(e, client), rid)
         except CalfsmError as e:
-            return _error_response(from_calfsm(e), client)
+            return _with_id(_error_response(from_calfsm(e), client), rid)
         except UploadAbandoned as e:
             if request.scope.get("calfsm.body_timeout"):
                 log.info("%s did not send its body to %s in time (%s)", client,
@@ -330,21 +339,28 @@ class _Server:
             return _internal(request, e)
         try:
             if plan.stream:
-                return await self._stream(request, plan, choices, shape, client)
-            return await self._collect(request, plan, choices, shape, client)
+                answer = await self._stream(request, plan, choices, shape, client)
+            else:
+                answer = await self._collect(request, plan, choices, shape, client)
         except Exception as e:
-            return _internal(request, e)
+            answer = _internal(request, e)
+        return _with_id(answer, rid)
 
-    def _start(self, ex: DeviceExecutor, plan: GenerationPlan, client: str) -> list[Choice]:
-        """A stream per choice, booked to ``client``; if one cannot start, those started
-        are cancelled (a stream whose start failed half-way too)."""
+    def _start(self, ex: DeviceExecutor, plan: GenerationPlan, client: str,
+               rid: str) -> list[Choice]:
+        """A stream per choice, booked to ``client``, named ``rid`` (several choices:
+        ``rid-i``, grouped under ``rid``); if one cannot start, those started are
+        cancelled (a stream whose start failed half-way too)."""
         assert self.books is not None
+        one = len(plan.prompts) == 1
         with self.books.opening(client, len(plan.prompts)) as started:
             choices: list[Choice] = []
             try:
                 for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params)):
-                    choices.append(Choice(ex, i, prompt, params,
-                                          deadline_s=self.config.request_timeout_s))
+                    choices.append(Choice(
+                        ex, i, prompt, params, deadline_s=self.config.request_timeout_s,
+                        request_id=rid if one else f"{rid}-{i}",
+                        parent=None if one else rid))
             except BaseException:
                 for stream in started:
                     stream.cancel()
@@ -464,6 +480,13 @@ def _internal(request: Request, exc: Exception) -> Response:
     log.error("unexpected %s on %s", type(exc).__name__, request.url.path, exc_info=exc)
     return _error_response(ApiError(500, f"internal error: {type(exc).__name__}",
                                     code="internal"))
+
+
+def _with_id(answer: Response, rid: str | None) -> Response:
+    """``answer`` carrying the request's id back (``X-Request-Id``)."""
+    if rid is not None and REQUEST_ID_HEADER not in answer.headers:
+        answer.headers[REQUEST_ID_HEADER] = rid
+    return answer
 
 
 def _error_response(err: ApiError, client: str | None = None) -> Response:

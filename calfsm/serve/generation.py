@@ -50,12 +50,14 @@ class Choice:
     """One choice: a stream and its text decoder."""
 
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
-                 params: SamplingParams, *, deadline_s: float | None) -> None:
+                 params: SamplingParams, *, deadline_s: float | None,
+                 request_id: str | None = None, parent: str | None = None) -> None:
         self.index = index
         self._decoder = IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
         self.stream: Stream = executor.generate(list(prompt), params,
-                                                deadline_s=deadline_s)
+                                                deadline_s=deadline_s,
+                                                request_id=request_id, parent=parent)
 
     def push(self, token: int) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""
