@@ -345,7 +345,7 @@ class Sampler:
     """
 
     __slots__ = ("_bitgen", "_inv_t", "_kernel", "_mode", "_p_q", "_procs", "_scratch",
-                 "_top_k", "_user", "params", "vocab")
+                 "_top_k", "_user", "params", "plain", "vocab")
 
     def __init__(self, params: SamplingParams, vocab: int, *,
                  native: bool | None = None) -> None:
@@ -374,6 +374,8 @@ class Sampler:
         self.params = params
         self.vocab = vocab
         self._procs = params.logits_processors
+        #: no processors and no logprobs: ``sample(row)`` is all a stream needs
+        self.plain = not self._procs and params.logprobs is None
         self._scratch: np.ndarray | None = None
         self._user = params.sampler
         self._bitgen = None

@@ -10,8 +10,9 @@ Released. Closing waits for its last job to end — one cancelled after submit i
 then releases the KV and gives the id back.
 
 :class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
-per token, each sampled (:mod:`calfsm.sampling`) from the float32 row of the job before.
-It is driven by job completions: each step's job carries the stream's continuation,
+per token, each sampled (:mod:`calfsm.sampling`: the logits processors, and logprobs
+into the token's event, when the params ask for them) from the float32 row of the job
+before. It is driven by job completions: each step's job carries the stream's continuation,
 which the completion side runs once the output is checked and the KV committed, before
 the job resolves: it samples, records the token, and hands the next decode (prepared
 ahead by the stream's :class:`~calfsm.flow.Flow`) to the submitter. The job's
@@ -460,8 +461,6 @@ class Stream:
                                   stage="request", seq_id=sequence.seq_id)
         self.params = params
         self._sampler: Sampler = params.sampler_for(contract.vocab)
-        #: no logits processors and no logprobs: the sampler alone, on the hot path
-        self._plain = not self._sampler.uses_tokens and params.logprobs is None
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
@@ -744,7 +743,7 @@ class Stream:
             # on as if no fault had happened; greedy checks the replay instead
             if want is not None and not self.params.greedy:
                 token = want
-            elif self._plain:
+            elif self._sampler.plain:         # no processors, no logprobs: the hot path
                 token = self._sampler.sample(logits)
             else:
                 token, scored = self._sample_rich(logits, replay=want is not None)
@@ -827,9 +826,8 @@ class Stream:
             tokens = self._tokens
             tokens.append(token)
             self._times.append(now)
-            event = TokenEvent(token, position, len(tokens) - 1, timings) \
-                if scored is None else \
-                TokenEvent(token, position, len(tokens) - 1, timings, *scored)
+            event = TokenEvent(token, position, len(tokens) - 1, timings,
+                               *(scored or (None, ())))
             if not params.holds_back:
                 self._events.append(event)
                 self._delivered += 1
