@@ -25,12 +25,17 @@ class FinishReason(enum.StrEnum):
 @attrs.frozen
 class TokenEvent:
     """One generated token: its id, its position in the sequence, its index in the
-    stream, and the timings of the job that produced it."""
+    stream, and the timings of the job that produced it. With
+    ``SamplingParams(logprobs=k)``: its log-probability and the ``k`` most likely tokens
+    as ``(token, logprob)``, most likely first (ties by token id), both of the row the
+    sampler saw (after the logits processors, before temperature, top-k and top-p)."""
 
     token: int
     position: int
     index: int
     timings: JobTimings = attrs.field(repr=False)
+    logprob: float | None = None
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
 
 @attrs.frozen

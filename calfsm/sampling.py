@@ -49,6 +49,14 @@ and must return a token id in ``[0, vocab)``; if it raises, or returns anything 
 :meth:`Sampler.sample` raises :class:`~calfsm.errors.Internal` of category PROGRAMMING at
 stage ``sample`` (a :class:`~calfsm.errors.CalfsmError` it raises passes through, with
 that stage filled in).
+
+Logits processors (``SamplingParams.logits_processors``, :mod:`calfsm.processors`) run
+in order on the row before anything else, and fail the same way. After them the row may
+hold ``-inf`` (banned tokens: greedy's argmax and a draw never choose one); a row with
+every token banned is an InvalidArgument, and a NaN or ``+inf`` a processor left is an
+Internal, rather than a token. Logprobs (:meth:`Sampler.sample_logprobs`) are those of
+the row the sampler saw: after the processors, before temperature, top-k and top-p
+(:mod:`calfsm.logprobs`), computed before a draw consumes the row.
 """
 
 from __future__ import annotations
@@ -71,8 +79,14 @@ from calfsm.errors import (
     Internal,
     InvalidArgument,
 )
+from calfsm.logprobs import MAX_LOGPROBS, RowLogprobs, unusable_row
+from calfsm.processors import BanTokens, LogitBias
 
-__all__ = ["MAX_VOCAB", "Sampler", "SamplingParams", "native_sampling_available"]
+__all__ = ["MAX_LOGPROBS", "MAX_VOCAB", "LogitsProcessor", "Sampler", "SamplingParams",
+           "native_sampling_available"]
+
+#: ``fn(tokens, row) -> None``: changes the float32 row in place (:mod:`calfsm.processors`)
+LogitsProcessor = Callable[[Sequence[int], np.ndarray], None]
 
 #: bounds of ``SamplingParams.stop_sequences`` (each is matched after every token)
 MAX_STOP_SEQUENCES = 16
@@ -140,8 +154,12 @@ class SamplingParams:
     the tokens end with one of ``stop_sequences`` (token-id sequences; a stream holds
     back the tokens that may begin one and never delivers a completed one), or after
     ``max_tokens`` tokens (the stream bounds it by ``max_seq`` too). A ``sampler``
-    replaces the built-in one (then leave temperature, top_k, top_p and seed at their
-    defaults). Every field is checked here; a bad value raises InvalidArgument.
+    (``fn(row) -> token``) replaces the built-in one (then leave temperature, top_k,
+    top_p and seed at their defaults). ``logits_processors`` (``fn(tokens, row) ->
+    None``, :mod:`calfsm.processors`) change the row in place, in order, before the
+    token is chosen. ``logprobs`` ``k`` (0..20) makes every token event carry its
+    log-probability and the ``k`` most likely tokens with theirs. Every field is checked
+    here; a bad value raises InvalidArgument. ``docs/sampling.md`` has the whole story.
     """
 
     temperature: float = 0.0
@@ -152,6 +170,8 @@ class SamplingParams:
     max_tokens: int = 16
     sampler: Callable[[np.ndarray], int] | None = None
     stop_sequences: tuple[tuple[int, ...], ...] = ()
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    logprobs: int | None = None
     _stops: frozenset[int] = attrs.field(init=False, repr=False, eq=False)
     _multi: tuple[tuple[int, ...], ...] = attrs.field(init=False, repr=False, eq=False)
 
@@ -188,6 +208,20 @@ class SamplingParams:
         _set(self, "_stops", frozenset(stops))
         _set(self, "_multi", tuple(ids for ids in checked if len(ids) > 1))
         _set(self, "max_tokens", _int(self.max_tokens, "max_tokens", 1))
+        procs = self.logits_processors
+        if isinstance(procs, str | bytes) or not isinstance(procs, Sequence):
+            raise _bad(f"logits_processors must be a sequence of callables, got "
+                       f"{reprlib.repr(procs)}")
+        for i, fn in enumerate(procs):
+            if not callable(fn):
+                raise _bad(f"logits_processors[{i}] must be callable(tokens, row) -> None, "
+                           f"got {reprlib.repr(fn)}")
+        _set(self, "logits_processors", tuple(procs))
+        if self.logprobs is not None:
+            k = _int(self.logprobs, "logprobs", 0)
+            if k > MAX_LOGPROBS:
+                raise _bad(f"logprobs must be <= {MAX_LOGPROBS}, got {k}")
+            _set(self, "logprobs", k)
         if self.sampler is not None:
             if not callable(self.sampler):
                 raise _bad(f"sampler must be callable(logits) -> int, got "
@@ -310,8 +344,8 @@ class Sampler:
     same tokens.
     """
 
-    __slots__ = ("_bitgen", "_inv_t", "_kernel", "_mode", "_p_q", "_top_k", "_user",
-                 "params", "vocab")
+    __slots__ = ("_bitgen", "_inv_t", "_kernel", "_mode", "_p_q", "_procs", "_scratch",
+                 "_top_k", "_user", "params", "plain", "vocab")
 
     def __init__(self, params: SamplingParams, vocab: int, *,
                  native: bool | None = None) -> None:
@@ -331,8 +365,18 @@ class Sampler:
             if max(seq) >= vocab:
                 raise InvalidArgument(f"stop_sequences[{i}] holds {max(seq)}, outside the "
                                       f"vocabulary of {vocab}", stage="request")
+        for i, fn in enumerate(params.logits_processors):
+            ids = fn.token_ids if isinstance(fn, LogitBias | BanTokens) else ()
+            if ids and ids[-1] >= vocab:
+                raise InvalidArgument(f"logits_processors[{i}] ({type(fn).__name__}) names "
+                                      f"token {ids[-1]}, outside the vocabulary of {vocab}",
+                                      stage="request")
         self.params = params
         self.vocab = vocab
+        self._procs = params.logits_processors
+        #: no processors and no logprobs: ``sample(row)`` is all a stream needs
+        self.plain = not self._procs and params.logprobs is None
+        self._scratch: np.ndarray | None = None
         self._user = params.sampler
         self._bitgen = None
         self._kernel = None
@@ -362,13 +406,50 @@ class Sampler:
         """Whether draws run on the native kernel (False for greedy and user samplers)."""
         return self._kernel is not None
 
-    def sample(self, row: np.ndarray) -> int:
-        """The next token from ``row``: a finite float32 1-D array of at least ``vocab``
-        values, of which the first ``vocab`` count. A draw consumes the row (it holds the
-        weights afterwards); greedy only reads it.
+    @property
+    def uses_tokens(self) -> bool:
+        """Whether :meth:`sample` reads ``tokens`` (there are logits processors)."""
+        return bool(self._procs)
 
-        Raises InvalidArgument (stage ``sample``) for a row of the wrong kind, Internal
-        for a user sampler that fails or a row whose maximum is not finite."""
+    def sample(self, row: np.ndarray, tokens: Sequence[int] = ()) -> int:
+        """The next token from ``row``: a float32 1-D array of at least ``vocab`` values,
+        of which the first ``vocab`` count. The logits processors (if any) change it in
+        place first, given ``tokens`` (the stream's tokens so far). A draw consumes the
+        row (it holds the weights afterwards); greedy only reads it.
+
+        Raises InvalidArgument (stage ``sample``) for a row of the wrong kind or one
+        whose every token the processors banned; Internal for a processor or a user
+        sampler that fails, or a row whose maximum is NaN or ``+inf``."""
+        x = self._row(row)
+        if self._procs:
+            self._process(x, tokens)
+            return self._choose_processed(x)
+        return self._choose(x)
+
+    def sample_logprobs(self, row: np.ndarray, tokens: Sequence[int] = ()
+                        ) -> tuple[int, float, tuple[tuple[int, float], ...]]:
+        """As :meth:`sample`, and the log-probabilities of the row the sampler saw
+        (after the processors, before temperature, top-k and top-p): ``(token, its
+        logprob, the params' logprobs most likely tokens with theirs)``
+        (:class:`~calfsm.logprobs.RowLogprobs`). A draw or a user sampler changes the
+        row, so the row is copied first into a buffer the sampler keeps (one row)."""
+        x = self._row(row)
+        if self._procs:
+            self._process(x, tokens)
+        lp = RowLogprobs(x)
+        top = lp.top(x, self.params.logprobs or 0)
+        if self._mode == "greedy":
+            tok = int(x.argmax())
+            return tok, lp.of(x[tok]), top
+        kept = self._scratch
+        if kept is None:
+            kept = self._scratch = np.empty(self.vocab, _F32)
+        np.copyto(kept, x)
+        tok = self._choose(x)
+        return tok, lp.of(kept[tok]), top
+
+    def _row(self, row: np.ndarray) -> np.ndarray:
+        """The first ``vocab`` values of ``row``, checked."""
         vocab = self.vocab
         if not (isinstance(row, np.ndarray) and row.dtype == _F32 and row.ndim == 1
                 and row.shape[0] >= vocab):
@@ -376,7 +457,40 @@ class Sampler:
                     else reprlib.repr(row))
             raise InvalidArgument(f"logits row must be a 1-D float32 numpy array of at "
                                   f"least {vocab} values, got {what}", stage=_STAGE)
-        x = row if row.shape[0] == vocab else row[:vocab]
+        return row if row.shape[0] == vocab else row[:vocab]
+
+    def _process(self, x: np.ndarray, tokens: Sequence[int]) -> None:
+        """Run the logits processors on ``x`` in order."""
+        if not (x.flags.writeable and x.flags.c_contiguous):
+            raise InvalidArgument("logits processors change the row in place: it must be "
+                                  "writeable and contiguous", stage=_STAGE)
+        for i, fn in enumerate(self._procs):
+            try:
+                fn(tokens, x)
+            except CalfsmError as e:
+                raise e.with_context(stage=_STAGE) from None
+            except Exception as e:
+                raise Internal(f"logits processor {i} ({reprlib.repr(fn)}) raised "
+                               f"{type(e).__name__}: {e}",
+                               category=ErrorCategory.PROGRAMMING, stage=_STAGE) from e
+
+    def _choose_processed(self, x: np.ndarray) -> int:
+        """:meth:`_choose` on a row the processors changed: it may hold ``-inf`` (banned
+        tokens; all of them is an error, not a token) or a processor's NaN/``+inf``."""
+        mode = self._mode
+        if mode == "greedy":
+            tok = int(x.argmax())       # a NaN or +inf is the argmax; -inf only if all are
+            v = float(x[tok])
+            if not math.isfinite(v):
+                raise unusable_row(v)
+            return tok
+        if mode == "draw":
+            m = float(x.max())
+            if not math.isfinite(m):
+                raise unusable_row(m)
+        return self._choose(x)
+
+    def _choose(self, x: np.ndarray) -> int:
         mode = self._mode
         if mode == "greedy":
             return int(x.argmax())
@@ -388,7 +502,7 @@ class Sampler:
         u = self._bitgen.random_raw()
         k = self._kernel
         if k is not None:
-            tok = k.sample(k.from_buffer(k.f32_array, x, True), vocab, self._inv_t,
+            tok = k.sample(k.from_buffer(k.f32_array, x, True), self.vocab, self._inv_t,
                            self._top_k, self._p_q, u)
         else:
             tok = _draw_numpy(x, self._inv_t, self._top_k, self._p_q, u)

@@ -10,8 +10,9 @@ Released. Closing waits for its last job to end — one cancelled after submit i
 then releases the KV and gives the id back.
 
 :class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
-per token, each sampled (:mod:`calfsm.sampling`) from the float32 row of the job before.
-It is driven by job completions: each step's job carries the stream's continuation,
+per token, each sampled (:mod:`calfsm.sampling`: the logits processors, and logprobs
+into the token's event, when the params ask for them) from the float32 row of the job
+before. It is driven by job completions: each step's job carries the stream's continuation,
 which the completion side runs once the output is checked and the KV committed, before
 the job resolves: it samples, records the token, and hands the next decode (prepared
 ahead by the stream's :class:`~calfsm.flow.Flow`) to the submitter. The job's
@@ -67,6 +68,7 @@ from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
 from calfsm.manifest import TaskKind
+from calfsm.processors import TokenHistory
 from calfsm.request import Request
 from calfsm.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.sampling import Sampler, SamplingParams
@@ -745,11 +747,16 @@ class Stream:
             return FinishReason.CANCELLED, None, None
         flow = self._flow
         want, flow.replay_check = flow.replay_check, None
+        scored = None
         try:
             # a replay after a resume draws nothing: the seeded sequence of draws goes
             # on as if no fault had happened; greedy checks the replay instead
-            token = want if want is not None and not self.params.greedy \
-                else self._sampler.sample(logits)
+            if want is not None and not self.params.greedy:
+                token = want
+            elif self._sampler.plain:         # no processors, no logprobs: the hot path
+                token = self._sampler.sample(logits)
+            else:
+                token, scored = self._sample_rich(logits, replay=want is not None)
         except CalfsmError as e:
             return FinishReason.ERROR, e, None
         if want is not None and token != want:
@@ -761,7 +768,7 @@ class Stream:
         # ``position``: where ``token`` goes. The token is the stream's from here (a next
         # step that fails at once ends the stream with it), but the consumer is woken
         # only after the next step went to the submitter
-        recorded = want is not None or self._record(token, timings, position)
+        recorded = want is not None or self._record(token, timings, position, scored)
         if not recorded:
             return FinishReason.CANCELLED, None, None
         if recorded == "stop":              # a stop sequence is complete: not delivered
@@ -787,6 +794,22 @@ class Stream:
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
 
+    def _sample_rich(self, logits: np.ndarray, *, replay: bool
+                     ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """Sample with logits processors or logprobs: the processors see the prompt and
+        the tokens before this one (a replay checks the last delivered token, so it is
+        not theirs); logprobs (``(logprob, top)``) only for a new token, not a replay's
+        (its event was delivered already)."""
+        sampler = self._sampler
+        tokens: Seq[int] = ()
+        if sampler.uses_tokens:
+            tokens = TokenHistory(self.prompt, self._tokens,
+                                  len(self.prompt) + len(self._tokens) - replay)
+        if replay or self.params.logprobs is None:
+            return sampler.sample(logits, tokens), None
+        token, logprob, top = sampler.sample_logprobs(logits, tokens)
+        return token, (logprob, top)
+
     def _deliver(self, outcome: _Outcome) -> None:
         """Run what :meth:`_decide` left (the next step the ordinary way), then wake the
         consumer, then end the stream if it ends here."""
@@ -798,11 +821,14 @@ class Stream:
         if reason is not None:
             self._finish(reason, error)
 
-    def _record(self, token: int, timings: Any, position: int) -> bool | str:
-        """Make ``token`` the stream's (not yet woken); False if a cancel or the end of
-        the stream came first: then nothing is delivered. With stop sequences, the
-        tokens that may begin one are held back; ``"stop"`` when one is complete (its
-        tokens are dropped, the ones held before it delivered)."""
+    def _record(self, token: int, timings: Any, position: int,
+                scored: tuple[float, tuple[tuple[int, float], ...]] | None = None
+                ) -> bool | str:
+        """Make ``token`` the stream's (not yet woken), with its logprobs if ``scored``;
+        False if a cancel or the end of the stream came first: then nothing is
+        delivered. With stop sequences, the tokens that may begin one are held back;
+        ``"stop"`` when one is complete (its tokens are dropped, the ones held before it
+        delivered)."""
         now = self._clock.now()
         params = self.params
         with self._lock:
@@ -811,7 +837,8 @@ class Stream:
             tokens = self._tokens
             tokens.append(token)
             self._times.append(now)
-            event = TokenEvent(token, position, len(tokens) - 1, timings)
+            event = TokenEvent(token, position, len(tokens) - 1, timings,
+                               *(scored or (None, ())))
             if not params.holds_back:
                 self._events.append(event)
                 self._delivered += 1

@@ -248,13 +248,14 @@ class HeldReset:
 def reference_stream(runner: Any, prompt: list[int], params: Any) -> list[int]:
     """What a stream (or a server choice) must give for ``prompt`` on TINY: the direct
     path's float32 logits sampled by a fresh sampler of ``params``, with the stream's
-    finish rules (stop tokens, max_tokens, max_seq). Uses and releases sequence 0."""
+    finish rules (stop tokens, max_tokens, max_seq); logits processors see the prompt
+    and the tokens so far. Uses and releases sequence 0."""
     contract = TINY.submodel(TaskKind.DECODE)
     sampler = params.sampler_for(contract.vocab)
     row, pos, out = runner.prefill(0, prompt), len(prompt), []
     try:
         while True:
-            tok = sampler.sample(row.copy())
+            tok = sampler.sample(row.copy(), (*prompt, *out))
             if params.is_stop(tok):
                 return out
             out.append(tok)
@@ -264,6 +265,49 @@ def reference_stream(runner: Any, prompt: list[int], params: Any) -> list[int]:
             pos += 1
     finally:
         runner.release(0)
+
+
+def reference_seen(runner: Any, prompt: list[int], params: Any) -> list[tuple[int, Any]]:
+    """As :func:`reference_stream`, each token with the row its sampler saw: the
+    reference model's float32 row after the logits processors (a copy)."""
+    contract = TINY.submodel(TaskKind.DECODE)
+    sampler = params.sampler_for(contract.vocab)
+    row, pos, out = runner.prefill(0, prompt), len(prompt), []
+    try:
+        while True:
+            history = (*prompt, *(t for t, _ in out))
+            seen = row.copy()
+            for fn in params.logits_processors:
+                fn(history, seen)
+            tok = sampler.sample(row.copy(), history)
+            if params.is_stop(tok):
+                return out
+            out.append((tok, seen))
+            if len(out) >= params.max_tokens or pos >= contract.max_seq:
+                return out
+            row = runner.decode(0, tok, pos)
+            pos += 1
+    finally:
+        runner.release(0)
+
+
+def log_softmax(row: Any) -> Any:
+    """The reference log-probabilities of a row: the whole row at once, in float64."""
+    import numpy as np
+
+    z = row.astype(np.float64)
+    z -= z.max()
+    z -= np.log(np.exp(z).sum())
+    return z
+
+
+def top_logprobs(row: Any, k: int) -> list[tuple[int, float]]:
+    """The reference top-k of a row: most likely first, ties by id, none at -inf."""
+    import numpy as np
+
+    z = log_softmax(row)
+    order = np.lexsort((np.arange(z.shape[0]), -z))
+    return [(int(i), float(z[i])) for i in order[:k] if np.isfinite(z[i])]
 
 
 def outcome(ex: DeviceExecutor, handle: Any, timeout: float = 20.0) -> Any:

@@ -8,10 +8,12 @@ fault or the bad input that should produce it.
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import logging
 import threading
 from pathlib import Path
 
+import attrs
 import ml_dtypes
 import numpy as np
 import pytest
@@ -46,15 +48,25 @@ from calfsm.llama import (
     LlamaBatch,
     LlamaContext,
     LlamaMemory,
+    SamplerChain,
     decode,
     decode_sync,
     return_code,
 )
 from calfsm.llama.codes import render_table
 from calfsm.manifest import TaskKind
+from calfsm.processors import ban_tokens, logit_bias
 from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
-from tests.executor_helpers import TINY, GatedDriver, drive, make_executor, make_sim
+from calfsm.sampling import SamplingParams
+from tests.executor_helpers import (
+    TINY,
+    GatedDriver,
+    drive,
+    make_executor,
+    make_sim,
+    reference_stream,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 VOCAB = 1024
@@ -208,6 +220,63 @@ def test_sequences_of_one_context_are_apart():
         assert (ctx.memory.seq_pos_max(0), ctx.memory.seq_pos_max(1)) == (12, 5)
         b.clear()
         assert b.n_tokens == 0 and ctx.decode(b) == INVALID_INPUT
+
+
+# ---- the sampler chain -------------------------------------------------------------
+
+def chain_loop(ctx: LlamaContext, chain: SamplerChain, prompt: list[int], n: int) -> list[int]:
+    """llama.cpp's loop with a sampler chain: ``llama_sampler_sample(chain, ctx, -1)``."""
+    batch, out = LlamaBatch.get_one(prompt), []
+    for _ in range(n):
+        assert ctx.decode(batch) == SUCCESS
+        out.append(chain.sample(ctx, -1))
+        batch = LlamaBatch.get_one([out[-1]])
+    return out
+
+
+def no_repeat(tokens, row) -> None:
+    row[tokens[-1]] = -np.inf
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(logits_processors=[logit_bias({7: 3.0}), ban_tokens(range(0, VOCAB, 2)),
+                                      no_repeat]),
+    SamplingParams(temperature=0.9, top_k=30, seed=4,
+                   logits_processors=[ban_tokens(range(0, VOCAB, 2)), no_repeat]),
+], ids=["greedy", "dist"])
+def test_a_sampler_chain_applies_its_processors_then_chooses(mode, params):
+    """The chain's tokens are the reference rows sampled after the processors (which
+    see the prompt and the accepted tokens); no banned token, no repeat; ``reset``
+    starts the draw from its seed again."""
+    want = reference_stream(DirectRunner(SimDriver(TINY, trace=False), TINY), PROMPT,
+                            attrs.evolve(params, max_tokens=8))
+    with make_executor(mode) as ex, LlamaContext(ex) as ctx:
+        chain = SamplerChain(params, ctx.n_vocab, prompt=PROMPT)
+        got = chain_loop(ctx, chain, PROMPT, 8)
+        assert got == want and chain.tokens == (*PROMPT, *got)
+        assert all(t % 2 for t in got) and all(a != b for a, b in itertools.pairwise(got))
+        chain.reset()
+        assert chain.tokens == tuple(PROMPT)
+        assert ctx.memory.seq_rm(0, -1, -1)
+        assert chain_loop(ctx, chain, PROMPT, 8) == want
+        chain.accept(3)                     # what a caller forces joins the history
+        assert chain.tokens == (*PROMPT, *want, 3)
+
+
+def test_a_sampler_chain_checks_its_arguments():
+    with make_executor("step") as ex, LlamaContext(ex) as ctx:
+        with pytest.raises(InvalidArgument, match="SamplingParams"):
+            SamplerChain({"temperature": 0}, VOCAB)
+        with pytest.raises(InvalidArgument, match=r"logits_processors\[0\]"):
+            SamplerChain(SamplingParams(logits_processors=[ban_tokens([VOCAB])]), VOCAB)
+        chain = SamplerChain(SamplingParams(), VOCAB)
+        for bad in (-1, VOCAB, 1.0, True):
+            with pytest.raises(InvalidArgument, match="token"):
+                chain.accept(bad)
+        with pytest.raises(InvalidArgument, match="vocabulary of 512"):
+            SamplerChain(SamplingParams(), 512).sample(ctx)
+        with pytest.raises(InvalidArgument, match="no output"):
+            chain.sample(ctx)                       # nothing decoded yet
 
 
 # ---- the return codes --------------------------------------------------------------

@@ -33,8 +33,8 @@ from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.sampling import SamplingParams
 from calfsm.serve import ByteTokenizer, ServerConfig, create_app, realtime_sim
 from calfsm.serve.connections import ConnectionLimits, uvicorn_config
-from calfsm.serve.tokenizer import IncrementalDecoder, chat_prompt
-from tests.executor_helpers import reference_stream
+from calfsm.serve.tokenizer import IncrementalDecoder, chat_prompt, token_bytes, token_label
+from tests.executor_helpers import log_softmax, reference_seen, reference_stream, top_logprobs
 
 TINY = builtin_manifest("tiny")
 CONTRACT = TINY.submodel(TaskKind.DECODE)
@@ -286,6 +286,114 @@ def test_openai_client_sees_openai_errors(oai):
     assert e.value.body["param"] == "temperature"
 
 
+# ---- logprobs ---------------------------------------------------------------------------------
+
+def scored(prompt: list[int], params: SamplingParams) -> list[tuple[int, Any]]:
+    """Each token a choice must give, with the reference row its sampler saw."""
+    return reference_seen(DirectRunner(SimDriver(TINY, trace=False), TINY), prompt, params)
+
+
+def offsets(tokens: list[int]) -> list[int]:
+    """``text_offset``: the characters of the choice's text before each token."""
+    dec, out, n = IncrementalDecoder(), [], 0
+    for t in tokens:
+        out.append(n)
+        n += len(dec.push(t))
+    return out
+
+
+def close(a: float, b: float) -> bool:
+    return abs(a - b) <= 1e-5
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_openai_client_completion_logprobs(oai, sampling, stream):
+    """Legacy format: each token's label, logprob, top-k and text offset, equal to the
+    log-softmax of the reference rows (the seeded choice holds a byte that starts a
+    character: streamed, its chunk has no text yet but its own logprobs)."""
+    want = scored(PROMPT_IDS, params_of(sampling))
+    out = oai.completions.create(model=MODEL, prompt=PROMPT_IDS, logprobs=4,
+                                 stream=stream, **sampling)
+    if stream:
+        chunks = [c.choices[0] for c in out if c.choices]
+        text = "".join(c.text for c in chunks)
+        parts = [c.logprobs for c in chunks if c.logprobs is not None]
+        tokens = [t for p in parts for t in p.tokens]
+        lps = [x for p in parts for x in p.token_logprobs]
+        tops = [x for p in parts for x in p.top_logprobs]
+        offs = [x for p in parts for x in p.text_offset]
+        assert all(len(p.tokens) == 1 for p in parts)
+    else:
+        choice = out.choices[0]
+        text, lp = choice.text, choice.logprobs
+        tokens, lps, tops, offs = lp.tokens, lp.token_logprobs, lp.top_logprobs, \
+            lp.text_offset
+    ids = [t for t, _ in want]
+    assert TOK.encode(text) == ids
+    assert tokens == [token_label(t) for t in ids]
+    assert any(t.startswith("bytes:\\x") for t in tokens)
+    assert offs == offsets(ids)
+    for (tok, row), got, top in zip(want, lps, tops):
+        ref = top_logprobs(row, 4)
+        assert close(got, log_softmax(row)[tok])
+        assert list(top) == [token_label(t) for t, _ in ref]
+        assert all(close(top[token_label(t)], v) for t, v in ref)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("k", [0, 3])
+def test_openai_client_chat_logprobs(oai, k, stream):
+    """Chat format: ``content`` entries with token, logprob, bytes and top_logprobs."""
+    messages = [{"role": "user", "content": "hi"}]
+    want = scored(TOK.encode(chat_prompt([("user", "hi")])), params_of(GREEDY))
+    kw = {"top_logprobs": k} if k else {}
+    out = oai.chat.completions.create(model=MODEL, messages=messages, logprobs=True,
+                                      stream=stream, **kw, **GREEDY)
+    if stream:
+        chunks = [c.choices[0] for c in out if c.choices]
+        text = "".join(c.delta.content or "" for c in chunks)
+        content = [e for c in chunks if c.logprobs is not None for e in c.logprobs.content]
+    else:
+        text, content = out.choices[0].message.content, out.choices[0].logprobs.content
+    assert TOK.encode(text) == [t for t, _ in want]
+    assert len(content) == len(want)
+    for (tok, row), entry in zip(want, content):
+        assert entry.token == token_label(tok) and entry.bytes == list(token_bytes(tok))
+        assert close(entry.logprob, log_softmax(row)[tok])
+        ref = top_logprobs(row, k)
+        assert [(e.token, e.bytes) for e in entry.top_logprobs] == [
+            (token_label(t), list(token_bytes(t))) for t, _ in ref]
+        assert all(close(e.logprob, v) for e, (_, v) in zip(entry.top_logprobs, ref))
+
+
+def test_without_logprobs_the_answer_has_none(client):
+    body = {"model": MODEL, "prompt": PROMPT_IDS, "max_tokens": 3}
+    assert client.post("/v1/completions", json=body).json()["choices"][0]["logprobs"] is None
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 3, "logprobs": False}
+    r = client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+
+
+@pytest.mark.parametrize(("path", "extra", "param"), [
+    ("/v1/completions", {"logprobs": 21}, "logprobs"),
+    ("/v1/completions", {"logprobs": -1}, "logprobs"),
+    ("/v1/completions", {"logprobs": "5"}, "logprobs"),
+    ("/v1/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": 3}, "logprobs"),
+    ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+    ("/v1/chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+])
+def test_bad_logprobs_are_400_naming_the_field(client, path, extra, param):
+    body = {"model": MODEL, "max_tokens": 2} | extra | (
+        {"prompt": "x"} if path == "/v1/completions"
+        else {"messages": [{"role": "user", "content": "x"}]})
+    r = client.post(path, json=body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
 # ---- client mistakes are 4xx ---------------------------------------------------------------
 
 BAD = [
@@ -301,7 +409,7 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "seed": -3}, 400, "seed"),
     ({"model": MODEL, "prompt": "x", "stop": ["a"] * 5}, 400, "stop"),
     ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
-    ({"model": MODEL, "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
     ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),

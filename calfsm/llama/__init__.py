@@ -18,7 +18,9 @@ batches, ``llama_get_logits_ith`` and the memory operations)::
 - :mod:`~calfsm.llama.context`: :class:`LlamaContext` (``decode``, ``decode_sync``,
   the logits), :func:`decode`, :func:`decode_sync`;
 - :mod:`~calfsm.llama.codes`: the one table from calfsm's errors to the return codes;
-- :mod:`~calfsm.llama.memory`: the KV-cache adapter, only what calfsm really does.
+- :mod:`~calfsm.llama.memory`: the KV-cache adapter, only what calfsm really does;
+- :mod:`~calfsm.llama.sampling`: :class:`SamplerChain`, the sampler chain (logits
+  processors, then greedy or a seeded draw) on ``get_logits_ith``.
 
 ``docs/llama.md`` describes the mapping and what is not supported.
 """
@@ -36,6 +38,7 @@ from calfsm.llama.codes import (
 )
 from calfsm.llama.context import DecodeResult, LlamaContext, decode, decode_sync
 from calfsm.llama.memory import KV_OPERATIONS, LlamaMemory
+from calfsm.llama.sampling import SamplerChain
 
 __all__ = [
     "ABORTED",
@@ -50,6 +53,7 @@ __all__ = [
     "LlamaBatch",
     "LlamaContext",
     "LlamaMemory",
+    "SamplerChain",
     "decode",
     "decode_sync",
     "return_code",

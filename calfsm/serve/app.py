@@ -376,11 +376,14 @@ class _Server:
                        shape: Shape, client: str) -> Response:
         """The whole answer at once; a client that leaves first cancels it."""
         texts = [[] for _ in choices]
+        scored: list[list[Piece]] = [[] for _ in choices]     # token pieces, for logprobs
         ends: list[Piece | None] = [None] * len(choices)
 
         async def run() -> None:
             async for piece in merged(choices):
                 texts[piece.index].append(piece.text)
+                if piece.event is not None:
+                    scored[piece.index].append(piece)
                 if piece.finish_reason or piece.error:
                     ends[piece.index] = piece
                     if piece.error:
@@ -408,7 +411,8 @@ class _Server:
         assert self.limits is not None
         return JSONResponse(shape.body(
             shape.new_id(), self.limits.model, ["".join(t) for t in texts],
-            [p.finish_reason for p in done], self._usage(plan, done)))
+            [p.finish_reason for p in done], self._usage(plan, done),
+            scored if plan.logprobs is not None else None))
 
     async def _stream(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                       shape: Shape, client: str) -> Response:
@@ -444,7 +448,7 @@ class _Server:
                       pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
         assert self.limits is not None
         rid, model, created = shape.new_id(), self.limits.model, int(time.time())
-        inc = plan.include_usage
+        inc, lps = plan.include_usage, plan.logprobs is not None
         ends: list[Piece] = []
         if shape.chat:
             for i in range(len(plan.prompts)):
@@ -457,8 +461,11 @@ class _Server:
                     yield sse(from_calfsm(piece.error).body())
                     yield sse("[DONE]")
                     return
-                if piece.text or piece.finish_reason:
-                    yield sse(shape.chunk(rid, model, created, piece, include_usage=inc))
+                # with logprobs, a token whose text is not complete yet (a byte of a
+                # character) still has its chunk: its logprobs are its own
+                if piece.text or piece.finish_reason or (lps and piece.event is not None):
+                    yield sse(shape.chunk(rid, model, created, piece, include_usage=inc,
+                                          logprobs=lps))
                 if piece.finish_reason:
                     ends.append(piece)
                 piece = await anext(pieces, None)

@@ -24,7 +24,7 @@ from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor
 from calfsm.sampling import SamplingParams
 from calfsm.serve.tokenizer import IncrementalDecoder
-from calfsm.streams import FinishReason, GenerationResult, Stream
+from calfsm.streams import FinishReason, GenerationResult, Stream, TokenEvent
 
 __all__ = ["Choice", "Piece", "merged"]
 
@@ -35,7 +35,9 @@ OPENAI_FINISH = {FinishReason.LENGTH: "length", FinishReason.STOP: "stop"}
 @attrs.frozen
 class Piece:
     """Text (maybe empty) and the token ids it holds for choice ``index``; the last
-    piece of a choice has ``finish_reason`` (``"stop"``/``"length"``) or ``error``."""
+    piece of a choice has ``finish_reason`` (``"stop"``/``"length"``) or ``error``.
+    A token's piece carries the token's event (its logprobs, when asked for) and
+    ``offset``, the characters of the choice's text before this piece."""
 
     index: int
     text: str
@@ -44,6 +46,8 @@ class Piece:
     error: CalfsmError | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    event: TokenEvent | None = None
+    offset: int = 0
 
 
 class Choice:
@@ -55,26 +59,29 @@ class Choice:
         self.index = index
         self._decoder = IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
+        self._chars = 0                          # characters of text given to it
         self.stream: Stream = executor.generate(list(prompt), params,
                                                 deadline_s=deadline_s,
                                                 request_id=request_id, parent=parent)
 
-    def push(self, token: int) -> Piece:
+    def push(self, event: TokenEvent) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""
         self._sent += 1
-        return Piece(self.index, self._decoder.push(token), (token,))
+        text, offset = self._decoder.push(event.token), self._chars
+        self._chars += len(text)
+        return Piece(self.index, text, (event.token,), event=event, offset=offset)
 
     def end(self, result: GenerationResult) -> Piece:
         """The choice's last piece: the text the decoder held, and why it ended."""
         reason = OPENAI_FINISH.get(result.finish_reason)
         text = self._decoder.flush() if reason else ""
         return Piece(self.index, text, (), reason, None if reason else result.error,
-                     result.usage.prompt_tokens, self._sent)
+                     result.usage.prompt_tokens, self._sent, offset=self._chars)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
             async for event in self.stream:
-                yield self.push(event.token)
+                yield self.push(event)
             yield self.end(await self.stream.final())
         finally:
             self.stream.cancel()        # a no-op once it ended

@@ -15,12 +15,14 @@ list of strings, a list of token ids or a list of such lists) or ``messages`` (r
 the prompt, else a 400 naming the field; without it, the server's default clipped to what
 the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
 (0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``, ``stream``,
-``stream_options.include_usage``, and ``user``. Choice ``i`` of a request (prompt-major,
-then ``n``) draws from ``seed + i``. Features the simulated model cannot give
-(``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, tools) are
-refused unless they carry their default; unknown fields are refused too, so a typo is
-never silently ignored. A message that quotes a client's value quotes it through
-:func:`~calfsm.serve.httperrors.clip` (bounded).
+``stream_options.include_usage``, ``user``, and logprobs: completions' ``logprobs``
+(an integer, 0..20: the chosen token's log-probability and that many alternatives) and
+chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with ``logprobs``
+true). Choice ``i`` of a request (prompt-major, then ``n``) draws from ``seed + i``.
+Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``, penalties,
+``logit_bias``, tools) are refused unless they carry their default; unknown fields are
+refused too, so a typo is never silently ignored. A message that quotes a client's
+value quotes it through :func:`~calfsm.serve.httperrors.clip` (bounded).
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from typing import Any
 import attrs
 
 from calfsm.errors import CalfsmError
-from calfsm.sampling import MAX_STOP_LENGTH, SamplingParams
+from calfsm.sampling import MAX_LOGPROBS, MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
 
@@ -42,16 +44,16 @@ CHAT_ROLES = ("system", "developer", "user", "assistant")
 _MAX_STOPS = 4
 #: fields that may be sent only with the value OpenAI defaults them to
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False),
-    "best_of": (None, 1), "suffix": (None, ""), "presence_penalty": (None, 0, 0.0),
-    "frequency_penalty": (None, 0, 0.0), "logit_bias": (None, {}), "tools": (None, []),
+    "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
+    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
+    "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True)}
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "n", "stream", "stream_options", "user",
                      *_DEFAULTS_ONLY})
-_COMPLETION_FIELDS = _COMMON | {"prompt"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
+_COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
+_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
 
 @attrs.frozen
@@ -70,13 +72,15 @@ class Limits:
 
 @attrs.frozen
 class GenerationPlan:
-    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``)."""
+    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``);
+    ``logprobs``: the alternatives per token the answer carries (None: no logprobs)."""
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
     stream: bool
     include_usage: bool
     n: int = 1                               # choices per prompt
+    logprobs: int | None = None
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -209,8 +213,29 @@ def _stops(body: Mapping[str, Any], tok: ByteTokenizer
     return list(_ids(ids, "stop_token_ids", tok.vocab)), sequences
 
 
+def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Completions' ``logprobs``: alternatives per token, 0..20 (``false`` as null)."""
+    if body.get("logprobs") is False:
+        return None
+    k = _int(body, "logprobs", 0, None)
+    if k is not None and k > MAX_LOGPROBS:
+        raise _bad(f"logprobs must be <= {MAX_LOGPROBS}, got {clip(k)}", "logprobs")
+    return k
+
+
+def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
+    """Chat's ``logprobs`` (a boolean) and ``top_logprobs`` (0..20, only with it)."""
+    on = _bool(body, "logprobs")
+    k = _int(body, "top_logprobs", 0, None)
+    if k is not None and k > MAX_LOGPROBS:
+        raise _bad(f"top_logprobs must be <= {MAX_LOGPROBS}, got {clip(k)}", "top_logprobs")
+    if k is not None and not on:
+        raise _bad("top_logprobs needs logprobs set to true", "top_logprobs")
+    return (k or 0) if on else None
+
+
 def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
-          limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
+          limits: Limits, tok: ByteTokenizer, logprobs: int | None) -> GenerationPlan:
     n = _int(body, "n", 1, 1)
     assert n is not None
     if len(prompts) * n > limits.max_choices:
@@ -248,11 +273,12 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                 temperature=temperature, top_k=max(0, top_k or 0), top_p=top_p,
                 seed=None if seed is None or temperature == 0 else seed + i,
                 stop_token_ids=tuple(stop_ids), stop_sequences=tuple(stop_sequences),
-                max_tokens=max_tokens or min(limits.default_max_tokens, room)))
+                max_tokens=max_tokens or min(limits.default_max_tokens, room),
+                logprobs=logprobs))
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
-                          stream, include_usage, n)
+                          stream, include_usage, n, logprobs)
 
 
 def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits) -> None:
@@ -272,7 +298,8 @@ def parse_completion(body: Any, limits: Limits, tok: ByteTokenizer) -> Generatio
     _check_fields(body, _COMPLETION_FIELDS, limits)
     if "prompt" not in body:
         raise _bad("prompt must be given", "prompt")
-    return _plan(body, _prompts(body["prompt"], tok), "max_tokens", limits, tok)
+    return _plan(body, _prompts(body["prompt"], tok), "max_tokens", limits, tok,
+                 _completion_logprobs(body))
 
 
 def parse_chat(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
@@ -280,4 +307,5 @@ def parse_chat(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
     _check_fields(body, _CHAT_FIELDS, limits)
     prompt = tuple(tok.encode(chat_prompt(_messages(body.get("messages"))),
                               field="messages"))
-    return _plan(body, [prompt], "max_completion_tokens", limits, tok)
+    return _plan(body, [prompt], "max_completion_tokens", limits, tok,
+                 _chat_logprobs(body))

@@ -2,7 +2,8 @@
 
 :class:`Shape` knows one endpoint's object names and where its text goes (``text`` for
 completions, ``message``/``delta`` ``content`` for chat); the app hands it pieces and
-usage. :class:`EventStream` is the SSE response: it listens for the client's disconnect
+usage, and the ``logprobs`` objects of :mod:`calfsm.serve.logprobs` when a request
+asks for them. :class:`EventStream` is the SSE response: it listens for the client's disconnect
 whatever ASGI version the server speaks, and closes the body iterator in every case, so a
 client that goes away cancels its own streams at once.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -20,6 +21,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from calfsm.serve.generation import Piece
+from calfsm.serve.logprobs import chat_logprobs, completion_logprobs
 
 __all__ = ["CHAT", "COMPLETION", "EventStream", "Shape", "sse"]
 
@@ -51,22 +53,31 @@ class Shape:
     def _head(self, rid: str, model: str, created: int, obj: str) -> dict[str, Any]:
         return {"id": rid, "object": obj, "created": created, "model": model}
 
+    def logprobs(self, pieces: Sequence[Piece]) -> dict[str, Any]:
+        """The ``logprobs`` object of the tokens in ``pieces``, in this endpoint's form."""
+        return chat_logprobs(pieces) if self.chat else completion_logprobs(pieces)
+
     def body(self, rid: str, model: str, texts: list[str], reasons: list[str],
-             used: dict[str, int]) -> dict[str, Any]:
-        """The non-streaming answer: one choice per text."""
+             used: dict[str, int], pieces: list[list[Piece]] | None = None
+             ) -> dict[str, Any]:
+        """The non-streaming answer: one choice per text; ``pieces`` (each choice's
+        token pieces) when the request asked for logprobs."""
+        lps = [None] * len(texts) if pieces is None else [self.logprobs(p) for p in pieces]
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                        "logprobs": None, "finish_reason": r}
-                       for i, (t, r) in enumerate(zip(texts, reasons))]
+                        "logprobs": lp, "finish_reason": r}
+                       for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         else:
-            choices = [{"index": i, "text": t, "logprobs": None, "finish_reason": r}
-                       for i, (t, r) in enumerate(zip(texts, reasons))]
+            choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
+                       for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
         return self._head(rid, model, int(time.time()), self.object) | {
             "choices": choices, "usage": used}
 
     def chunk(self, rid: str, model: str, created: int, piece: Piece, *,
-              include_usage: bool, role: bool = False) -> dict[str, Any]:
-        """A streaming chunk of ``piece`` (``role``: chat's first chunk of a choice)."""
+              include_usage: bool, role: bool = False, logprobs: bool = False
+              ) -> dict[str, Any]:
+        """A streaming chunk of ``piece`` (``role``: chat's first chunk of a choice;
+        ``logprobs``: the request asked for them, so a token's piece carries its own)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if role \
                 else ({"content": piece.text} if piece.text or not piece.finish_reason
@@ -74,7 +85,8 @@ class Shape:
             choice: dict[str, Any] = {"index": piece.index, "delta": delta}
         else:
             choice = {"index": piece.index, "text": piece.text}
-        choice |= {"logprobs": None, "finish_reason": piece.finish_reason}
+        lp = self.logprobs((piece,)) if logprobs and piece.event is not None else None
+        choice |= {"logprobs": lp, "finish_reason": piece.finish_reason}
         out = self._head(rid, model, created, self.chunk_object) | {"choices": [choice]}
         if include_usage:
             out["usage"] = None

@@ -19,6 +19,13 @@ the same text piece by piece, one token at a time (for streaming): the pieces jo
 ``decode(ids)``; a byte that may start a multi-byte character is held until the
 character is complete.
 
+One token on its own (what logprobs name it by, :func:`token_bytes` and
+:func:`token_label`): its bytes are byte ``b`` for an id below 256, else the UTF-8 of
+its two escape characters; its label is the character for an ASCII byte, OpenAI's
+``bytes:\\xNN`` for a byte that is not a whole UTF-8 character on its own (128..255),
+and the escape characters for an id of 256 or more. Labels are distinct for distinct
+ids.
+
 :func:`chat_prompt` is the chat template: each message as ``<|role|>\\n`` + content +
 ``\\n``, then ``<|assistant|>\\n``, encoded as above.
 """
@@ -34,7 +41,8 @@ import numpy as np
 from calfsm.errors import InvalidArgument
 from calfsm.sampling import MAX_VOCAB
 
-__all__ = ["BYTE_IDS", "ByteTokenizer", "IncrementalDecoder", "chat_prompt"]
+__all__ = ["BYTE_IDS", "ByteTokenizer", "IncrementalDecoder", "chat_prompt", "token_bytes",
+           "token_label"]
 
 #: token ids that are bytes; the model's vocabulary must hold at least these
 BYTE_IDS = 256
@@ -154,6 +162,20 @@ class IncrementalDecoder:
         text = self._utf8.decode(b"", final=True)
         self._utf8.reset()
         return _fix(text)
+
+
+def token_bytes(token: int) -> bytes:
+    """The bytes of ``token`` on its own (its share of the decoded text's UTF-8)."""
+    return bytes((token,)) if token < BYTE_IDS else _token_text(token).encode()
+
+
+def token_label(token: int) -> str:
+    """``token`` on its own as text, in OpenAI's convention for logprobs."""
+    if token < 0x80:
+        return chr(token)
+    if token < BYTE_IDS:
+        return f"bytes:\\x{token:02x}"
+    return _token_text(token)
 
 
 def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
