@@ -93,7 +93,8 @@ class DeviceExecutor:
             timeouts=PipelineTimeouts(
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
                 default_deadline_s=cfg.default_deadline_s,
-                zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
+                zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting,
+                priority_aging_s=cfg.priority_aging_s),
             service=self.service, apply=self._apply, drain=self.recover,
             max_rows=batching.max_rows,
             # a window is wall time: on a virtual clock nobody advances it never ends
@@ -194,7 +195,7 @@ class DeviceExecutor:
 
     def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2) -> Stream:
+                 max_resumes: int = 2, priority: int = 0) -> Stream:
         """One-shot generation on a fresh sequence, released when the stream ends (its
         id is free again by the time the stream's result is delivered).
 
@@ -202,7 +203,9 @@ class DeviceExecutor:
         the measured service rate, or that would make a running one late, is refused at
         once (ResourceExhausted, with a Retry-After). ``resume``: after a device reset
         lost the sequence's KV, replay the prompt and the tokens so far on the new
-        generation and go on, at most ``max_resumes`` times for this stream."""
+        generation and go on, at most ``max_resumes`` times for this stream.
+        ``priority``: every step's admission priority (higher first, aged while it
+        waits; :attr:`calfsm.request.Request.priority`)."""
         params = params or SamplingParams()
         try:        # the estimate first: a refusal costs no sequence and no buffers
             self._admit_stream(prompt, params, deadline_s)
@@ -212,7 +215,8 @@ class DeviceExecutor:
         seq = self.open_sequence()
         try:
             return Stream(seq, prompt, params, deadline_s=deadline_s, resume=resume,
-                          max_resumes=max_resumes, close_sequence=True, admitted=True)
+                          max_resumes=max_resumes, close_sequence=True, admitted=True,
+                          priority=priority)
         except BaseException as e:
             seq.close()
             if isinstance(e, CalfsmError):

@@ -33,10 +33,16 @@ from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
-__all__ = ["EMBED_DTYPES", "Request", "check_embeds", "check_request", "check_token"]
+__all__ = ["EMBED_DTYPES", "PRIORITY_MAX", "PRIORITY_MIN", "Request", "check_embeds",
+           "check_request", "check_token"]
 
 _I64 = np.dtype(np.int64)
 _I64_MIN, _I64_MAX = -2**63, 2**63 - 1
+
+#: the range of :attr:`Request.priority` (a signed 16-bit integer): wide enough for any
+#: ranking a caller keeps, and small enough that a priority times the executor's aging
+#: step stays an exact, finite number of seconds
+PRIORITY_MIN, PRIORITY_MAX = -2**15, 2**15 - 1
 
 #: the numpy dtype an embeddings array must have for each manifest dtype it may name
 EMBED_DTYPES: Mapping[DType, np.dtype] = {
@@ -128,6 +134,14 @@ def _seconds(value: Any, field: str) -> float | None:
     raise _bad(f"{field} must be a number of seconds or None, got {reprlib.repr(value)}")
 
 
+def _priority(value: Any) -> int:
+    value = _integer(value, "priority")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise _bad(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got "
+                   f"{reprlib.repr(value)}")
+    return value
+
+
 def _kind(value: Any) -> TaskKind:
     if type(value) is TaskKind:
         return value
@@ -176,7 +190,11 @@ class Request:
     bounds the whole job from enqueue (the executor's admission/queue/execution timeouts
     apply inside it). ``target``, when given, is the caller's float32 array (at least
     ``vocab`` long) the logits are written into — no copy, no temporary of the
-    vocabulary. Every field is checked here; a bad value raises InvalidArgument.
+    vocabulary. ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]``, default 0)
+    orders admission among waiting jobs: higher goes first, equal ones first come first
+    served, and a waiting job's priority grows as it waits, so later work passes it only
+    for a bounded time (docs/architecture.md, Admission). Every field is checked here; a
+    bad value raises InvalidArgument.
     """
 
     seq_id: int
@@ -188,6 +206,7 @@ class Request:
     target: np.ndarray | None = attrs.field(default=None, eq=False)
     seq_count: int = 1
     engine: EngineSlot = EngineSlot.AUTO
+    priority: int = 0
 
     def __attrs_post_init__(self) -> None:
         seq_id = self.seq_id
@@ -220,6 +239,9 @@ class Request:
             _set(self, "seq_count", _integer(self.seq_count, "seq_count"))
         if type(self.engine) is not EngineSlot:
             _set(self, "engine", _engine(self.engine))
+        priority = self.priority
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            _set(self, "priority", _priority(priority))
 
     @property
     def token_count(self) -> int:

@@ -365,11 +365,12 @@ class Sequence:
     # ---- generation ----------------------------------------------------------------
     def generate(self, prompt: Seq[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2) -> Stream:
+                 max_resumes: int = 2, priority: int = 0) -> Stream:
         """Start a stream: prefill ``prompt`` after what the sequence holds, then sample
-        and decode until a finish reason."""
+        and decode until a finish reason. ``priority``: every step's (see
+        :class:`Stream`)."""
         return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
-                      resume=resume, max_resumes=max_resumes)
+                      resume=resume, max_resumes=max_resumes, priority=priority)
 
     # ---- closing -------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -439,12 +440,16 @@ class Sequence:
 
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
-    ``cancel()``, and ``result()`` / ``await stream.final()``."""
+    ``cancel()``, and ``result()`` / ``await stream.final()``.
+
+    ``priority`` (:attr:`calfsm.request.Request.priority`) is every step's: the prefill,
+    each decode and a replay wait for admission at the stream's priority, each aged from
+    its own acceptance (docs/architecture.md, Admission)."""
 
     def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
-                 admitted: bool = False) -> None:
+                 admitted: bool = False, priority: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be SamplingParams", stage="request")
         ex = sequence.executor
@@ -453,7 +458,10 @@ class Stream:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
         self.sequence = sequence
-        self.prompt = tuple(int(t) for t in Request.prefill(sequence.seq_id, prompt).tokens)
+        checked = Request.prefill(sequence.seq_id, prompt, priority=priority)
+        self.prompt = tuple(int(t) for t in checked.tokens)
+        #: every step's admission priority (checked with the prompt)
+        self.priority: int = checked.priority
         if not self.prompt:
             raise InvalidArgument("a stream needs a prompt of at least one token",
                                   stage="request", seq_id=sequence.seq_id)
@@ -497,7 +505,8 @@ class Stream:
         self._decided: tuple[int, _Outcome] | None = None
         self._ending = False            # _finish has begun: nothing more is recorded
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                target=self._flow.row(), deadline_s=self._left())
+                                target=self._flow.row(), deadline_s=self._left(),
+                                priority=self.priority)
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
@@ -664,9 +673,10 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        seq_id, left = self.sequence.seq_id, self._left()
+        seq_id, left, priority = self.sequence.seq_id, self._left(), self.priority
         self._flow.stage_next(
-            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left),
+            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
+                                            priority=priority),
             lambda: self._ending or self._cancelled)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
@@ -772,7 +782,8 @@ class Stream:
                 return None, None, Successor(staged, token, then)
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
-                                 target=flow.staged_row(staged), deadline_s=self._left())
+                                 target=flow.staged_row(staged), deadline_s=self._left(),
+                                 priority=self.priority)
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
 
@@ -900,7 +911,7 @@ class Stream:
                          "replaying %s tokens", seq.seq_id, len(history),
                          extra={"seq_id": seq.seq_id, "stage": "resume"})
         self._submit(Request.prefill(seq.seq_id, history, target=self._flow.row(),
-                                     deadline_s=self._left()))
+                                     deadline_s=self._left(), priority=self.priority))
 
     # ---- ending --------------------------------------------------------------------
     def _finish(self, reason: FinishReason, error: CalfsmError | None = None) -> None:

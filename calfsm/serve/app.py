@@ -344,7 +344,8 @@ class _Server:
             try:
                 for i, (prompt, params) in enumerate(zip(plan.prompts, plan.params)):
                     choices.append(Choice(ex, i, prompt, params,
-                                          deadline_s=self.config.request_timeout_s))
+                                          deadline_s=self.config.request_timeout_s,
+                                          priority=plan.priority))
             except BaseException:
                 for stream in started:
                     stream.cancel()

@@ -50,12 +50,13 @@ class Choice:
     """One choice: a stream and its text decoder."""
 
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
-                 params: SamplingParams, *, deadline_s: float | None) -> None:
+                 params: SamplingParams, *, deadline_s: float | None,
+                 priority: int = 0) -> None:
         self.index = index
         self._decoder = IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
         self.stream: Stream = executor.generate(list(prompt), params,
-                                                deadline_s=deadline_s)
+                                                deadline_s=deadline_s, priority=priority)
 
     def push(self, token: int) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""

@@ -15,8 +15,11 @@ list of strings, a list of token ids or a list of such lists) or ``messages`` (r
 the prompt, else a 400 naming the field; without it, the server's default clipped to what
 the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
 (0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``, ``stream``,
-``stream_options.include_usage``, and ``user``. Choice ``i`` of a request (prompt-major,
-then ``n``) draws from ``seed + i``. Features the simulated model cannot give
+``stream_options.include_usage``, ``user``, and ``priority`` (an integer in
+``[PRIORITY_MIN, PRIORITY_MAX]`` of :mod:`calfsm.request`, default 0: *higher* is
+admitted first, as the library's ``Request.priority`` — vLLM's field of the same name is
+lower-first). Choice ``i`` of a request (prompt-major, then ``n``) draws from
+``seed + i``. Features the simulated model cannot give
 (``logprobs``, ``echo``, ``best_of``, ``suffix``, penalties, ``logit_bias``, tools) are
 refused unless they carry their default; unknown fields are refused too, so a typo is
 never silently ignored. A message that quotes a client's value quotes it through
@@ -32,6 +35,7 @@ from typing import Any
 import attrs
 
 from calfsm.errors import CalfsmError
+from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.sampling import MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
@@ -49,7 +53,7 @@ _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True)}
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "n", "stream", "stream_options", "user",
-                     *_DEFAULTS_ONLY})
+                     "priority", *_DEFAULTS_ONLY})
 _COMPLETION_FIELDS = _COMMON | {"prompt"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens"}
 
@@ -70,13 +74,15 @@ class Limits:
 
 @attrs.frozen
 class GenerationPlan:
-    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``)."""
+    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``), each
+    choice's stream at ``priority``."""
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
     stream: bool
     include_usage: bool
     n: int = 1                               # choices per prompt
+    priority: int = 0
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -238,6 +244,10 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                                 or set(options) - {"include_usage"}):
         raise _bad("stream_options may hold include_usage only", "stream_options")
     include_usage = _bool(options or {}, "include_usage")
+    priority = _int(body, "priority", PRIORITY_MIN, 0)
+    assert priority is not None
+    if priority > PRIORITY_MAX:
+        raise _bad(f"priority must be <= {PRIORITY_MAX}, got {clip(priority)}", "priority")
     if include_usage and not stream:
         raise _bad("stream_options applies only when stream is true", "stream_options")
     params = []
@@ -252,7 +262,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
-                          stream, include_usage, n)
+                          stream, include_usage, n, priority)
 
 
 def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits) -> None:
