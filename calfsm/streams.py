@@ -438,6 +438,17 @@ class Sequence:
         return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
 
 
+def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
+    """A stream's own deadline (seconds > 0, or None) and resume budget (an int >= 0)."""
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got {max_resumes!r}",
+                              stage="request")
+
+
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
     ``cancel()``, and ``result()`` / ``await stream.final()``.
@@ -470,14 +481,7 @@ class Stream:
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
-        if deadline_s is not None and not (isinstance(deadline_s, int | float)
-                                           and deadline_s > 0):
-            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
-                                  stage="request")
-        if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
-                or max_resumes < 0:
-            raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
-                                  f"{max_resumes!r}", stage="request")
+        _check_limits(deadline_s, max_resumes)
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
         self._max_new = max_new_tokens(params, self._max_seq, sequence.position,
                                        len(self.prompt))
