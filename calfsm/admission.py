@@ -1,12 +1,14 @@
 """Admission: accept -> validate -> KV reservation -> buffer lease -> prepare.
 
-The admission part owns the jobs that wait to be admitted (the parked queue, FIFO, and
-the head the admission step has taken out to admit), the deferred work that must run
-outside every lock, and the job ids. There is one admission queue, for both runtimes
-and every caller: :meth:`Admission.admit` only tries (the KV books and the pool grant
-now or refuse, and never wait), and a job that cannot be admitted now is parked, FIFO,
-for the admission step (:meth:`Admission.admit_parked`), which tries the head again
-when capacity comes free and fails what passed its admission deadline
+The admission part owns the jobs that wait to be admitted (the parked queue, in
+priority order, and the head the admission step has taken out to admit), the deferred
+work that must run outside every lock, and the job ids. There is one admission queue,
+for both runtimes and every caller: :meth:`Admission.admit` only tries (the KV books and
+the pool grant now or refuse, and never wait), and a job that cannot be admitted now is
+parked (:class:`~calfsm.parked.ParkedQueue`: the highest priority first, aged by its
+waiting time, first come first served among equals) for the admission step
+(:meth:`Admission.admit_parked`), which tries the head again when capacity comes free
+and fails what passed its admission deadline
 (:meth:`Admission.expire_parked`). A caller that must block until its job is admitted
 (the threaded :meth:`~calfsm.executor.DeviceExecutor.enqueue`) waits on the job
 (:meth:`Admission.wait_admitted`), not on the books. A prepared job goes to the device
@@ -41,6 +43,7 @@ from calfsm.job import JobContext, JobHandle, Request
 from calfsm.kv import SeqState
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.outcomes import Outcomes
+from calfsm.parked import ParkedQueue
 from calfsm.request import check_request
 from calfsm.submission import Submission
 
@@ -59,7 +62,8 @@ class Admission:
         self.core = core
         self.outcomes = outcomes
         self.device = device
-        self._parked: deque[JobContext] = deque()   # waiting for KV/buffer (no thread)
+        #: waiting for KV or a buffer slot (no thread), the highest priority first
+        self._parked = ParkedQueue(core.t.priority_aging_s)
         #: the first admission deadline among the parked jobs, and what it was computed
         #: from: deadlines only move when the queue or the lifecycle does, so the
         #: admission step need not compute every one of them at every step
@@ -227,14 +231,17 @@ class Admission:
     # ---- start: validate, admit, prepare -------------------------------------------
     def start(self, job: JobContext) -> None:
         """Validate, admit and prepare ``job``; every failure goes to its handle. A job
-        that cannot be admitted now (or that would pass one parked before it) is parked
-        (FIFO) for :meth:`admit_parked`."""
+        that cannot be admitted now, or that finds others parked, is parked for
+        :meth:`admit_parked` at its place by priority (even one that outranks them all:
+        only the admission step admits parked work, one job at a time)."""
         try:
             self.validate(job)
             with self.core.lock:
-                parked = bool(self._parked)
+                # the head being admitted counts: were it refused and put back, a job
+                # admitted meanwhile would have passed it
+                parked = bool(self._parked) or self._admitting is not None
                 if parked:
-                    self._parked.append(job)
+                    self._parked.push(job)
                     self._parked_changed_locked()
             if parked:
                 self.core.hooks.job_parked()
@@ -242,8 +249,8 @@ class Admission:
             if self.admit(job):
                 self.prepare(job)
             else:
-                with self.core.lock:
-                    self._parked.append(job)
+                with self.core.lock:    # it keeps a KV reservation it was granted
+                    self._parked.push(job, begun=job.kv is not None)
                     self._parked_changed_locked()
                 self.core.hooks.job_parked()
         except CalfsmError as e:
@@ -359,7 +366,8 @@ class Admission:
 
     # ---- the parked queue ----------------------------------------------------------
     def admit_parked(self) -> bool:
-        """Try to admit the head parked job (FIFO). True if it moved (or failed).
+        """Try to admit the head parked job (the highest effective priority: see
+        :mod:`calfsm.parked`). True if it moved (or failed).
 
         The head is taken out while it is admitted (``_admitting``), so a cancel or a
         drain meanwhile cannot fail it under this step's hands: the step looks at the
@@ -371,7 +379,7 @@ class Admission:
         with core.lock:
             if not self._parked or self._admitting is not None or life.state != READY:
                 return False            # not Ready: parked jobs wait for the generation
-            job = self._admitting = self._parked.popleft()
+            job = self._admitting = self._parked.pop()
             self._parked_changed_locked()
         try:
             if job.cancel_requested or life.closing:
@@ -385,7 +393,9 @@ class Admission:
                 cancelled = job.cancel_requested or life.closing
                 gone = cancelled or life.state != READY
                 if not admitted and not gone:
-                    self._parked.appendleft(job)      # still the head: try again later
+                    # back at its place (at the head if it keeps a KV reservation):
+                    # it is tried again when capacity comes free
+                    self._parked.push(job, begun=job.kv is not None)
                     self._parked_changed_locked()
                     return False
             if gone and not cancelled and core.holdable(job):
@@ -424,23 +434,22 @@ class Admission:
     def unpark(self, job: JobContext) -> bool:
         """Take a cancelled job out of the parked queue; False if it is not there."""
         with self.core.lock:
-            if job in self._parked:
-                self._parked.remove(job)
+            if self._parked.remove(job):
                 self._parked_changed_locked()
                 return True
         return False
 
     def take_parked(self) -> list[JobContext]:
-        """Remove and return every parked job."""
+        """Remove and return every parked job, in admission order."""
         with self.core.lock:
-            jobs = list(self._parked)
-            self._parked.clear()
+            jobs = self._parked.take_all()
             self._parked_changed_locked()
         return jobs
 
     def hold(self, jobs: list[JobContext]) -> None:
         """Give back what ``jobs`` took in their generation (they never ran) and park them
-        at the head, in the order they were accepted, for the next generation."""
+        again for the next generation, each at its place by priority and acceptance
+        (ahead of anything accepted later at the same priority)."""
         core = self.core
         kept = []
         for job in jobs:
@@ -454,9 +463,9 @@ class Admission:
             _fire_if(job, "hold")
             job.queue_deadline = math.inf
             kept.append(job)
-        kept.sort(key=lambda j: j.job_id)
         with core.lock:
-            self._parked.extendleft(reversed(kept))
+            for job in kept:
+                self._parked.push(job)
             self._parked_changed_locked()
         if kept:
             core.hooks.job_parked()

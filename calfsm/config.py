@@ -23,6 +23,13 @@ def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
                               stage="config")
 
 
+def _positive_finite(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int | float) \
+            or not 0 < value < float("inf"):
+        raise InvalidArgument(f"ExecutorConfig.{attr.name} must be a finite number > 0, "
+                              f"got {value!r}", stage="config")
+
+
 def _non_negative(inst: object, attr: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value >= 0:
         raise InvalidArgument(f"ExecutorConfig.{attr.name} must be >= 0, got {value!r}",
@@ -92,6 +99,11 @@ class ExecutorConfig:
     #: is about to queue (threaded mode on a real clock; step mode, and a virtual clock,
     #: never wait)
     batch_window_s: float = attrs.field(default=0.002, validator=_non_negative)
+    #: the aging of a parked job's priority: it grows by one for each this many seconds
+    #: the job waits, so a job waits behind work accepted after it with a priority ``d``
+    #: higher only if that work came within ``d * priority_aging_s`` of it
+    #: (docs/architecture.md, Admission)
+    priority_aging_s: float = attrs.field(default=1.0, validator=_positive_finite)
 
 
 @attrs.frozen

@@ -67,13 +67,14 @@ class Hooks:
 class PipelineTimeouts:
     """The timeouts of :class:`~calfsm.executor.ExecutorConfig` the steps use."""
 
-    __slots__ = ("admission_s", "default_deadline_s", "max_waiting", "queue_s",
-                 "zombie_wait_s")
+    __slots__ = ("admission_s", "default_deadline_s", "max_waiting", "priority_aging_s",
+                 "queue_s", "zombie_wait_s")
 
     def __init__(self, *, admission_s: float, queue_s: float,
                  default_deadline_s: float, zombie_wait_s: float,
-                 max_waiting: int | None = None) -> None:
+                 max_waiting: int | None = None, priority_aging_s: float = 1.0) -> None:
         self.max_waiting = max_waiting
+        self.priority_aging_s = priority_aging_s
         self.admission_s = admission_s
         self.queue_s = queue_s
         self.default_deadline_s = default_deadline_s

@@ -256,6 +256,7 @@ def _encode(event: JobEnded) -> bytes:
         "kind": event.kind.value, "outcome": event.outcome,
         "past_len": req.past_len, "token_count": req.token_count,
         "tokens_dtype": tokens_dtype, "deadline_s": req.deadline_s,
+        "priority": req.priority,
         "timings": attrs.asdict(t),
         "error": None if err is None else {
             "type": type(err).__name__, "category": err.category.value,

@@ -98,7 +98,8 @@ class DeviceExecutor:
             timeouts=PipelineTimeouts(
                 admission_s=cfg.admission_timeout_s, queue_s=cfg.queue_timeout_s,
                 default_deadline_s=cfg.default_deadline_s,
-                zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting),
+                zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting,
+                priority_aging_s=cfg.priority_aging_s),
             service=self.service, apply=self._apply, drain=self.recover,
             max_rows=batching.max_rows,
             # a window is wall time: on a virtual clock nobody advances it never ends
@@ -217,7 +218,8 @@ class DeviceExecutor:
     def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, request_id: str | None = None,
-                 n: int | None = None, parent: str | None = None) -> Any:
+                 n: int | None = None, parent: str | None = None,
+                 priority: int = 0) -> Any:
         """One-shot generation on a fresh sequence, released when the stream ends (its
         id is free again by the time the stream's result is delivered).
 
@@ -234,11 +236,13 @@ class DeviceExecutor:
         the measured service rate, or that would make a running one late, is refused at
         once (ResourceExhausted, with a Retry-After). ``resume``: after a device reset
         lost the sequence's KV, replay the prompt and the tokens so far on the new
-        generation and go on, at most ``max_resumes`` times for this stream."""
+        generation and go on, at most ``max_resumes`` times for this stream.
+        ``priority``: every step's admission priority (higher first, aged while it
+        waits; :attr:`calfsm.request.Request.priority`)."""
         params = params or SamplingParams()
         if n is None:
             return self._generate(prompt, params, deadline_s, resume, max_resumes,
-                                  request_id, parent)
+                                  request_id, parent, priority)
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise InvalidArgument(f"n must be an integer >= 1, got {n!r}", stage="request")
         parent, ids = self.live_requests.reserve_parent(request_id, n)
@@ -248,7 +252,7 @@ class DeviceExecutor:
                 own = params if params.seed is None else attrs.evolve(
                     params, seed=params.seed + i)
                 streams.append(self._generate(prompt, own, deadline_s, resume,
-                                              max_resumes, rid, parent))
+                                              max_resumes, rid, parent, priority))
         except BaseException:
             for s in streams:
                 s.cancel()
@@ -257,7 +261,7 @@ class DeviceExecutor:
 
     def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,
                   resume: bool, max_resumes: int, request_id: str | None,
-                  parent: str | None) -> Stream:
+                  parent: str | None, priority: int) -> Stream:
         try:        # the estimate first: a refusal costs no sequence and no buffers
             self._admit_stream(prompt, params, deadline_s)
         except CalfsmError as e:
@@ -267,7 +271,7 @@ class DeviceExecutor:
         try:
             return Stream(seq, prompt, params, deadline_s=deadline_s, resume=resume,
                           max_resumes=max_resumes, close_sequence=True, admitted=True,
-                          request_id=request_id, parent=parent)
+                          request_id=request_id, parent=parent, priority=priority)
         except BaseException as e:
             seq.close()
             if isinstance(e, CalfsmError):

@@ -33,14 +33,19 @@ from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
-__all__ = ["EMBED_DTYPES", "MAX_REQUEST_ID", "Request", "check_embeds", "check_request",
-           "check_request_id", "check_token"]
+__all__ = ["EMBED_DTYPES", "MAX_REQUEST_ID", "PRIORITY_MAX", "PRIORITY_MIN", "Request",
+           "check_embeds", "check_request", "check_request_id", "check_token"]
 
 #: the longest request id (``X-Request-Id`` values are usually a UUID, 36 characters)
 MAX_REQUEST_ID = 128
 
 _I64 = np.dtype(np.int64)
 _I64_MIN, _I64_MAX = -2**63, 2**63 - 1
+
+#: the range of :attr:`Request.priority` (a signed 16-bit integer): wide enough for any
+#: ranking a caller keeps, and small enough that a priority times the executor's aging
+#: step stays an exact, finite number of seconds
+PRIORITY_MIN, PRIORITY_MAX = -2**15, 2**15 - 1
 
 #: the numpy dtype an embeddings array must have for each manifest dtype it may name
 EMBED_DTYPES: Mapping[DType, np.dtype] = {
@@ -132,6 +137,14 @@ def _seconds(value: Any, field: str) -> float | None:
     raise _bad(f"{field} must be a number of seconds or None, got {reprlib.repr(value)}")
 
 
+def _priority(value: Any) -> int:
+    value = _integer(value, "priority")
+    if not PRIORITY_MIN <= value <= PRIORITY_MAX:
+        raise _bad(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got "
+                   f"{reprlib.repr(value)}")
+    return value
+
+
 def _kind(value: Any) -> TaskKind:
     if type(value) is TaskKind:
         return value
@@ -180,7 +193,11 @@ class Request:
     bounds the whole job from enqueue (the executor's admission/queue/execution timeouts
     apply inside it). ``target``, when given, is the caller's float32 array (at least
     ``vocab`` long) the logits are written into — no copy, no temporary of the
-    vocabulary. Every field is checked here; a bad value raises InvalidArgument.
+    vocabulary. ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]``, default 0)
+    orders admission among waiting jobs: higher goes first, equal ones first come first
+    served, and a waiting job's priority grows as it waits, so later work passes it only
+    for a bounded time (docs/architecture.md, Admission). Every field is checked here; a
+    bad value raises InvalidArgument.
     """
 
     seq_id: int
@@ -192,6 +209,7 @@ class Request:
     target: np.ndarray | None = attrs.field(default=None, eq=False)
     seq_count: int = 1
     engine: EngineSlot = EngineSlot.AUTO
+    priority: int = 0
     request_id: str | None = None
 
     def __attrs_post_init__(self) -> None:
@@ -225,6 +243,9 @@ class Request:
             _set(self, "seq_count", _integer(self.seq_count, "seq_count"))
         if type(self.engine) is not EngineSlot:
             _set(self, "engine", _engine(self.engine))
+        priority = self.priority
+        if type(priority) is not int or not PRIORITY_MIN <= priority <= PRIORITY_MAX:
+            _set(self, "priority", _priority(priority))
         if self.request_id is not None:
             check_request_id(self.request_id)
 

@@ -368,11 +368,14 @@ class Sequence:
     # ---- generation ----------------------------------------------------------------
     def generate(self, prompt: Seq[int], params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2, request_id: str | None = None) -> Stream:
+                 max_resumes: int = 2, request_id: str | None = None,
+                 priority: int = 0) -> Stream:
         """Start a stream: prefill ``prompt`` after what the sequence holds, then sample
-        and decode until a finish reason."""
+        and decode until a finish reason. ``priority``: every step's (see
+        :class:`Stream`)."""
         return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
-                      resume=resume, max_resumes=max_resumes, request_id=request_id)
+                      resume=resume, max_resumes=max_resumes, request_id=request_id,
+                      priority=priority)
 
     # ---- closing -------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -440,17 +443,32 @@ class Sequence:
         return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
 
 
+def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
+    """A stream's own deadline (seconds > 0, or None) and resume budget (an int >= 0)."""
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got {max_resumes!r}",
+                              stage="request")
+
+
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
     ``cancel()``, and ``result()`` / ``await stream.final()``. ``request_id`` names it
     in the executor (given, else generated): its steps, errors, log lines and observer
-    events carry it, and ``executor.abort(request_id)`` cancels it."""
+    events carry it, and ``executor.abort(request_id)`` cancels it.
+
+    ``priority`` (:attr:`calfsm.request.Request.priority`) is every step's: the prefill,
+    each decode and a replay wait for admission at the stream's priority, each aged from
+    its own acceptance (docs/architecture.md, Admission)."""
 
     def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
                  admitted: bool = False, request_id: str | None = None,
-                 parent: str | None = None) -> None:
+                 parent: str | None = None, priority: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be SamplingParams", stage="request")
         ex = sequence.executor
@@ -459,7 +477,10 @@ class Stream:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
         self.sequence = sequence
-        self.prompt = tuple(int(t) for t in Request.prefill(sequence.seq_id, prompt).tokens)
+        checked = Request.prefill(sequence.seq_id, prompt, priority=priority)
+        self.prompt = tuple(int(t) for t in checked.tokens)
+        #: every step's admission priority (checked with the prompt)
+        self.priority: int = checked.priority
         if not self.prompt:
             raise InvalidArgument("a stream needs a prompt of at least one token",
                                   stage="request", seq_id=sequence.seq_id)
@@ -496,11 +517,10 @@ class Stream:
         self._decided: tuple[int, _Outcome] | None = None
         self._ending = False            # _finish has begun: nothing more is recorded
         #: this stream's id in the executor (calfsm/liverequests.py)
-        self.request_id: str = ex.live_requests.add(request_id, "stream", self,
-                                                    parent=parent)
+        self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
                                 target=self._flow.row(), deadline_s=self._left(),
-                                request_id=self.request_id)      # every field checked
+                                request_id=self.request_id, priority=self.priority)
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
@@ -675,10 +695,11 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        seq_id, left, rid = self.sequence.seq_id, self._left(), self.request_id
+        seq_id, left, priority = self.sequence.seq_id, self._left(), self.priority
+        rid = self.request_id
         self._flow.stage_next(
             lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
-                                            request_id=rid),
+                                            priority=priority, request_id=rid),
             lambda: self._ending or self._cancelled)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
@@ -790,7 +811,7 @@ class Stream:
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
                                  target=flow.staged_row(staged), deadline_s=self._left(),
-                                 request_id=self.request_id)
+                                 priority=self.priority, request_id=self.request_id)
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
 
@@ -939,7 +960,8 @@ class Stream:
                          extra={"seq_id": seq.seq_id, "stage": "resume",
                                 "request_id": self.request_id})
         self._submit(Request.prefill(seq.seq_id, history, target=self._flow.row(),
-                                     deadline_s=self._left(), request_id=self.request_id))
+                                     deadline_s=self._left(), priority=self.priority,
+                                     request_id=self.request_id))
 
     # ---- ending --------------------------------------------------------------------
     def _finish(self, reason: FinishReason, error: CalfsmError | None = None) -> None:
@@ -996,17 +1018,6 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
-
-
-def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
-    """A stream's deadline (None or seconds > 0) and resume budget (an int >= 0)."""
-    if deadline_s is not None and not (isinstance(deadline_s, int | float)
-                                       and deadline_s > 0):
-        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
-                              stage="request")
-    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:
-        raise InvalidArgument(f"max_resumes must be an integer >= 0, got {max_resumes!r}",
-                              stage="request")
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,

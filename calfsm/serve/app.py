@@ -360,7 +360,7 @@ class _Server:
                     choices.append(Choice(
                         ex, i, prompt, params, deadline_s=self.config.request_timeout_s,
                         request_id=rid if one else f"{rid}-{i}",
-                        parent=None if one else rid))
+                        parent=None if one else rid, priority=plan.priority))
             except BaseException:
                 for stream in started:
                     stream.cancel()

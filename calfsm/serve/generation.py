@@ -55,14 +55,16 @@ class Choice:
 
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
                  params: SamplingParams, *, deadline_s: float | None,
-                 request_id: str | None = None, parent: str | None = None) -> None:
+                 request_id: str | None = None, parent: str | None = None,
+                 priority: int = 0) -> None:
         self.index = index
         self._decoder = IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
         self._chars = 0                          # characters of text given to it
         self.stream: Stream = executor.generate(list(prompt), params,
                                                 deadline_s=deadline_s,
-                                                request_id=request_id, parent=parent)
+                                                request_id=request_id, parent=parent,
+                                                priority=priority)
 
     def push(self, event: TokenEvent) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""

@@ -15,10 +15,13 @@ list of strings, a list of token ids or a list of such lists) or ``messages`` (r
 the prompt, else a 400 naming the field; without it, the server's default clipped to what
 the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
 (0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``, ``stream``,
-``stream_options.include_usage``, ``user``, and logprobs: completions' ``logprobs``
+``stream_options.include_usage``, ``user``, logprobs: completions' ``logprobs``
 (an integer, 0..20: the chosen token's log-probability and that many alternatives) and
 chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with ``logprobs``
-true). Choice ``i`` of a request (prompt-major, then ``n``) draws from ``seed + i``.
+true), and ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
+:mod:`calfsm.request`, default 0: *higher* is admitted first, as the library's
+``Request.priority`` — vLLM's field of the same name is lower-first). Choice ``i`` of a
+request (prompt-major, then ``n``) draws from ``seed + i``.
 Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``, penalties,
 ``logit_bias``, tools) are refused unless they carry their default; unknown fields are
 refused too, so a typo is never silently ignored. A message that quotes a client's
@@ -34,6 +37,7 @@ from typing import Any
 import attrs
 
 from calfsm.errors import CalfsmError
+from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.sampling import MAX_LOGPROBS, MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
@@ -51,7 +55,7 @@ _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "parallel_tool_calls": (None, False, True)}
 _COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
                      "stop_token_ids", "n", "stream", "stream_options", "user",
-                     *_DEFAULTS_ONLY})
+                     "priority", *_DEFAULTS_ONLY})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
 
@@ -72,8 +76,9 @@ class Limits:
 
 @attrs.frozen
 class GenerationPlan:
-    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``);
-    ``logprobs``: the alternatives per token the answer carries (None: no logprobs)."""
+    """One request, checked: ``prompts[i]`` runs with ``params[i]`` (choice ``i``), each
+    choice's stream at ``priority``; ``logprobs``: the alternatives per token the answer
+    carries (None: no logprobs)."""
 
     prompts: tuple[tuple[int, ...], ...]
     params: tuple[SamplingParams, ...]
@@ -81,6 +86,7 @@ class GenerationPlan:
     include_usage: bool
     n: int = 1                               # choices per prompt
     logprobs: int | None = None
+    priority: int = 0
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -263,6 +269,10 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                                 or set(options) - {"include_usage"}):
         raise _bad("stream_options may hold include_usage only", "stream_options")
     include_usage = _bool(options or {}, "include_usage")
+    priority = _int(body, "priority", PRIORITY_MIN, 0)
+    assert priority is not None
+    if priority > PRIORITY_MAX:
+        raise _bad(f"priority must be <= {PRIORITY_MAX}, got {clip(priority)}", "priority")
     if include_usage and not stream:
         raise _bad("stream_options applies only when stream is true", "stream_options")
     params = []
@@ -278,7 +288,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
-                          stream, include_usage, n, logprobs)
+                          stream, include_usage, n, logprobs, priority)
 
 
 def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits) -> None:
