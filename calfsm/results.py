@@ -25,12 +25,15 @@ class FinishReason(enum.StrEnum):
 @attrs.frozen
 class TokenEvent:
     """One generated token: its id, its position in the sequence, its index in the
-    stream, and the timings of the job that produced it."""
+    stream, the timings of the job that produced it, and on an executor with a
+    tokenizer the ``text`` it delivers (maybe ``""``: a character it begins comes with
+    a later token; before a stop string only its text up to it); None without one."""
 
     token: int
     position: int
     index: int
     timings: JobTimings = attrs.field(repr=False)
+    text: str | None = None
 
 
 @attrs.frozen
@@ -46,7 +49,9 @@ class Usage:
 @attrs.frozen
 class GenerationResult:
     """A finished stream: tokens, why it ended, usage, time to first token and the
-    inter-token times (seconds, on the driver's clock)."""
+    inter-token times (seconds, on the driver's clock). ``text`` (on an executor with a
+    tokenizer, else None): all the text delivered, the events' texts joined, then what
+    the decoder still held at the end (bytes that never completed a character)."""
 
     tokens: tuple[int, ...]
     finish_reason: FinishReason
@@ -55,3 +60,4 @@ class GenerationResult:
     inter_token_s: tuple[float, ...]
     error: CalfsmError | None = None
     resumes: int = 0
+    text: str | None = None

@@ -22,9 +22,17 @@ iterator, an async iterator, or waits for the final :class:`GenerationResult`;
 ``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
 
 Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
-(a stop token; it is not delivered), ``cancelled``, ``deadline`` (the stream's deadline,
-checked after every step, and each step's own deadline), ``error`` (any other error;
-``result().error`` has it, with ``retryable`` saying whether sending it again may help).
+(a stop token, a stop sequence or a stop string; none is delivered), ``cancelled``,
+``deadline`` (the stream's deadline, checked after every step, and each step's own
+deadline), ``error`` (any other error; ``result().error`` has it, with ``retryable``
+saying whether sending it again may help).
+
+Text: on an executor with a tokenizer (:mod:`calfsm.tokenizer`), a stream decodes its
+tokens one at a time: each event carries the ``text`` it delivers and the result all of
+it. Stop strings (``SamplingParams.stop``) are matched on that text
+(:mod:`calfsm.stopstrings`); the tokens whose text may begin one are held back, as the
+tokens that may begin a stop sequence are. Without a tokenizer and stop sequences, a
+token costs one branch more than nothing: it is delivered at once.
 
 Resume: when a reset loses the sequence's KV mid-stream, a stream with ``resume=True``
 (the default) waits for the executor to be Ready again, resets the sequence and
@@ -47,6 +55,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
+import attrs
 import numpy as np
 
 from calfsm.capacity import stream_work_s
@@ -54,6 +63,7 @@ from calfsm.errors import (
     CalfsmError,
     Cancelled,
     DeadlineExceeded,
+    ErrorCategory,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -70,6 +80,8 @@ from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.sampling import Sampler, SamplingParams
+from calfsm.stopstrings import StopStrings
+from calfsm.tokenizer import IncrementalDecoder, encode_prompt, incremental_decoder
 
 __all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
            "TokenEvent", "Usage"]
@@ -90,6 +102,7 @@ class ExecutorFace(Protocol):
     clock: Any
     live_streams: Any                   # calfsm.capacity.LiveStreams
     observers: Any                      # calfsm.observe.Observers
+    tokenizer: Any                      # a calfsm.tokenizer.Tokenizer, or None
 
     @property
     def epoch(self) -> Any: ...
@@ -363,11 +376,12 @@ class Sequence:
             _fire_if(self, "reset")
 
     # ---- generation ----------------------------------------------------------------
-    def generate(self, prompt: Seq[int], params: SamplingParams | None = None, *,
+    def generate(self, prompt: Seq[int] | str, params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2) -> Stream:
-        """Start a stream: prefill ``prompt`` after what the sequence holds, then sample
-        and decode until a finish reason."""
+        """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
+        tokenizer) after what the sequence holds, then sample and decode until a finish
+        reason."""
         return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
                       resume=resume, max_resumes=max_resumes)
 
@@ -441,7 +455,7 @@ class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
     ``cancel()``, and ``result()`` / ``await stream.final()``."""
 
-    def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
+    def __init__(self, sequence: Sequence, prompt: Seq[int] | str, params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
                  admitted: bool = False) -> None:
@@ -452,6 +466,14 @@ class Stream:
         if epoch is None:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
+        tokenizer = ex.tokenizer
+        if params.stop and tokenizer is None:
+            raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
+                                  "stream's text, which needs the executor's tokenizer "
+                                  "(DeviceExecutor(..., tokenizer=...))", stage="request",
+                                  seq_id=sequence.seq_id)
+        if isinstance(prompt, str):
+            prompt = encode_prompt(tokenizer, prompt)
         self.sequence = sequence
         self.prompt = tuple(int(t) for t in Request.prefill(sequence.seq_id, prompt).tokens)
         if not self.prompt:
@@ -485,8 +507,17 @@ class Stream:
         self._flow = Flow(sequence, self._lock, seq_id=sequence.seq_id,
                           vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
         self._events: deque[TokenEvent] = deque()
-        #: events held back: their tokens may begin a stop sequence (not yet delivered)
+        #: events held back: their tokens, or their text, may begin a stop sequence or a
+        #: stop string (not yet delivered)
         self._held: list[TokenEvent] = []
+        #: text: the decoder (None without a tokenizer, or once a stop ended the
+        #: stream), the stop strings, and the texts delivered so far
+        self._decoder: IncrementalDecoder | None = \
+            None if tokenizer is None else incremental_decoder(tokenizer)
+        self._stop_text = StopStrings(params.stop) if params.stop else None
+        self._texts: list[str] | None = None if tokenizer is None else []
+        #: a token is delivered at once, with no text: the one branch of the hot path
+        self._plain = tokenizer is None and not params.holds_back
         self._delivered = 0             # tokens given to the consumer (queued events too)
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._result: GenerationResult | None = None
@@ -789,30 +820,108 @@ class Stream:
 
     def _record(self, token: int, timings: Any, position: int) -> bool | str:
         """Make ``token`` the stream's (not yet woken); False if a cancel or the end of
-        the stream came first: then nothing is delivered. With stop sequences, the
-        tokens that may begin one are held back; ``"stop"`` when one is complete (its
-        tokens are dropped, the ones held before it delivered)."""
+        the stream came first: then nothing is delivered. With stop sequences or stop
+        strings, the tokens that may begin one are held back; ``"stop"`` when one is
+        complete (what it holds is dropped, what was held before it delivered)."""
         now = self._clock.now()
-        params = self.params
         with self._lock:
             if self._cancelled or self._ending:
                 return False
             tokens = self._tokens
-            tokens.append(token)
-            self._times.append(now)
-            event = TokenEvent(token, position, len(tokens) - 1, timings)
-            if not params.holds_back:
-                self._events.append(event)
+            if self._plain:
+                tokens.append(token)
+                self._times.append(now)
+                self._events.append(TokenEvent(token, position, len(tokens) - 1, timings))
                 self._delivered += 1
                 return True
-            held = self._held
-            held.append(event)
+            return self._record_held_locked(token, timings, position, now)
+
+    def _record_held_locked(self, token: int, timings: Any, position: int,
+                            now: float) -> bool | str:
+        """:meth:`_record` with text or stop sequences: decode the token's text, then
+        deliver what can no longer begin a stop sequence or a stop string."""
+        text = None if self._decoder is None else self._decode(token)
+        tokens = self._tokens
+        tokens.append(token)
+        self._times.append(now)
+        held = self._held
+        held.append(TokenEvent(token, position, len(tokens) - 1, timings, text))
+        params = self.params
+        whole, part, stopped = len(held), None, False
+        if params.holds_back:
             matched = params.stop_match(tokens)
-            keep = len(held) - matched if matched else len(held) - params.stop_prefix(tokens)
-            self._events.extend(held[:keep])
-            self._delivered += keep
-            self._held = [] if matched else held[keep:]
-            return "stop" if matched else True
+            whole = len(held) - (matched or params.stop_prefix(tokens))
+            stopped = bool(matched)
+        if self._stop_text is not None:
+            w, p, s = self._stop_text.split([e.text for e in held])
+            if s and (not stopped or w < whole):    # the stop that begins first wins
+                whole, part, stopped = w, p, True
+            elif not stopped:
+                whole = min(whole, w)
+        self._release_locked(whole, part)
+        if stopped:
+            self._held = []
+            self._decoder = None        # what it still holds is the stop's: never given
+            return "stop"
+        return True
+
+    def _release_locked(self, whole: int, part: int | None) -> None:
+        """Deliver the first ``whole`` held events, and the next one with only the first
+        ``part`` characters of its text when ``part`` is not None; the rest stay held."""
+        held = self._held
+        out = held[:whole]
+        if part is not None:
+            cut = held[whole]
+            out.append(attrs.evolve(cut, text=cut.text[:part]))
+        self._events.extend(out)
+        self._delivered += len(out)
+        if self._texts is not None:
+            self._texts.extend(e.text for e in out)
+        self._held = held[len(out):]
+
+    def _decode(self, token: int) -> str:
+        """The text ``token`` completes; a decoder's own failure (not a CalfsmError) is
+        Internal (category programming): the stream ends ``error``."""
+        try:
+            return self._decoder.push(token)
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise Internal(f"the tokenizer's decoder raised {type(e).__name__} on token "
+                           f"{token}: {e}", category=ErrorCategory.PROGRAMMING,
+                           stage="tokenizer", seq_id=self.sequence.seq_id) from e
+
+    def _release_end_locked(self, reason: FinishReason, error: CalfsmError | None
+                            ) -> tuple[FinishReason, CalfsmError | None]:
+        """The stream ends (not cancelled): what was held is delivered after all (no stop
+        came), then what the decoder still holds, unless a stop string completes in it
+        (then the stream ends ``stop`` instead of ``length``). The reason and error the
+        stream ends with."""
+        held = self._held
+        decoder, self._decoder = self._decoder, None
+        tail = ""
+        if decoder is not None:
+            try:
+                tail = decoder.flush()
+            except Exception as e:
+                if reason is not FinishReason.ERROR:
+                    reason, error = FinishReason.ERROR, Internal(
+                        f"the tokenizer's decoder raised {type(e).__name__} on flush: {e}",
+                        category=ErrorCategory.PROGRAMMING, stage="tokenizer",
+                        seq_id=self.sequence.seq_id)
+        if self._stop_text is not None and tail:
+            whole, part, stopped = self._stop_text.split([*(e.text for e in held), tail])
+            if stopped:
+                self._release_locked(min(whole, len(held)),
+                                     part if whole < len(held) else None)
+                if whole == len(held) and part is not None:
+                    self._texts.append(tail[:part])
+                return (FinishReason.STOP if reason is FinishReason.LENGTH else reason), \
+                    error
+        self._release_locked(len(held), None)
+        if tail:
+            self._texts.append(tail)
+        return reason, error
 
     def _on_error(self, err: CalfsmError) -> None:
         if isinstance(err, Cancelled) or self._cancelled:
@@ -912,11 +1021,10 @@ class Stream:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
                 drop_tracebacks(error)
-            if self._held and reason is not FinishReason.CANCELLED:
-                # no stop sequence came: what was held back is output after all (a
-                # cancel delivers nothing more)
-                self._events.extend(self._held)
-                self._delivered += len(self._held)
+            if reason is not FinishReason.CANCELLED and (self._held or self._decoder is not None):
+                # no stop came: what was held back is output after all (a cancel
+                # delivers nothing more)
+                reason, error = self._release_end_locked(reason, error)
             self._held = []
             delivered = self._delivered
             times = self._times[:delivered]
@@ -924,7 +1032,8 @@ class Stream:
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
-                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes)
+                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes,
+                None if self._texts is None else "".join(self._texts))
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         # observers first (holding no lock), so a consumer that has the result finds
