@@ -467,31 +467,14 @@ class Stream:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
         tokenizer = ex.tokenizer
-        if params.stop and tokenizer is None:
-            raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
-                                  "stream's text, which needs the executor's tokenizer "
-                                  "(DeviceExecutor(..., tokenizer=...))", stage="request",
-                                  seq_id=sequence.seq_id)
-        if isinstance(prompt, str):
-            prompt = encode_prompt(tokenizer, prompt)
         self.sequence = sequence
-        self.prompt = tuple(int(t) for t in Request.prefill(sequence.seq_id, prompt).tokens)
-        if not self.prompt:
-            raise InvalidArgument("a stream needs a prompt of at least one token",
-                                  stage="request", seq_id=sequence.seq_id)
+        self.prompt = _prompt_tokens(sequence.seq_id, prompt, params, tokenizer)
         self.params = params
         self._sampler: Sampler = params.sampler_for(contract.vocab)
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
-        if deadline_s is not None and not (isinstance(deadline_s, int | float)
-                                           and deadline_s > 0):
-            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
-                                  stage="request")
-        if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
-                or max_resumes < 0:
-            raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
-                                  f"{max_resumes!r}", stage="request")
+        _check_limits(deadline_s, max_resumes)
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
         self._max_new = max_new_tokens(params, self._max_seq, sequence.position,
                                        len(self.prompt))
@@ -510,12 +493,9 @@ class Stream:
         #: events held back: their tokens, or their text, may begin a stop sequence or a
         #: stop string (not yet delivered)
         self._held: list[TokenEvent] = []
-        #: text: the decoder (None without a tokenizer, or once a stop ended the
-        #: stream), the stop strings, and the texts delivered so far
-        self._decoder: IncrementalDecoder | None = \
-            None if tokenizer is None else incremental_decoder(tokenizer)
-        self._stop_text = StopStrings(params.stop) if params.stop else None
-        self._texts: list[str] | None = None if tokenizer is None else []
+        #: the text of the tokens (None without a tokenizer)
+        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop,
+                                                                sequence.seq_id)
         #: a token is delivered at once, with no text: the one branch of the hot path
         self._plain = tokenizer is None and not params.holds_back
         self._delivered = 0             # tokens given to the consumer (queued events too)
@@ -840,7 +820,7 @@ class Stream:
                             now: float) -> bool | str:
         """:meth:`_record` with text or stop sequences: decode the token's text, then
         deliver what can no longer begin a stop sequence or a stop string."""
-        text = None if self._decoder is None else self._decode(token)
+        text = None if self._text is None else self._text.push(token)
         tokens = self._tokens
         tokens.append(token)
         self._times.append(now)
@@ -852,8 +832,9 @@ class Stream:
             matched = params.stop_match(tokens)
             whole = len(held) - (matched or params.stop_prefix(tokens))
             stopped = bool(matched)
-        if self._stop_text is not None:
-            w, p, s = self._stop_text.split([e.text for e in held])
+        stops = None if self._text is None else self._text.stops
+        if stops is not None:
+            w, p, s = stops.split([e.text for e in held])
             if s and (not stopped or w < whole):    # the stop that begins first wins
                 whole, part, stopped = w, p, True
             elif not stopped:
@@ -861,7 +842,7 @@ class Stream:
         self._release_locked(whole, part)
         if stopped:
             self._held = []
-            self._decoder = None        # what it still holds is the stop's: never given
+            self._text.drop()           # what its decoder holds is the stop's: never given
             return "stop"
         return True
 
@@ -875,21 +856,9 @@ class Stream:
             out.append(attrs.evolve(cut, text=cut.text[:part]))
         self._events.extend(out)
         self._delivered += len(out)
-        if self._texts is not None:
-            self._texts.extend(e.text for e in out)
+        if self._text is not None:
+            self._text.delivered.extend(e.text for e in out)
         self._held = held[len(out):]
-
-    def _decode(self, token: int) -> str:
-        """The text ``token`` completes; a decoder's own failure (not a CalfsmError) is
-        Internal (category programming): the stream ends ``error``."""
-        try:
-            return self._decoder.push(token)
-        except CalfsmError:
-            raise
-        except Exception as e:
-            raise Internal(f"the tokenizer's decoder raised {type(e).__name__} on token "
-                           f"{token}: {e}", category=ErrorCategory.PROGRAMMING,
-                           stage="tokenizer", seq_id=self.sequence.seq_id) from e
 
     def _release_end_locked(self, reason: FinishReason, error: CalfsmError | None
                             ) -> tuple[FinishReason, CalfsmError | None]:
@@ -897,30 +866,25 @@ class Stream:
         came), then what the decoder still holds, unless a stop string completes in it
         (then the stream ends ``stop`` instead of ``length``). The reason and error the
         stream ends with."""
-        held = self._held
-        decoder, self._decoder = self._decoder, None
+        held, text = self._held, self._text
         tail = ""
-        if decoder is not None:
+        if text is not None:
             try:
-                tail = decoder.flush()
-            except Exception as e:
+                tail = text.flush()
+            except CalfsmError as e:
                 if reason is not FinishReason.ERROR:
-                    reason, error = FinishReason.ERROR, Internal(
-                        f"the tokenizer's decoder raised {type(e).__name__} on flush: {e}",
-                        category=ErrorCategory.PROGRAMMING, stage="tokenizer",
-                        seq_id=self.sequence.seq_id)
-        if self._stop_text is not None and tail:
-            whole, part, stopped = self._stop_text.split([*(e.text for e in held), tail])
-            if stopped:
-                self._release_locked(min(whole, len(held)),
-                                     part if whole < len(held) else None)
-                if whole == len(held) and part is not None:
-                    self._texts.append(tail[:part])
-                return (FinishReason.STOP if reason is FinishReason.LENGTH else reason), \
-                    error
+                    reason, error = FinishReason.ERROR, e
+            if text.stops is not None and tail:
+                whole, part, stopped = text.stops.split([*(e.text for e in held), tail])
+                if stopped:
+                    self._release_locked(whole, part if whole < len(held) else None)
+                    if whole == len(held) and part is not None:
+                        text.delivered.append(tail[:part])
+                    return (FinishReason.STOP if reason is FinishReason.LENGTH
+                            else reason), error
         self._release_locked(len(held), None)
         if tail:
-            self._texts.append(tail)
+            text.delivered.append(tail)
         return reason, error
 
     def _on_error(self, err: CalfsmError) -> None:
@@ -1021,7 +985,7 @@ class Stream:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
                 drop_tracebacks(error)
-            if reason is not FinishReason.CANCELLED and (self._held or self._decoder is not None):
+            if reason is not FinishReason.CANCELLED and (self._held or self._text):
                 # no stop came: what was held back is output after all (a cancel
                 # delivers nothing more)
                 reason, error = self._release_end_locked(reason, error)
@@ -1033,7 +997,7 @@ class Stream:
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
                 Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes,
-                None if self._texts is None else "".join(self._texts))
+                None if self._text is None else "".join(self._text.delivered))
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         # observers first (holding no lock), so a consumer that has the result finds
@@ -1064,6 +1028,80 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+class StreamText:
+    """A stream's text, on an executor with a tokenizer: its incremental decoder (None
+    once the stream ended, or a stop ended it: what the decoder still holds is then the
+    stop's), its stop strings (None without), and the texts delivered so far."""
+
+    __slots__ = ("decoder", "delivered", "seq_id", "stops")
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], seq_id: int) -> None:
+        self.decoder: IncrementalDecoder | None = incremental_decoder(tokenizer)
+        self.stops = StopStrings(stop) if stop else None
+        self.delivered: list[str] = []
+        self.seq_id = seq_id
+
+    def push(self, token: int) -> str:
+        """The text ``token`` completes; a decoder's own failure (not a CalfsmError) is
+        Internal (category programming): the stream ends ``error``."""
+        try:
+            return self.decoder.push(token)
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise self._bug(f"on token {token}", e) from e
+
+    def flush(self) -> str:
+        """What the decoder still holds (once: the decoder is dropped)."""
+        decoder, self.decoder = self.decoder, None
+        if decoder is None:
+            return ""
+        try:
+            return decoder.flush()
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise self._bug("on flush", e) from None
+
+    def drop(self) -> None:
+        """A stop ended the stream: what the decoder holds is never given."""
+        self.decoder = None
+
+    def _bug(self, where: str, e: Exception) -> Internal:
+        return Internal(f"the tokenizer's decoder raised {type(e).__name__} {where}: {e}",
+                        category=ErrorCategory.PROGRAMMING, stage="tokenizer",
+                        seq_id=self.seq_id)
+
+
+def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
+            or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
+                              f"{max_resumes!r}", stage="request")
+
+
+def _prompt_tokens(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,
+                   tokenizer: Any) -> tuple[int, ...]:
+    """A stream's prompt as token ids, checked (text needs the executor's tokenizer, and
+    so do stop strings)."""
+    if params.stop and tokenizer is None:
+        raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
+                              "stream's text, which needs the executor's tokenizer "
+                              "(DeviceExecutor(..., tokenizer=...))", stage="request",
+                              seq_id=seq_id)
+    if isinstance(prompt, str):
+        prompt = encode_prompt(tokenizer, prompt)
+    tokens = tuple(int(t) for t in Request.prefill(seq_id, prompt).tokens)
+    if not tokens:
+        raise InvalidArgument("a stream needs a prompt of at least one token",
+                              stage="request", seq_id=seq_id)
+    return tokens
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,

@@ -2,11 +2,12 @@
 
 :class:`Choice` owns one :class:`~calfsm.streams.Stream` (``executor.generate``: a
 sequence of its own, released when the stream ends) and turns its token events into
-:class:`Piece`\\ s of text for the client through the
-:class:`~calfsm.serve.tokenizer.IncrementalDecoder`. Stop sequences are the stream's
-own (``SamplingParams.stop_sequences``): the library holds back the tokens that may
-begin one, never delivers a completed one (OpenAI does not return it either) and ends
-the stream ``stop``, so the client's finish reason and the library's metrics agree.
+:class:`Piece`\\ s of text for the client: the events' own text when the executor has
+a tokenizer, else through the byte-level decoder. Stop strings are the stream's own
+(``SamplingParams.stop``, or ``stop_sequences`` of their token ids without a
+tokenizer): the library holds back what may begin one, never delivers a completed one
+(OpenAI does not return it either) and ends the stream ``stop``, so the client's finish
+reason and the library's metrics agree.
 
 :func:`merged` runs the choices of a request concurrently and yields their pieces as
 they come. Cancelling the task that reads it (a client gone) cancels every stream of
@@ -24,7 +25,7 @@ from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor
 from calfsm.sampling import SamplingParams
 from calfsm.serve.tokenizer import IncrementalDecoder
-from calfsm.streams import FinishReason, GenerationResult, Stream
+from calfsm.streams import FinishReason, GenerationResult, Stream, TokenEvent
 
 __all__ = ["Choice", "Piece", "merged"]
 
@@ -47,32 +48,42 @@ class Piece:
 
 
 class Choice:
-    """One choice: a stream and its text decoder."""
+    """One choice: a stream, and its text decoder when the stream's events carry none."""
 
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
                  params: SamplingParams, *, deadline_s: float | None) -> None:
         self.index = index
-        self._decoder = IncrementalDecoder()
+        self._decoder = None if executor.tokenizer is not None else IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
+        self._chars = 0                          # characters given (events' own text)
         self.stream: Stream = executor.generate(list(prompt), params,
                                                 deadline_s=deadline_s)
 
-    def push(self, token: int) -> Piece:
+    def push(self, event: TokenEvent) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""
         self._sent += 1
-        return Piece(self.index, self._decoder.push(token), (token,))
+        if self._decoder is not None:
+            return Piece(self.index, self._decoder.push(event.token), (event.token,))
+        text = event.text or ""
+        self._chars += len(text)
+        return Piece(self.index, text, (event.token,))
 
     def end(self, result: GenerationResult) -> Piece:
         """The choice's last piece: the text the decoder held, and why it ended."""
         reason = OPENAI_FINISH.get(result.finish_reason)
-        text = self._decoder.flush() if reason else ""
+        if not reason:
+            text = ""
+        elif self._decoder is not None:
+            text = self._decoder.flush()
+        else:
+            text = (result.text or "")[self._chars:]
         return Piece(self.index, text, (), reason, None if reason else result.error,
                      result.usage.prompt_tokens, self._sent)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
             async for event in self.stream:
-                yield self.push(event.token)
+                yield self.push(event)
             yield self.end(await self.stream.final())
         finally:
             self.stream.cancel()        # a no-op once it ended
