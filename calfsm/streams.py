@@ -842,7 +842,8 @@ class Stream:
         self._release_locked(whole, part)
         if stopped:
             self._held = []
-            self._text.drop()           # what its decoder holds is the stop's: never given
+            if self._text is not None:  # what its decoder holds is the stop's: never given
+                self._text.drop()
             return "stop"
         return True
 
