@@ -31,8 +31,8 @@ Text: on an executor with a tokenizer (:mod:`calfsm.tokenizer`), a stream decode
 tokens one at a time: each event carries the ``text`` it delivers and the result all of
 it. Stop strings (``SamplingParams.stop``) are matched on that text
 (:mod:`calfsm.stopstrings`); the tokens whose text may begin one are held back, as the
-tokens that may begin a stop sequence are. Without a tokenizer and stop sequences, a
-token costs one branch more than nothing: it is delivered at once.
+tokens that may begin a stop sequence are. Without a tokenizer and without stop
+sequences, a token is delivered at once, at the cost of one branch, as before.
 
 Resume: when a reset loses the sequence's KV mid-stream, a stream with ``resume=True``
 (the default) waits for the executor to be Ready again, resets the sequence and
@@ -986,7 +986,7 @@ class Stream:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
                 drop_tracebacks(error)
-            if reason is not FinishReason.CANCELLED and (self._held or self._text):
+            if reason is not FinishReason.CANCELLED and (self._held or self._text is not None):
                 # no stop came: what was held back is output after all (a cancel
                 # delivers nothing more)
                 reason, error = self._release_end_locked(reason, error)

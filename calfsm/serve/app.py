@@ -180,8 +180,9 @@ class _Server:
         if epoch is None:
             raise InvalidArgument("the executor has no configured model", stage="serve")
         contract = epoch.contract(TaskKind.DECODE)
-        self.tokenizer = executor.tokenizer or ByteTokenizer(contract.vocab)
         self.text_stops = executor.tokenizer is not None
+        self.tokenizer = executor.tokenizer if self.text_stops \
+            else ByteTokenizer(contract.vocab)
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
         self.limits = Limits(name, contract.vocab, contract.max_seq,

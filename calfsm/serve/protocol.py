@@ -5,8 +5,9 @@ body and returns what to run: the prompts as token ids (text through the server'
 tokenizer: the executor's, else the byte-level one; or ids as given), the
 :class:`~calfsm.sampling.SamplingParams` of each choice (``stop`` strings go in as its
 ``stop`` strings when the executor has a tokenizer, else as ``stop_sequences`` of
-token ids: either way the library matches them), and the streaming options. Every bad value is an
-:class:`~calfsm.serve.httperrors.ApiError` 400 naming the field (``param``), never a 5xx.
+token ids: either way the library matches them), and the streaming options. Every bad
+value is an :class:`~calfsm.serve.httperrors.ApiError` 400 naming the field
+(``param``), never a 5xx.
 
 What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a string, a
 list of strings, a list of token ids or a list of such lists) or ``messages`` (roles
@@ -266,7 +267,8 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                 temperature=temperature, top_k=max(0, top_k or 0), top_p=top_p,
                 seed=None if seed is None or temperature == 0 else seed + i,
                 stop_token_ids=tuple(stop_ids), stop_sequences=tuple(stop_sequences),
-                stop=stop_texts, max_tokens=max_tokens or min(limits.default_max_tokens, room)))
+                stop=stop_texts,
+                max_tokens=max_tokens or min(limits.default_max_tokens, room)))
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
