@@ -48,6 +48,7 @@ from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.service import ServiceModel
 from calfsm.streams import Sequence, SequenceAllocator, Stream, max_new_tokens
+from calfsm.tokenizer import Tokenizer, check_tokenizer, encode_prompt
 
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
 
@@ -60,11 +61,17 @@ class DeviceExecutor:
     :meth:`recover` (returns at once), :meth:`switch_model`, :meth:`wait_lifecycle` and,
     in threaded mode, :meth:`enqueue` (it waits for admission). From asyncio, run them
     in a worker thread (``asyncio.to_thread``); ``await handle`` never blocks the loop.
+
+    ``tokenizer`` (a :class:`~calfsm.tokenizer.Tokenizer`, e.g.
+    :class:`~calfsm.tokenizer.ByteTokenizer` or :class:`~calfsm.tokenizer.HFTokenizer`):
+    streams then take text prompts and stop strings, and their events carry text.
     """
 
     def __init__(self, driver: Driver, manifest: Manifest,
-                 config: ExecutorConfig | None = None, *, calbin: Calbin | None = None
-                 ) -> None:
+                 config: ExecutorConfig | None = None, *, calbin: Calbin | None = None,
+                 tokenizer: Tokenizer | None = None) -> None:
+        #: the streams' text: prompts, event text, stop strings (None: token ids only)
+        self.tokenizer = None if tokenizer is None else check_tokenizer(tokenizer)
         self.driver = driver
         self.config = cfg = config or ExecutorConfig()
         self.clock = driver.clock
@@ -215,13 +222,14 @@ class DeviceExecutor:
             raise
         return Sequence(self, seq_id, self._sequences, self._steps)
 
-    def generate(self, prompt: list[int], params: SamplingParams | None = None, *,
+    def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, request_id: str | None = None,
                  n: int | None = None, parent: str | None = None,
                  priority: int = 0) -> Any:
         """One-shot generation on a fresh sequence, released when the stream ends (its
-        id is free again by the time the stream's result is delivered).
+        id is free again by the time the stream's result is delivered). ``prompt``:
+        token ids, or text with the executor's ``tokenizer``.
 
         ``request_id``: the stream's id (default: generated; ``stream.request_id``),
         what :meth:`abort` takes. ``n``: return a list of ``n`` streams of the same
@@ -263,6 +271,8 @@ class DeviceExecutor:
                   resume: bool, max_resumes: int, request_id: str | None,
                   parent: str | None, priority: int) -> Stream:
         try:        # the estimate first: a refusal costs no sequence and no buffers
+            if isinstance(prompt, str):
+                prompt = encode_prompt(self.tokenizer, prompt)
             self._admit_stream(prompt, params, deadline_s)
         except CalfsmError as e:
             self._rejected(e)
@@ -400,9 +410,11 @@ class DeviceExecutor:
     @classmethod
     async def create(cls, driver: Driver, manifest: Manifest,
                      config: ExecutorConfig | None = None, *,
-                     calbin: Calbin | None = None) -> DeviceExecutor:
+                     calbin: Calbin | None = None,
+                     tokenizer: Tokenizer | None = None) -> DeviceExecutor:
         """Construct (start-up and warm-up) without blocking the event loop."""
-        return await asyncio.to_thread(cls, driver, manifest, config, calbin=calbin)
+        return await asyncio.to_thread(cls, driver, manifest, config, calbin=calbin,
+                                       tokenizer=tokenizer)
 
     async def aclose(self, timeout: float | None = None, *, grace_s: float | None = None
                      ) -> None:

@@ -25,7 +25,9 @@ class FinishReason(enum.StrEnum):
 @attrs.frozen
 class TokenEvent:
     """One generated token: its id, its position in the sequence, its index in the
-    stream, and the timings of the job that produced it. With
+    stream, the timings of the job that produced it, and on an executor with a
+    tokenizer the ``text`` it delivers (maybe ``""``: a character it begins comes with
+    a later token; before a stop string only its text up to it); None without one. With
     ``SamplingParams(logprobs=k)``: its log-probability and the ``k`` most likely tokens
     as ``(token, logprob)``, most likely first (ties by token id), both of the row the
     sampler saw (after the logits processors, before temperature, top-k and top-p)."""
@@ -34,6 +36,7 @@ class TokenEvent:
     position: int
     index: int
     timings: JobTimings = attrs.field(repr=False)
+    text: str | None = None
     logprob: float | None = None
     top_logprobs: tuple[tuple[int, float], ...] = ()
 
@@ -51,7 +54,9 @@ class Usage:
 @attrs.frozen
 class GenerationResult:
     """A finished stream: tokens, why it ended, usage, time to first token and the
-    inter-token times (seconds, on the driver's clock)."""
+    inter-token times (seconds, on the driver's clock). ``text`` (on an executor with a
+    tokenizer, else None): all the text delivered, the events' texts joined, then what
+    the decoder still held at the end (bytes that never completed a character)."""
 
     tokens: tuple[int, ...]
     finish_reason: FinishReason
@@ -60,3 +65,4 @@ class GenerationResult:
     inter_token_s: tuple[float, ...]
     error: CalfsmError | None = None
     resumes: int = 0
+    text: str | None = None

@@ -91,6 +91,10 @@ LogitsProcessor = Callable[[Sequence[int], np.ndarray], None]
 #: bounds of ``SamplingParams.stop_sequences`` (each is matched after every token)
 MAX_STOP_SEQUENCES = 16
 MAX_STOP_LENGTH = 64
+#: bounds of ``SamplingParams.stop``: strings, and characters in each (the text a stream
+#: scans after every token is bounded by the longest)
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 
 log = logging.getLogger("calfsm.sampling")
 
@@ -144,6 +148,24 @@ def _token_ids(values: Any, field: str) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _stop_strings(values: Any) -> tuple[str, ...]:
+    """``stop``: a string (one stop string) or a sequence of non-empty strings."""
+    if isinstance(values, str):
+        values = (values,)
+    if isinstance(values, bytes) or not isinstance(values, Sequence):
+        raise _bad(f"stop must be a string or a sequence of strings, got "
+                   f"{reprlib.repr(values)}")
+    if len(values) > MAX_STOP_STRINGS:
+        raise _bad(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(values)}")
+    for i, s in enumerate(values):
+        if not isinstance(s, str):
+            raise _bad(f"stop[{i}] must be a string, got {reprlib.repr(s)}")
+        if not 1 <= len(s) <= MAX_STOP_CHARS:
+            raise _bad(f"stop[{i}] must hold 1 to {MAX_STOP_CHARS} characters, got "
+                       f"{len(s)}")
+    return tuple(values)
+
+
 @attrs.frozen
 class SamplingParams:
     """How a stream chooses its tokens.
@@ -152,14 +174,16 @@ class SamplingParams:
     ``top_k`` 0 and ``top_p`` 1 are off; ``seed`` None draws fresh entropy once per
     stream. Generation ends at a token of ``stop_token_ids`` (:meth:`is_stop`), when
     the tokens end with one of ``stop_sequences`` (token-id sequences; a stream holds
-    back the tokens that may begin one and never delivers a completed one), or after
-    ``max_tokens`` tokens (the stream bounds it by ``max_seq`` too). A ``sampler``
-    (``fn(row) -> token``) replaces the built-in one (then leave temperature, top_k,
-    top_p and seed at their defaults). ``logits_processors`` (``fn(tokens, row) ->
-    None``, :mod:`calfsm.processors`) change the row in place, in order, before the
-    token is chosen. ``logprobs`` ``k`` (0..20) makes every token event carry its
-    log-probability and the ``k`` most likely tokens with theirs. Every field is checked
-    here; a bad value raises InvalidArgument. ``docs/sampling.md`` has the whole story.
+    back the tokens that may begin one and never delivers a completed one), when its
+    text holds one of the ``stop`` strings (a stream on an executor with a tokenizer
+    only; :mod:`calfsm.stopstrings`), or after ``max_tokens`` tokens (the stream bounds
+    it by ``max_seq`` too). A ``sampler`` (``fn(row) -> token``) replaces the built-in
+    one (then leave temperature, top_k, top_p and seed at their defaults).
+    ``logits_processors`` (``fn(tokens, row) -> None``, :mod:`calfsm.processors`) change
+    the row in place, in order, before the token is chosen. ``logprobs`` ``k`` (0..20)
+    makes every token event carry its log-probability and the ``k`` most likely tokens
+    with theirs. Every field is checked here; a bad value raises InvalidArgument.
+    ``docs/sampling.md`` has the whole story.
     """
 
     temperature: float = 0.0
@@ -172,6 +196,7 @@ class SamplingParams:
     stop_sequences: tuple[tuple[int, ...], ...] = ()
     logits_processors: tuple[LogitsProcessor, ...] = ()
     logprobs: int | None = None
+    stop: tuple[str, ...] = ()
     _stops: frozenset[int] = attrs.field(init=False, repr=False, eq=False)
     _multi: tuple[tuple[int, ...], ...] = attrs.field(init=False, repr=False, eq=False)
 
@@ -207,6 +232,7 @@ class SamplingParams:
         _set(self, "stop_sequences", tuple(checked))
         _set(self, "_stops", frozenset(stops))
         _set(self, "_multi", tuple(ids for ids in checked if len(ids) > 1))
+        _set(self, "stop", _stop_strings(self.stop))
         _set(self, "max_tokens", _int(self.max_tokens, "max_tokens", 1))
         procs = self.logits_processors
         if isinstance(procs, str | bytes) or not isinstance(procs, Sequence):

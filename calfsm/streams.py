@@ -23,9 +23,17 @@ iterator, an async iterator, or waits for the final :class:`GenerationResult`;
 ``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
 
 Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
-(a stop token; it is not delivered), ``cancelled``, ``deadline`` (the stream's deadline,
-checked after every step, and each step's own deadline), ``error`` (any other error;
-``result().error`` has it, with ``retryable`` saying whether sending it again may help).
+(a stop token, a stop sequence or a stop string; none is delivered), ``cancelled``,
+``deadline`` (the stream's deadline, checked after every step, and each step's own
+deadline), ``error`` (any other error; ``result().error`` has it, with ``retryable``
+saying whether sending it again may help).
+
+Text: on an executor with a tokenizer (:mod:`calfsm.tokenizer`), a stream decodes its
+tokens one at a time: each event carries the ``text`` it delivers and the result all of
+it. Stop strings (``SamplingParams.stop``) are matched on that text
+(:mod:`calfsm.stopstrings`); the tokens whose text may begin one are held back, as the
+tokens that may begin a stop sequence are. Without a tokenizer and without stop
+sequences, a token is delivered at once, at the cost of one branch, as before.
 
 Resume: when a reset loses the sequence's KV mid-stream, a stream with ``resume=True``
 (the default) waits for the executor to be Ready again, resets the sequence and
@@ -48,6 +56,7 @@ from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from typing import Any, Protocol
 
+import attrs
 import numpy as np
 
 from calfsm.capacity import stream_work_s
@@ -55,6 +64,7 @@ from calfsm.errors import (
     CalfsmError,
     Cancelled,
     DeadlineExceeded,
+    ErrorCategory,
     FailedPrecondition,
     Internal,
     InvalidArgument,
@@ -72,6 +82,8 @@ from calfsm.processors import TokenHistory
 from calfsm.request import Request
 from calfsm.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.sampling import Sampler, SamplingParams
+from calfsm.stopstrings import StopStrings
+from calfsm.tokenizer import IncrementalDecoder, encode_prompt, incremental_decoder
 
 __all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
            "TokenEvent", "Usage"]
@@ -93,6 +105,7 @@ class ExecutorFace(Protocol):
     live_streams: Any                   # calfsm.capacity.LiveStreams
     live_requests: Any                  # calfsm.liverequests.LiveRequests
     observers: Any                      # calfsm.observe.Observers
+    tokenizer: Any                      # a calfsm.tokenizer.Tokenizer, or None
 
     @property
     def epoch(self) -> Any: ...
@@ -366,13 +379,13 @@ class Sequence:
             _fire_if(self, "reset")
 
     # ---- generation ----------------------------------------------------------------
-    def generate(self, prompt: Seq[int], params: SamplingParams | None = None, *,
+    def generate(self, prompt: Seq[int] | str, params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, request_id: str | None = None,
                  priority: int = 0) -> Stream:
-        """Start a stream: prefill ``prompt`` after what the sequence holds, then sample
-        and decode until a finish reason. ``priority``: every step's (see
-        :class:`Stream`)."""
+        """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
+        tokenizer) after what the sequence holds, then sample and decode until a finish
+        reason. ``priority``: every step's (see :class:`Stream`)."""
         return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
                       resume=resume, max_resumes=max_resumes, request_id=request_id,
                       priority=priority)
@@ -464,7 +477,7 @@ class Stream:
     each decode and a replay wait for admission at the stream's priority, each aged from
     its own acceptance (docs/architecture.md, Admission)."""
 
-    def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
+    def __init__(self, sequence: Sequence, prompt: Seq[int] | str, params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
                  admitted: bool = False, request_id: str | None = None,
@@ -476,14 +489,12 @@ class Stream:
         if epoch is None:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
+        tokenizer = ex.tokenizer
         self.sequence = sequence
-        checked = Request.prefill(sequence.seq_id, prompt, priority=priority)
-        self.prompt = tuple(int(t) for t in checked.tokens)
-        #: every step's admission priority (checked with the prompt)
-        self.priority: int = checked.priority
-        if not self.prompt:
-            raise InvalidArgument("a stream needs a prompt of at least one token",
-                                  stage="request", seq_id=sequence.seq_id)
+        self.prompt = _prompt_tokens(sequence.seq_id, prompt, params, tokenizer)
+        #: every step's admission priority
+        self.priority: int = Request.prefill(sequence.seq_id, self.prompt,
+                                             priority=priority).priority
         self.params = params
         self._sampler: Sampler = params.sampler_for(contract.vocab)
         self._max_seq = contract.max_seq
@@ -497,25 +508,18 @@ class Stream:
             ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
                                   deadline=self._deadline, seq_id=sequence.seq_id)
         self._close_sequence = close_sequence
-        self._tokens: list[int] = []
-        self._times: list[float] = []
         self._t0 = now
         self._lock = threading.Condition(threading.Lock())
         #: the next step: in flight, prepared ahead, rows, replay and resume budget
         self._flow = Flow(sequence, self._lock, seq_id=sequence.seq_id,
                           vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
-        self._events: deque[TokenEvent] = deque()
-        #: events held back: their tokens may begin a stop sequence (not yet delivered)
-        self._held: list[TokenEvent] = []
-        self._delivered = 0             # tokens given to the consumer (queued events too)
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
-        self._result: GenerationResult | None = None
-        self._cancelled = False
+        self._new_books()
+        #: the text of the tokens (None without a tokenizer)
+        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop,
+                                                                sequence.seq_id)
+        #: a token is delivered at once, with no text: the one branch of the hot path
+        self._plain = tokenizer is None and not params.holds_back
         self._start = sequence.position
-        self._listening = False
-        #: what the continuation of the step in flight decided: (its job id, outcome)
-        self._decided: tuple[int, _Outcome] | None = None
-        self._ending = False            # _finish has begun: nothing more is recorded
         #: this stream's id in the executor (calfsm/liverequests.py)
         self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
@@ -524,6 +528,23 @@ class Stream:
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
+
+    def _new_books(self) -> None:
+        """What the stream records from its first token to its end, empty."""
+        self._tokens: list[int] = []
+        self._times: list[float] = []
+        self._events: deque[TokenEvent] = deque()
+        #: events held back: their tokens, or their text, may begin a stop sequence or a
+        #: stop string (not yet delivered)
+        self._held: list[TokenEvent] = []
+        self._delivered = 0             # tokens given to the consumer (queued events too)
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._result: GenerationResult | None = None
+        self._cancelled = False
+        self._listening = False
+        #: what the continuation of the step in flight decided: (its job id, outcome)
+        self._decided: tuple[int, _Outcome] | None = None
+        self._ending = False            # _finish has begun: nothing more is recorded
 
     @property
     def flow_state(self) -> str:
@@ -686,11 +707,8 @@ class Stream:
         if cancelled:
             handle.cancel()
         handle.add_done_callback(self._step_done)
-        return not cancelled and self._worth_staging()
-
-    def _worth_staging(self) -> bool:
-        """Another decode may follow the step in flight."""
-        return len(self._tokens) + 1 < self.params.max_tokens \
+        # worth it if another decode may follow the step in flight
+        return not cancelled and len(self._tokens) + 1 < self.params.max_tokens \
             and self._flow.next_pos < self._max_seq
 
     def _stage_next(self) -> None:
@@ -847,31 +865,96 @@ class Stream:
                 ) -> bool | str:
         """Make ``token`` the stream's (not yet woken), with its logprobs if ``scored``;
         False if a cancel or the end of the stream came first: then nothing is
-        delivered. With stop sequences, the tokens that may begin one are held back;
-        ``"stop"`` when one is complete (its tokens are dropped, the ones held before it
-        delivered)."""
+        delivered. With stop sequences or stop strings, the tokens that may begin one
+        are held back; ``"stop"`` when one is complete (what it holds is dropped, what
+        was held before it delivered)."""
         now = self._clock.now()
-        params = self.params
         with self._lock:
             if self._cancelled or self._ending:
                 return False
             tokens = self._tokens
-            tokens.append(token)
-            self._times.append(now)
-            event = TokenEvent(token, position, len(tokens) - 1, timings,
-                               *(scored or (None, ())))
-            if not params.holds_back:
-                self._events.append(event)
+            if self._plain:
+                tokens.append(token)
+                self._times.append(now)
+                self._events.append(TokenEvent(token, position, len(tokens) - 1, timings,
+                                               None, *(scored or (None, ()))))
                 self._delivered += 1
                 return True
-            held = self._held
-            held.append(event)
+            return self._record_held_locked(token, timings, position, now, scored)
+
+    def _record_held_locked(self, token: int, timings: Any, position: int, now: float,
+                            scored: tuple[float, tuple[tuple[int, float], ...]] | None
+                            ) -> bool | str:
+        """:meth:`_record` with text or stop sequences: decode the token's text, then
+        deliver what can no longer begin a stop sequence or a stop string."""
+        text = None if self._text is None else self._text.push(token)
+        tokens = self._tokens
+        tokens.append(token)
+        self._times.append(now)
+        held = self._held
+        held.append(TokenEvent(token, position, len(tokens) - 1, timings, text,
+                               *(scored or (None, ()))))
+        params = self.params
+        whole, part, stopped = len(held), None, False
+        if params.holds_back:
             matched = params.stop_match(tokens)
-            keep = len(held) - matched if matched else len(held) - params.stop_prefix(tokens)
-            self._events.extend(held[:keep])
-            self._delivered += keep
-            self._held = [] if matched else held[keep:]
-            return "stop" if matched else True
+            whole = len(held) - (matched or params.stop_prefix(tokens))
+            stopped = bool(matched)
+        stops = None if self._text is None else self._text.stops
+        if stops is not None:
+            w, p, s = stops.split([e.text for e in held])
+            if s and (not stopped or w < whole):    # the stop that begins first wins
+                whole, part, stopped = w, p, True
+            elif not stopped:
+                whole = min(whole, w)
+        self._release_locked(whole, part)
+        if stopped:
+            self._held = []
+            if self._text is not None:  # what its decoder holds is the stop's: never given
+                self._text.drop()
+            return "stop"
+        return True
+
+    def _release_locked(self, whole: int, part: int | None) -> None:
+        """Deliver the first ``whole`` held events, and the next one with only the first
+        ``part`` characters of its text when ``part`` is not None; the rest stay held."""
+        held = self._held
+        out = held[:whole]
+        if part is not None:
+            cut = held[whole]
+            out.append(attrs.evolve(cut, text=cut.text[:part]))
+        self._events.extend(out)
+        self._delivered += len(out)
+        if self._text is not None:
+            self._text.delivered.extend(e.text for e in out)
+        self._held = held[len(out):]
+
+    def _release_end_locked(self, reason: FinishReason, error: CalfsmError | None
+                            ) -> tuple[FinishReason, CalfsmError | None]:
+        """The stream ends (not cancelled): what was held is delivered after all (no stop
+        came), then what the decoder still holds, unless a stop string completes in it
+        (then the stream ends ``stop`` instead of ``length``). The reason and error the
+        stream ends with."""
+        held, text = self._held, self._text
+        tail = ""
+        if text is not None:
+            try:
+                tail = text.flush()
+            except CalfsmError as e:
+                if reason is not FinishReason.ERROR:
+                    reason, error = FinishReason.ERROR, e
+            if text.stops is not None and tail:
+                whole, part, stopped = text.stops.split([*(e.text for e in held), tail])
+                if stopped:
+                    self._release_locked(whole, part if whole < len(held) else None)
+                    if whole == len(held) and part is not None:
+                        text.delivered.append(tail[:part])
+                    return (FinishReason.STOP if reason is FinishReason.LENGTH
+                            else reason), error
+        self._release_locked(len(held), None)
+        if tail:
+            text.delivered.append(tail)
+        return reason, error
 
     def _on_error(self, err: CalfsmError) -> None:
         if isinstance(err, Cancelled) or self._cancelled:
@@ -974,11 +1057,10 @@ class Stream:
                 # the stream) alive in a cycle with the result
                 drop_tracebacks(error)
                 error.with_context(request_id=self.request_id)
-            if self._held and reason is not FinishReason.CANCELLED:
-                # no stop sequence came: what was held back is output after all (a
-                # cancel delivers nothing more)
-                self._events.extend(self._held)
-                self._delivered += len(self._held)
+            if reason is not FinishReason.CANCELLED and (self._held or self._text is not None):
+                # no stop came: what was held back is output after all (a cancel
+                # delivers nothing more)
+                reason, error = self._release_end_locked(reason, error)
             self._held = []
             delivered = self._delivered
             times = self._times[:delivered]
@@ -986,7 +1068,8 @@ class Stream:
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
-                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes)
+                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes,
+                None if self._text is None else "".join(self._text.delivered))
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         ex.live_requests.discard(self.request_id, self)
@@ -1018,6 +1101,80 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+class StreamText:
+    """A stream's text, on an executor with a tokenizer: its incremental decoder (None
+    once the stream ended, or a stop ended it: what the decoder still holds is then the
+    stop's), its stop strings (None without), and the texts delivered so far."""
+
+    __slots__ = ("decoder", "delivered", "seq_id", "stops")
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], seq_id: int) -> None:
+        self.decoder: IncrementalDecoder | None = incremental_decoder(tokenizer)
+        self.stops = StopStrings(stop) if stop else None
+        self.delivered: list[str] = []
+        self.seq_id = seq_id
+
+    def push(self, token: int) -> str:
+        """The text ``token`` completes; a decoder's own failure (not a CalfsmError) is
+        Internal (category programming): the stream ends ``error``."""
+        try:
+            return self.decoder.push(token)
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise self._bug(f"on token {token}", e) from e
+
+    def flush(self) -> str:
+        """What the decoder still holds (once: the decoder is dropped)."""
+        decoder, self.decoder = self.decoder, None
+        if decoder is None:
+            return ""
+        try:
+            return decoder.flush()
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise self._bug("on flush", e) from None
+
+    def drop(self) -> None:
+        """A stop ended the stream: what the decoder holds is never given."""
+        self.decoder = None
+
+    def _bug(self, where: str, e: Exception) -> Internal:
+        return Internal(f"the tokenizer's decoder raised {type(e).__name__} {where}: {e}",
+                        category=ErrorCategory.PROGRAMMING, stage="tokenizer",
+                        seq_id=self.seq_id)
+
+
+def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
+            or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
+                              f"{max_resumes!r}", stage="request")
+
+
+def _prompt_tokens(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,
+                   tokenizer: Any) -> tuple[int, ...]:
+    """A stream's prompt as token ids, checked (text needs the executor's tokenizer, and
+    so do stop strings)."""
+    if params.stop and tokenizer is None:
+        raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
+                              "stream's text, which needs the executor's tokenizer "
+                              "(DeviceExecutor(..., tokenizer=...))", stage="request",
+                              seq_id=seq_id)
+    if isinstance(prompt, str):
+        prompt = encode_prompt(tokenizer, prompt)
+    tokens = tuple(int(t) for t in Request.prefill(seq_id, prompt).tokens)
+    if not tokens:
+        raise InvalidArgument("a stream needs a prompt of at least one token",
+                              stage="request", seq_id=seq_id)
+    return tokens
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,

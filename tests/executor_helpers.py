@@ -78,10 +78,11 @@ def make_sim(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
 
 
 def make_executor(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
-                  driver: Any = None, **config: Any) -> DeviceExecutor:
+                  driver: Any = None, tokenizer: Any = None, **config: Any
+                  ) -> DeviceExecutor:
     drv = driver or make_sim(mode, faults=faults, manifest=manifest)
     cfg = ExecutorConfig(threaded=(mode == "threaded"), **config)
-    ex = DeviceExecutor(drv, manifest, cfg)
+    ex = DeviceExecutor(drv, manifest, cfg, tokenizer=tokenizer)
     if isinstance(drv, GatedDriver):      # the warm-up's own jobs do not count
         drv.submitted.clear()
         drv.waiting.clear()

@@ -107,8 +107,11 @@ def sse_events(lines: Iterator[str]) -> list[dict[str, Any] | str]:
 
 @pytest.fixture(scope="module")
 def executor() -> Iterator[DeviceExecutor]:
+    # with the byte-level tokenizer, as ``calfsm serve`` builds it: stop strings are
+    # matched on the streams' text (tests/test_serve_metrics.py serves an executor
+    # without one: stop strings as token-id sequences)
     ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
-                        ExecutorConfig(max_sequences=64))
+                        ExecutorConfig(max_sequences=64), tokenizer=TOK)
     yield ex
     ex.close()
 

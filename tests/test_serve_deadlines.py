@@ -94,7 +94,12 @@ def test_64_clients_x_100_tokens_each_complete_or_get_a_429_at_once_never_a_504(
     for a in refused:
         assert a["body"]["error"]["type"] == "rate_limit_error", a
         assert int(a["retry_after"]) >= 1, a
-        # refused at once: well before the 30 s a doomed request would have been held
-        # (the benchmark measures the real figure against the 100 ms)
-        assert a["after"] < 1.0, a
+        # refused at once: by the admission estimate, before a job existed (not held in
+        # a queue, not timed out), so well before the 30 s a doomed request would have
+        # been held. The wall time bound is a sanity check only: how soon the answer
+        # leaves depends on how much CPU a busy machine gives the server (2.9 s seen
+        # with load 7 on 2 cores); bench/bench_serve_deadlines.py measures the real
+        # figure on a quiet machine against the 100 ms
+        assert "cannot serve this stream in time" in a["body"]["error"]["message"], a
+        assert a["after"] < 10.0, a
     assert "Traceback" not in err, err

@@ -10,8 +10,9 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
 (readiness), ``GET /metrics`` (Prometheus text). The probes, and the bound on generation
 requests at once, are answered by the app's first layer (:mod:`calfsm.serve.front`)
 before any routing. Requests are checked by
-:mod:`calfsm.serve.protocol`, text goes through :mod:`calfsm.serve.tokenizer`, each
-choice is a library stream (:mod:`calfsm.serve.generation`) and every failure is
+:mod:`calfsm.serve.protocol`, text goes through the executor's tokenizer
+(:mod:`calfsm.tokenizer`; without one, the byte-level one), each choice is a library
+stream (:mod:`calfsm.serve.generation`) and every failure is
 answered by :mod:`calfsm.serve.httperrors`.
 
 Status of a streaming answer: the app waits for the first piece of text (or the end of
@@ -86,6 +87,7 @@ from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_comp
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
 from calfsm.streams import Stream
+from calfsm.tokenizer import Tokenizer
 
 __all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
 
@@ -167,7 +169,10 @@ class _Server:
         self._starting: asyncio.Future[None] | None = None
         self._shutdown: asyncio.Future[None] | None = None
         self._streams: weakref.WeakSet[Stream] = weakref.WeakSet()
-        self.tokenizer: ByteTokenizer | None = None
+        #: prompts' text -> ids: the executor's tokenizer, else the byte-level one
+        self.tokenizer: Tokenizer | None = None
+        #: the executor has a tokenizer: its streams match ``stop`` strings as text
+        self.text_stops = False
         self.limits: Limits | None = None
         self.books: ClientBooks | None = None
         self.start_error: str | None = None
@@ -179,7 +184,9 @@ class _Server:
         if epoch is None:
             raise InvalidArgument("the executor has no configured model", stage="serve")
         contract = epoch.contract(TaskKind.DECODE)
-        self.tokenizer = ByteTokenizer(contract.vocab)
+        self.text_stops = executor.tokenizer is not None
+        self.tokenizer = executor.tokenizer if self.text_stops \
+            else ByteTokenizer(contract.vocab)
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
         self.limits = Limits(name, contract.vocab, contract.max_seq,
@@ -322,7 +329,8 @@ class _Server:
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),
                                   self.config.max_json_depth)
-                plan = parse(body, self.limits, self.tokenizer)
+                plan = parse(body, self.limits, self.tokenizer,
+                             text_stops=self.text_stops)
                 choices = self._start(ex, plan, client, rid)
         except ApiError as e:
             return _with_id(_error_response(e, client), rid)

@@ -38,9 +38,11 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.manifest import (
     Manifest,
     StepTiming,
+    TaskKind,
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.tokenizer import ByteTokenizer
 
 __all__ = ["add_parser", "configs", "run", "warn_if_open"]
 
@@ -329,7 +331,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def start() -> DeviceExecutor:
         try:
-            return await DeviceExecutor.create(driver, manifest, exconfig)
+            vocab = manifest.submodel(TaskKind.DECODE).vocab
+            return await DeviceExecutor.create(driver, manifest, exconfig,
+                                               tokenizer=ByteTokenizer(vocab))
         except CalfsmError as e:
             failed.append(str(e))
             server.should_exit = True

@@ -2,11 +2,12 @@
 
 :class:`Choice` owns one :class:`~calfsm.streams.Stream` (``executor.generate``: a
 sequence of its own, released when the stream ends) and turns its token events into
-:class:`Piece`\\ s of text for the client through the
-:class:`~calfsm.serve.tokenizer.IncrementalDecoder`. Stop sequences are the stream's
-own (``SamplingParams.stop_sequences``): the library holds back the tokens that may
-begin one, never delivers a completed one (OpenAI does not return it either) and ends
-the stream ``stop``, so the client's finish reason and the library's metrics agree.
+:class:`Piece`\\ s of text for the client: the events' own text when the executor has
+a tokenizer, else through the byte-level decoder. Stop strings are the stream's own
+(``SamplingParams.stop``, or ``stop_sequences`` of their token ids without a
+tokenizer): the library holds back what may begin one, never delivers a completed one
+(OpenAI does not return it either) and ends the stream ``stop``, so the client's finish
+reason and the library's metrics agree.
 
 :func:`merged` runs the choices of a request concurrently and yields their pieces as
 they come. Cancelling the task that reads it (a client gone) cancels every stream of
@@ -51,14 +52,14 @@ class Piece:
 
 
 class Choice:
-    """One choice: a stream and its text decoder."""
+    """One choice: a stream, and its text decoder when the stream's events carry none."""
 
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
                  params: SamplingParams, *, deadline_s: float | None,
                  request_id: str | None = None, parent: str | None = None,
                  priority: int = 0) -> None:
         self.index = index
-        self._decoder = IncrementalDecoder()
+        self._decoder = None if executor.tokenizer is not None else IncrementalDecoder()
         self._sent = 0                           # tokens given to the client
         self._chars = 0                          # characters of text given to it
         self.stream: Stream = executor.generate(list(prompt), params,
@@ -69,14 +70,21 @@ class Choice:
     def push(self, event: TokenEvent) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""
         self._sent += 1
-        text, offset = self._decoder.push(event.token), self._chars
+        offset = self._chars
+        text = self._decoder.push(event.token) if self._decoder is not None \
+            else event.text or ""
         self._chars += len(text)
         return Piece(self.index, text, (event.token,), event=event, offset=offset)
 
     def end(self, result: GenerationResult) -> Piece:
         """The choice's last piece: the text the decoder held, and why it ended."""
         reason = OPENAI_FINISH.get(result.finish_reason)
-        text = self._decoder.flush() if reason else ""
+        if not reason:
+            text = ""
+        elif self._decoder is not None:
+            text = self._decoder.flush()
+        else:
+            text = (result.text or "")[self._chars:]
         return Piece(self.index, text, (), reason, None if reason else result.error,
                      result.usage.prompt_tokens, self._sent, offset=self._chars)
 

@@ -1,11 +1,13 @@
 """OpenAI request bodies in, checked :class:`GenerationPlan` records out.
 
 One function per endpoint (:func:`parse_completion`, :func:`parse_chat`) reads the JSON
-body and returns what to run: the prompts as token ids (text through the byte-level
-tokenizer, or ids as given), the :class:`~calfsm.sampling.SamplingParams` of each choice
-(``stop`` strings go in as its ``stop_sequences`` of token ids: the library matches
-them), and the streaming options. Every bad value is an
-:class:`~calfsm.serve.httperrors.ApiError` 400 naming the field (``param``), never a 5xx.
+body and returns what to run: the prompts as token ids (text through the server's
+tokenizer: the executor's, else the byte-level one; or ids as given), the
+:class:`~calfsm.sampling.SamplingParams` of each choice (``stop`` strings go in as its
+``stop`` strings when the executor has a tokenizer, else as ``stop_sequences`` of
+token ids: either way the library matches them), and the streaming options. Every bad
+value is an :class:`~calfsm.serve.httperrors.ApiError` 400 naming the field
+(``param``), never a 5xx.
 
 What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a string, a
 list of strings, a list of token ids or a list of such lists) or ``messages`` (roles
@@ -38,9 +40,10 @@ import attrs
 
 from calfsm.errors import CalfsmError
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
-from calfsm.sampling import MAX_LOGPROBS, MAX_STOP_LENGTH, SamplingParams
+from calfsm.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
+from calfsm.tokenizer import Tokenizer, encode_prompt
 
 __all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
 
@@ -151,21 +154,28 @@ def _ids(value: list[Any], param: str, vocab: int) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _prompts(value: Any, tok: ByteTokenizer) -> list[tuple[int, ...]]:
+def _encode(tok: Tokenizer, text: str, field: str) -> tuple[int, ...]:
+    """``text``'s token ids; the byte-level tokenizer names ``field`` in its errors."""
+    if isinstance(tok, ByteTokenizer):
+        return tuple(tok.encode(text, field=field))
+    return tuple(encode_prompt(tok, text))
+
+
+def _prompts(value: Any, tok: Tokenizer, vocab: int) -> list[tuple[int, ...]]:
     """``prompt``: a string, token ids, or a list of either."""
     if isinstance(value, str):
-        return [tuple(tok.encode(value))]
+        return [_encode(tok, value, "prompt")]
     if not isinstance(value, list) or not value:
         raise _bad("prompt must be a string, a list of token ids, or a non-empty list of "
                    "those", "prompt")
     if all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        return [_ids(value, "prompt", tok.vocab)]
+        return [_ids(value, "prompt", vocab)]
     out = []
     for v in value:
         if isinstance(v, str):
-            out.append(tuple(tok.encode(v)))
+            out.append(_encode(tok, v, "prompt"))
         elif isinstance(v, list):
-            out.append(_ids(v, "prompt", tok.vocab))
+            out.append(_ids(v, "prompt", vocab))
         else:
             raise _bad("prompt must be a string, a list of token ids, or a list of those",
                        "prompt")
@@ -197,9 +207,11 @@ def _messages(value: Any) -> list[tuple[str, str]]:
     return out
 
 
-def _stops(body: Mapping[str, Any], tok: ByteTokenizer
-           ) -> tuple[list[int], list[tuple[int, ...]]]:
-    """(``stop_token_ids``, the ``stop`` strings as token-id sequences)."""
+def _stops(body: Mapping[str, Any], tok: Tokenizer, vocab: int, text: bool
+           ) -> tuple[list[int], list[tuple[int, ...]], tuple[str, ...]]:
+    """(``stop_token_ids``, the ``stop`` strings as token-id sequences, the ``stop``
+    strings as text): as text when ``text`` (the library matches them on the stream's
+    text), else as the token ids of their encoding."""
     stop = body.get("stop")
     texts = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(texts, list) or len(texts) > _MAX_STOPS \
@@ -209,14 +221,21 @@ def _stops(body: Mapping[str, Any], tok: ByteTokenizer
     ids = body.get("stop_token_ids") or []
     if not isinstance(ids, list):
         raise _bad("stop_token_ids must be a list of token ids", "stop_token_ids")
+    stop_ids = list(_ids(ids, "stop_token_ids", vocab))
+    if text:
+        for s in texts:
+            if len(s) > MAX_STOP_CHARS:
+                raise _bad(f"a stop string may hold at most {MAX_STOP_CHARS} characters, "
+                           f"got {len(s)}", "stop")
+        return stop_ids, [], tuple(texts)
     sequences = []
     for s in texts:
-        seq = tuple(tok.encode(s, field="stop"))
+        seq = _encode(tok, s, "stop")
         if len(seq) > MAX_STOP_LENGTH:
             raise _bad(f"a stop string may hold at most {MAX_STOP_LENGTH} tokens (bytes), "
                        f"got {len(seq)}", "stop")
         sequences.append(seq)
-    return list(_ids(ids, "stop_token_ids", tok.vocab)), sequences
+    return stop_ids, sequences, ()
 
 
 def _completion_logprobs(body: Mapping[str, Any]) -> int | None:
@@ -241,7 +260,8 @@ def _chat_logprobs(body: Mapping[str, Any]) -> int | None:
 
 
 def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
-          limits: Limits, tok: ByteTokenizer, logprobs: int | None) -> GenerationPlan:
+          limits: Limits, tok: Tokenizer, logprobs: int | None,
+          text_stops: bool) -> GenerationPlan:
     n = _int(body, "n", 1, 1)
     assert n is not None
     if len(prompts) * n > limits.max_choices:
@@ -262,7 +282,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     top_p = _float(body, "top_p", 1.0)
     top_k = _int(body, "top_k", -1, 0)
     seed = _int(body, "seed", 0, None)
-    stop_ids, stop_sequences = _stops(body, tok)
+    stop_ids, stop_sequences, stop_texts = _stops(body, tok, limits.vocab, text_stops)
     options = body.get("stream_options")
     stream = _bool(body, "stream")
     if options is not None and (not isinstance(options, dict)
@@ -283,6 +303,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                 temperature=temperature, top_k=max(0, top_k or 0), top_p=top_p,
                 seed=None if seed is None or temperature == 0 else seed + i,
                 stop_token_ids=tuple(stop_ids), stop_sequences=tuple(stop_sequences),
+                stop=stop_texts,
                 max_tokens=max_tokens or min(limits.default_max_tokens, room),
                 logprobs=logprobs))
     except CalfsmError as e:            # SamplingParams names the field in its message
@@ -303,19 +324,21 @@ def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits
                    f"{field} asks for {value}", field)
 
 
-def parse_completion(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
-    """``POST /v1/completions``."""
+def parse_completion(body: Any, limits: Limits, tok: Tokenizer, *,
+                     text_stops: bool = False) -> GenerationPlan:
+    """``POST /v1/completions``; ``text_stops``: ``stop`` strings go to the library as
+    text (the executor has a tokenizer)."""
     _check_fields(body, _COMPLETION_FIELDS, limits)
     if "prompt" not in body:
         raise _bad("prompt must be given", "prompt")
-    return _plan(body, _prompts(body["prompt"], tok), "max_tokens", limits, tok,
-                 _completion_logprobs(body))
+    return _plan(body, _prompts(body["prompt"], tok, limits.vocab), "max_tokens", limits,
+                 tok, _completion_logprobs(body), text_stops)
 
 
-def parse_chat(body: Any, limits: Limits, tok: ByteTokenizer) -> GenerationPlan:
+def parse_chat(body: Any, limits: Limits, tok: Tokenizer, *,
+               text_stops: bool = False) -> GenerationPlan:
     """``POST /v1/chat/completions``: the messages through :func:`chat_prompt`."""
     _check_fields(body, _CHAT_FIELDS, limits)
-    prompt = tuple(tok.encode(chat_prompt(_messages(body.get("messages"))),
-                              field="messages"))
+    prompt = _encode(tok, chat_prompt(_messages(body.get("messages"))), "messages")
     return _plan(body, [prompt], "max_completion_tokens", limits, tok,
-                 _chat_logprobs(body))
+                 _chat_logprobs(body), text_stops)
