@@ -319,13 +319,13 @@ class _Server:
     async def _generate(self, request: Request, parse: Callable[..., GenerationPlan],
                         shape: Shape) -> Response:
         client = client_of(request.scope)
-        rid = request.headers.get(REQUEST_ID_HEADER)
+        given, rid = request.headers.get(REQUEST_ID_HEADER), None
         try:
             ex = self.running()
             assert self.limits is not None and self.tokenizer is not None
             assert self.books is not None
-            rid = check_request_id(rid, field=REQUEST_ID_HEADER) if rid is not None \
-                else ex.live_requests.new_id()
+            rid = check_request_id(given, field=REQUEST_ID_HEADER) if given is not None \
+                else ex.live_requests.new_id()          # a bad one is never echoed
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),
                                   self.config.max_json_depth)
