@@ -522,6 +522,7 @@ class Stream:
         self._start = sequence.position
         #: this stream's id in the executor (calfsm/liverequests.py)
         self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
+        self.parent_id = parent             #: the id grouping it with others (n > 1), or None
         first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
                                 target=self._flow.row(), deadline_s=self._left(),
                                 request_id=self.request_id, priority=self.priority)
