@@ -118,6 +118,15 @@ class StepPort(Protocol):
     def defer(self, fn: Callable[[], None]) -> None: ...
 
 
+class Keeper(Protocol):
+    """Who takes a one-shot stream's sequence when the stream ends, instead of its being
+    released (:class:`~calfsm.promptcache.PromptCache` is one): handed the sequence once
+    no job of it is left running, and the stream's prompt and drawn tokens, of which its
+    KV holds the first ``sequence.position``. It keeps the sequence or releases it."""
+
+    def keep(self, sequence: Sequence, tokens: tuple[int, ...]) -> None: ...
+
+
 class SequenceAllocator:
     """Sequence ids ``0 .. limit-1``, lowest free first; thread-safe."""
 
@@ -351,6 +360,25 @@ class Sequence:
         if ended:
             _fire_if(self, "job_ended")
 
+    def truncate(self, keep_len: int) -> None:
+        """Drop the KV from position ``keep_len`` on (llama.cpp's ``seq_rm`` of a tail):
+        the next job goes on at ``keep_len``, and a prefill from there equals a fresh
+        run of the shorter history. Nothing changes at or past the position. Refused
+        (FailedPrecondition) while a job runs, and once the KV is lost or the sequence
+        closed."""
+        if isinstance(keep_len, bool) or not isinstance(keep_len, int) or keep_len < 0:
+            raise InvalidArgument(f"keep_len must be an integer >= 0, got {keep_len!r}",
+                                  stage="sequence", seq_id=self.seq_id)
+        with self._lock:
+            self._settle_finished_locked()
+            self._check_lost_locked()
+            if self.state != SequenceState.OPEN or self._running_locked() is not None:
+                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
+                                         stage="sequence", seq_id=self.seq_id)
+            if keep_len < self._position:
+                self.executor.epoch.kv.truncate_sequence(self.seq_id, keep_len)
+                self._position = keep_len
+
     def reset(self) -> None:
         """Forget the KV (after it was lost, or to start over): position 0, Open."""
         with self._lock:
@@ -439,12 +467,19 @@ class Sequence:
 
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
-    ``cancel()``, and ``result()`` / ``await stream.final()``."""
+    ``cancel()``, and ``result()`` / ``await stream.final()``.
+
+    ``close_sequence``: the sequence is the stream's own (a one-shot ``generate``):
+    released when the stream ends, or handed to ``keeper`` (the prompt cache).
+    ``cached``: the sequence's KV already ends with the first ``cached`` prompt tokens (a
+    prompt cache hit): only the rest is prefilled, and the stream's history still begins
+    where that prefix does (a resume replays all of it)."""
 
     def __init__(self, sequence: Sequence, prompt: Seq[int], params: SamplingParams, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
-                 admitted: bool = False) -> None:
+                 admitted: bool = False, keeper: Keeper | None = None,
+                 cached: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be SamplingParams", stage="request")
         ex = sequence.executor
@@ -457,26 +492,25 @@ class Stream:
         if not self.prompt:
             raise InvalidArgument("a stream needs a prompt of at least one token",
                                   stage="request", seq_id=sequence.seq_id)
+        _check_options(deadline_s, max_resumes, cached,
+                       min(sequence.position, len(self.prompt) - 1), sequence.seq_id)
+        #: prompt tokens whose KV the sequence already held (a prompt cache hit)
+        self.cached = cached
         self.params = params
         self._sampler: Sampler = params.sampler_for(contract.vocab)
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
-        if deadline_s is not None and not (isinstance(deadline_s, int | float)
-                                           and deadline_s > 0):
-            raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
-                                  stage="request")
-        if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
-                or max_resumes < 0:
-            raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
-                                  f"{max_resumes!r}", stage="request")
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
-        self._max_new = max_new_tokens(params, self._max_seq, sequence.position,
-                                       len(self.prompt))
+        #: where the stream's own history (its prompt, then its tokens) begins
+        self._start = sequence.position - cached
+        self._max_new = max_new_tokens(params, self._max_seq, self._start, len(self.prompt))
         if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
-            ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
-                                  deadline=self._deadline, seq_id=sequence.seq_id)
+            ex.live_streams.admit(prompt_tokens=len(self.prompt) - cached,
+                                  max_new=self._max_new, deadline=self._deadline,
+                                  seq_id=sequence.seq_id)
         self._close_sequence = close_sequence
+        self._keeper = keeper if close_sequence else None
         self._tokens: list[int] = []
         self._times: list[float] = []
         self._t0 = now
@@ -491,13 +525,13 @@ class Stream:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
         self._result: GenerationResult | None = None
         self._cancelled = False
-        self._start = sequence.position
         self._listening = False
         #: what the continuation of the step in flight decided: (its job id, outcome)
         self._decided: tuple[int, _Outcome] | None = None
         self._ending = False            # _finish has begun: nothing more is recorded
-        first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                target=self._flow.row(), deadline_s=self._left())
+        first = Request.prefill(sequence.seq_id, self.prompt[cached:],
+                                past_len=sequence.position, target=self._flow.row(),
+                                deadline_s=self._left())
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
@@ -554,7 +588,7 @@ class Stream:
         costed with ``service`` (a :class:`~calfsm.service.ServiceModel`): what the
         admission estimate of a new stream weighs it by."""
         done = len(self._tokens)
-        return stream_work_s(service, prompt_tokens=len(self.prompt),
+        return stream_work_s(service, prompt_tokens=len(self.prompt) - self.cached,
                              left=max(0, self._max_new - done), prefilled=done > 0), \
             self._deadline
 
@@ -924,7 +958,8 @@ class Stream:
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
-                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes)
+                Usage(len(self.prompt), delivered, self.cached), ttft, itl, error,
+                self._flow.resumes)
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         # observers first (holding no lock), so a consumer that has the result finds
@@ -937,7 +972,12 @@ class Stream:
         if self._listening:
             self._listening = False
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
-        if self._close_sequence:
+        if self._keeper is not None:
+            # kept warm (or released) before the consumer wakes: a caller that has this
+            # result and sends the next turn finds it (unless the last step is still on
+            # the device: then the moment it ends)
+            self.sequence.when_idle(self._hand_over)
+        elif self._close_sequence:
             # the id is back before the consumer wakes: a caller that has this result
             # may open the next stream at once (unless the last step is still on the
             # device: then the moment it ends)
@@ -945,6 +985,15 @@ class Stream:
         with self._lock:
             self._result = result
             self._wake_locked()
+
+    def _hand_over(self) -> None:
+        """The sequence's last job has ended: its KV holds the first ``position`` of the
+        prompt and the drawn tokens (every step carried the stream's own tokens); the
+        keeper keeps it or releases it."""
+        if self._start:         # earlier KV of the sequence is not the stream's to name
+            self.sequence.close_when_done()
+            return
+        self._keeper.keep(self.sequence, (*self.prompt, *self._tokens))
 
     def _wake_locked(self) -> None:
         self._lock.notify_all()
@@ -955,6 +1004,24 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: int,
+                   seq_id: int) -> None:
+    """A stream's options, each refused with an InvalidArgument naming it."""
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
+            or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
+                              f"{max_resumes!r}", stage="request")
+    if isinstance(cached, bool) or not isinstance(cached, int) \
+            or not 0 <= cached <= most_cached:
+        raise InvalidArgument(f"cached must be an integer in 0..{most_cached} (at least "
+                              f"one prompt token is prefilled), got {cached!r}",
+                              stage="request", seq_id=seq_id)
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,

@@ -44,6 +44,8 @@ class Piece:
     error: CalfsmError | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    #: prompt tokens whose KV the prompt cache gave (not prefilled again)
+    cached_tokens: int = 0
 
 
 class Choice:
@@ -67,7 +69,7 @@ class Choice:
         reason = OPENAI_FINISH.get(result.finish_reason)
         text = self._decoder.flush() if reason else ""
         return Piece(self.index, text, (), reason, None if reason else result.error,
-                     result.usage.prompt_tokens, self._sent)
+                     result.usage.prompt_tokens, self._sent, result.usage.cached_tokens)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:
