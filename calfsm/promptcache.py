@@ -106,6 +106,8 @@ class CachedSequence(Protocol):
 
     def truncate(self, keep_len: int) -> None: ...
 
+    def forget_ended_jobs(self) -> None: ...
+
     def close_when_done(self) -> None: ...
 
 
@@ -156,6 +158,8 @@ class PromptCache:
         its KV is known and intact, else release it. ``tokens``: the stream's prompt and
         every token it drew; the KV holds the first ``seq.position`` of them."""
         held = self._intact(seq, tokens)
+        if held is not None:
+            seq.forget_ended_jobs()     # what it keeps is the KV, not the last results
         evicted: list[_Entry] = []
         with self._lock:
             kept = held is not None and not self._closed \

@@ -360,6 +360,15 @@ class Sequence:
         if ended:
             _fire_if(self, "job_ended")
 
+    def forget_ended_jobs(self) -> None:
+        """Let go of the ended jobs the sequence remembers (their results hold a stream's
+        logits rows) while it is kept idle for later (the prompt cache). No-op while a
+        job runs."""
+        with self._lock:
+            self._settle_finished_locked()
+            if self._running_locked() is None and not self._starting:
+                self._last = self._prev = self._settled = None
+
     def truncate(self, keep_len: int) -> None:
         """Drop the KV from position ``keep_len`` on (llama.cpp's ``seq_rm`` of a tail):
         the next job goes on at ``keep_len``, and a prefill from there equals a fresh
@@ -433,7 +442,8 @@ class Sequence:
         """Release the KV and give the id back (the sequence's last job has ended)."""
         try:
             # a sequence that ran no job holds no KV: nothing to ask the device
-            if self._last is not None and self.executor.epoch is not None \
+            if (self._last is not None or self._position) \
+                    and self.executor.epoch is not None \
                     and not self.executor.lifecycle.closing:
                 self.executor.reset_sequence(self.seq_id)
         except CalfsmError as e:

@@ -198,6 +198,30 @@ def test_a_cancelled_stream_is_kept_with_what_its_kv_holds(runner):
     assert list(r2.tokens) == reference_stream(runner, nxt, GREEDY)
 
 
+def test_a_kept_sequence_holds_its_kv_not_its_last_results():
+    """A cached sequence forgets its ended jobs (their results hold the stream's logits
+    rows); the stream is freed by reference counting as without the cache."""
+    import gc
+    import weakref
+
+    with make("step") as ex:
+        stored = _stored(ex)
+        s = ex.generate(tokens(30, 4), GREEDY)
+        gone = weakref.ref(s)
+        seq = s.sequence
+        gc.disable()
+        try:
+            settled(ex, s, stored)
+            assert seq.last_job is None and seq.position == 30 + 8 - 1
+            del s
+            drive(ex, ex.idle)
+            assert gone() is None
+        finally:
+            gc.enable()
+        r = run(ex, [*tokens(30, 4), 1, 2])
+        assert r.usage.cached_tokens == 30
+
+
 # ---- random chat transcripts ------------------------------------------------------
 
 @st.composite
