@@ -42,6 +42,7 @@ from calfsm.manifest import (
     builtin_manifest,
 )
 from calfsm.observe import JobAccepted, JobEnded, Observer
+from calfsm.promptcache import PromptCacheConfig, PromptCacheStats
 from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
 from calfsm.sampling import SamplingParams
@@ -87,6 +88,8 @@ __all__ = [
     "ManifestError",
     "ModelGeneration",
     "Observer",
+    "PromptCacheConfig",
+    "PromptCacheStats",
     "RecoveryPolicy",
     "Request",
     "ResourceExhausted",

@@ -12,6 +12,7 @@ import attrs
 
 from calfsm.dump import DumpConfig
 from calfsm.errors import InvalidArgument
+from calfsm.promptcache import PromptCacheConfig
 from calfsm.recovery import RecoveryPolicy
 
 __all__ = ["ExecutorConfig", "ExecutorStats", "Health"]
@@ -46,6 +47,12 @@ def _dump_config(inst: object, attr: attrs.Attribute, value: Any) -> None:
     if value is not None and not isinstance(value, DumpConfig):
         raise InvalidArgument(f"ExecutorConfig.dump must be a DumpConfig or None, got "
                               f"{value!r}", stage="config")
+
+
+def _prompt_cache_config(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if value is not None and not isinstance(value, PromptCacheConfig):
+        raise InvalidArgument(f"ExecutorConfig.prompt_cache must be a PromptCacheConfig or "
+                              f"None, got {value!r}", stage="config")
 
 
 @attrs.frozen
@@ -104,6 +111,10 @@ class ExecutorConfig:
     #: higher only if that work came within ``d * priority_aging_s`` of it
     #: (docs/architecture.md, Admission)
     priority_aging_s: float = attrs.field(default=1.0, validator=_positive_finite)
+    #: keep a one-shot stream's sequence warm when it ends, for the next prompt that
+    #: begins the same way (calfsm/promptcache.py): off (None) unless a budget is given
+    prompt_cache: PromptCacheConfig | None = attrs.field(default=None,
+                                                         validator=_prompt_cache_config)
 
 
 @attrs.frozen

@@ -33,7 +33,14 @@ from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver
 from calfsm.dump import DumpSink
 from calfsm.epoch import WARMUP_SEQ, Epoch
-from calfsm.errors import CalfsmError, Cancelled, ExecutorClosed, InvalidArgument, Unavailable
+from calfsm.errors import (
+    CalfsmError,
+    Cancelled,
+    ExecutorClosed,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
 from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
@@ -42,6 +49,7 @@ from calfsm.liverequests import LiveRequests, RequestInfo
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.observe import Observers, rejection_reason
 from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
+from calfsm.promptcache import PromptCache, PromptCacheStats
 from calfsm.recovery import FaultPolicy
 from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
 from calfsm.sampling import SamplingParams
@@ -123,12 +131,21 @@ class DeviceExecutor:
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
+        #: one-shot streams' sequences kept warm for the next prompt (None: off)
+        self._cache = None if cfg.prompt_cache is None else PromptCache(
+            cfg.prompt_cache, self, defer=self._pipeline.admission.defer)
+        if self._cache is not None:
+            # device KV refused: cached sequences yield; a reset or recovery empties it
+            self._pipeline.kv_room = self._cache.need_room
+            life.on_change(self._cache.lifecycle_changed)
         #: the dump sink when ``config.dump`` enables it (spec S12), else None
         self.dump_sink = DumpSink(cfg.dump) if cfg.dump is not None else None
         if self.dump_sink is not None:
             self.add_observer(self.dump_sink)
         self._control.start(manifest, calbin or Calbin.from_manifest(manifest))
         self._runtime.start()
+        if self._cache is not None:
+            self._cache.lifecycle_changed()     # Ready in generation 1: it may keep now
 
     def _apply(self, verdict: Any) -> None:
         self._control.apply(verdict)
@@ -206,10 +223,12 @@ class DeviceExecutor:
 
     def open_sequence(self) -> Sequence:
         """A sequence id of this executor's allocator, as a :class:`Sequence` (a sync and
-        an async context manager that releases the KV on exit)."""
+        an async context manager that releases the KV on exit). When every id is taken,
+        the prompt cache gives back its least recently used sequence first: a sequence
+        kept warm for nobody never refuses one."""
         try:
             self._life.gate()
-            seq_id = self._sequences.take()
+            seq_id = self._take_id()
         except CalfsmError as e:
             self._rejected(e, opening=True)
             raise
@@ -221,6 +240,14 @@ class DeviceExecutor:
             self._sequences.give_back(seq_id)
             raise
         return Sequence(self, seq_id, self._sequences, self._steps)
+
+    def _take_id(self) -> int:
+        while True:
+            try:
+                return self._sequences.take()
+            except ResourceExhausted:
+                if self._cache is None or not self._cache.evict_one("room"):
+                    raise
 
     def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
@@ -239,6 +266,12 @@ class DeviceExecutor:
         are cancelled and the refusal is raised. ``parent``: an id that groups this
         stream with others the caller starts (a server's choices of one request):
         ``abort(parent)`` aborts them all.
+
+        With the prompt cache on (``ExecutorConfig.prompt_cache``), the sequence comes
+        from the cache when an entry shares a prefix with ``prompt``: its KV is truncated
+        to that prefix and only the rest is prefilled (``result().usage.cached_tokens``);
+        and when the stream ends with its KV intact, the sequence is kept warm instead
+        of released. The tokens are those of a fresh sequence either way.
 
         ``deadline_s``: the stream's own deadline; a stream that cannot end in time by
         the measured service rate, or that would make a running one late, is refused at
@@ -270,18 +303,30 @@ class DeviceExecutor:
     def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,
                   resume: bool, max_resumes: int, request_id: str | None,
                   parent: str | None, priority: int) -> Stream:
+        cache = self._cache
         try:        # the estimate first: a refusal costs no sequence and no buffers
             if isinstance(prompt, str):
                 prompt = encode_prompt(self.tokenizer, prompt)
-            self._admit_stream(prompt, params, deadline_s)
+            key = None if cache is None else cache.key(prompt)
+            self._admit_stream(prompt, params, deadline_s,
+                               cached=0 if key is None else cache.match(key))
         except CalfsmError as e:
             self._rejected(e)
             raise
-        seq = self.open_sequence()
+        hit = None
+        if key is not None:
+            try:
+                self._life.gate()
+            except CalfsmError as e:
+                self._rejected(e, opening=True)
+                raise
+            hit = cache.take(key)
+        seq, cached = hit if hit is not None else (self.open_sequence(), 0)
         try:
             return Stream(seq, prompt, params, deadline_s=deadline_s, resume=resume,
                           max_resumes=max_resumes, close_sequence=True, admitted=True,
-                          request_id=request_id, parent=parent, priority=priority)
+                          request_id=request_id, parent=parent, priority=priority,
+                          keeper=cache, cached=cached)
         except BaseException as e:
             seq.close()
             if isinstance(e, CalfsmError):
@@ -299,10 +344,12 @@ class DeviceExecutor:
         """The live streams and jobs, oldest first: id, kind, state, age, tokens so far."""
         return self.live_requests.snapshot()
 
-    def _admit_stream(self, prompt: Any, params: Any, deadline_s: Any) -> None:
+    def _admit_stream(self, prompt: Any, params: Any, deadline_s: Any, *,
+                      cached: int = 0) -> None:
         """The admission estimate of a one-shot stream, before anything is taken for it
         (what the Stream checks itself is left to it: a malformed prompt, params or
-        deadline skips the estimate and is refused there)."""
+        deadline skips the estimate and is refused there). ``cached``: prompt tokens
+        the prompt cache would not prefill."""
         epoch = self.epoch
         if epoch is None or not isinstance(params, SamplingParams):
             return
@@ -318,7 +365,8 @@ class DeviceExecutor:
         else:
             return
         max_new = max_new_tokens(params, epoch.contract(TaskKind.DECODE).max_seq, 0, n)
-        self.live_streams.admit(prompt_tokens=n, max_new=max_new, deadline=deadline)
+        self.live_streams.admit(prompt_tokens=n - cached, max_new=max_new,
+                                deadline=deadline)
 
     def decode_sync(self, request: Request, timeout: float | None = None) -> InferenceResult:
         """Synchronous compatibility entry (spec 6.1): enqueue and wait for the result."""
@@ -365,6 +413,8 @@ class DeviceExecutor:
         grace = self.config.shutdown_grace_s if grace_s is None else grace_s
         if not self._life.begin_stop():
             return
+        if self._cache is not None:
+            self._cache.close()     # what it kept goes back; streams ending now release
         if grace > 0 and len(self.live_streams):
             sched = None if self.config.threaded else StepScheduler(self)
             self.live_streams.wait_empty(grace, None if sched is None
@@ -494,6 +544,10 @@ class DeviceExecutor:
     def on_device(self) -> list[JobContext]:
         """Jobs submitted whose Wait has not returned (recovery and tests look at it)."""
         return self._pipeline.device.on_device()
+
+    def prompt_cache_stats(self) -> PromptCacheStats | None:
+        """The prompt cache's entries and counters (None when it is off)."""
+        return None if self._cache is None else self._cache.stats()
 
     def stats(self) -> ExecutorStats:
         counts, by_category = self._pipeline.counts()

@@ -24,7 +24,9 @@ a sequence on the device:
   these books keep no waiters, read no clock and never sleep.
 - Whatever may let a refused admission through — the end of a reservation, a sequence
   reset or truncated, a refused grow given up — calls ``on_freed()`` (set by the owner;
-  no lock held), so the admission queue tries again then and not before.
+  no lock held), so the admission queue tries again then and not before. A grow the
+  device refused calls ``on_full()`` (no lock held): the owner may release KV nobody is
+  using (the prompt cache's sequences), which calls ``on_freed()`` in turn.
 
 A granted :class:`KvReservation` follows the KV machine (:mod:`calfsm.machines.kv`):
 ``mark_submitted`` after ``infer`` succeeded; ``commit`` after the device finished and
@@ -184,6 +186,10 @@ class KvCoordinator:
         #: called (no lock held) when capacity may have come free for a refused
         #: admission: the owner's admission queue tries again
         self.on_freed: Callable[[], None] | None = None
+        #: called (no lock held) when the device refused room for a reservation: the
+        #: owner may release KV nobody is using (the prompt cache), whose release then
+        #: calls ``on_freed``
+        self.on_full: Callable[[], None] | None = None
         self._lock = threading.Lock()
         self._seqs: dict[int, _Seq] = {}
         self._asking = False                 #: an admission is calling the device
@@ -337,9 +343,10 @@ class KvCoordinator:
                 return None
             self._asking = True
             self._seqs.setdefault(seq_id, _Seq()).busy = True
-        granted = False
+        granted = refused = False
         try:
             granted = self._device_grow(seq_id, target)
+            refused = not granted
         finally:
             with self._lock:
                 r = self._grant_locked(seq_id, past_len, target, token_count, job_id,
@@ -347,6 +354,10 @@ class KvCoordinator:
                 retry = self._done_asking_locked(seq_id)
             if retry:
                 self._freed()
+        if refused:
+            hook = self.on_full
+            if hook is not None:
+                hook()
         return r
 
     # ---- transactions -------------------------------------------------------------------------

@@ -341,6 +341,8 @@ class PipelineControl(Protocol):
 
     def capacity_freed(self) -> None: ...
 
+    def kv_full(self) -> None: ...
+
     def device_barrier(self) -> None: ...
 
     def idle_on_device(self) -> bool: ...
@@ -563,6 +565,8 @@ class DeviceLifecycle:
             epoch.pool.on_exhausted = _on_exhausted(self)
             # KV or a slot back: the admission queue's head may go on
             epoch.kv.on_freed = epoch.pool.on_freed = self.pipeline.capacity_freed
+            # the device refused KV: what is kept warm for nobody yields (prompt cache)
+            epoch.kv.on_full = self.pipeline.kv_full
         except CalfsmError as e:
             return e
         with life.locked():

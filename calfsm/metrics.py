@@ -41,6 +41,7 @@ except ImportError as e:        # pragma: no cover - the extra is part of dev
 from calfsm.errors import ErrorCategory, ResourceExhausted
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.observe import JOB_OUTCOMES, REJECTION_REASONS, DeviceStep, JobEnded, Observer
+from calfsm.promptcache import EVICTION_CAUSES, PromptCacheStats
 from calfsm.streams import FinishReason
 
 if TYPE_CHECKING:
@@ -227,6 +228,33 @@ class ExecutorMetrics(Observer):
             self.padding_rows.labels(step.kind.value).inc(step.capacity - step.rows)
 
 
+def _prompt_cache_families(ns: str, pc: PromptCacheStats | None) -> Iterator[Metric]:
+    """The prompt cache's counters and gauges (no samples while it is off)."""
+    def family(kind: type, name: str, doc: str, value: float | None) -> Metric:
+        m = kind(ns + "prompt_cache_" + name, doc)
+        if value is not None:
+            m.add_metric([], value)
+        return m
+
+    yield family(CounterMetricFamily, "hits", "Generates that took a cached sequence and "
+                 "prefilled only the rest of their prompt.", pc and pc.hits)
+    yield family(CounterMetricFamily, "misses", "Generates (prompt cache on) that found "
+                 "no cached prefix to reuse.", pc and pc.misses)
+    yield family(CounterMetricFamily, "reused_tokens", "Prompt tokens the hits did not "
+                 "prefill (their KV came from the cache).", pc and pc.reused_tokens)
+    evictions = CounterMetricFamily(ns + "prompt_cache_evictions",
+                                    "Cached sequences released, by cause.",
+                                    labels=["cause"])
+    if pc is not None:
+        for cause in EVICTION_CAUSES:
+            evictions.add_metric([cause], pc.evictions[cause])
+    yield evictions
+    yield family(GaugeMetricFamily, "sequences", "Sequences the prompt cache keeps warm.",
+                 pc and pc.sequences)
+    yield family(GaugeMetricFamily, "tokens", "Tokens of KV the cached sequences hold.",
+                 pc and pc.tokens)
+
+
 class _BooksCollector:
     """The gauges and the executor's own counters, read when Prometheus scrapes."""
 
@@ -303,6 +331,7 @@ class _BooksCollector:
                     kv and (kv.budget_used / kv.token_budget if kv.token_budget else 0.0))
         yield gauge("generation", "The device's model generation (+1 per recovery).",
                     stats and stats.generation)
+        yield from _prompt_cache_families(ns, ex.prompt_cache_stats() if ex else None)
         yield gauge("ready", "1 while the lifecycle is Ready and admission open, else 0.",
                     None if ex is None else float(ex.lifecycle.ready))
         state = GaugeMetricFamily(ns + "lifecycle_state",

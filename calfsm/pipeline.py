@@ -91,6 +91,9 @@ class Pipeline:
         self.overlap = Overlap(core, self.admission)
         self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow,
                                      self.admission.defer)
+        #: who releases KV nobody is using when the device refuses room for a reservation
+        #: (the executor's prompt cache; None: nobody). Called with no KV lock held
+        self.kv_room: Callable[[], None] | None = None
 
     # ---- what the parts share, read by the lifecycle and the runtimes --------------
     @property
@@ -215,6 +218,13 @@ class Pipeline:
         job waits for it (a cheap check on every token's commit; no wake-up otherwise)."""
         if self.admission.has_parked():
             self.core.hooks.job_parked()
+
+    def kv_full(self) -> None:
+        """The device refused KV for a reservation (the KV books' ``on_full``): whoever
+        keeps KV warm for nobody gives some back; its release calls ``on_freed``."""
+        room = self.kv_room
+        if room is not None:
+            room()
 
     def wake_waiters(self) -> None:
         """Wake whoever waits for the pipeline to change (a drain, a close), so it sees

@@ -45,6 +45,8 @@ class TokenEvent:
 class Usage:
     prompt_tokens: int
     completion_tokens: int
+    #: prompt tokens whose KV was reused from the prompt cache (not prefilled again)
+    cached_tokens: int = 0
 
     @property
     def total_tokens(self) -> int:

@@ -134,6 +134,15 @@ class StepPort(Protocol):
     def defer(self, fn: Callable[[], None]) -> None: ...
 
 
+class Keeper(Protocol):
+    """Who takes a one-shot stream's sequence when the stream ends, instead of its being
+    released (:class:`~calfsm.promptcache.PromptCache` is one): handed the sequence once
+    no job of it is left running, and the stream's prompt and drawn tokens, of which its
+    KV holds the first ``sequence.position``. It keeps the sequence or releases it."""
+
+    def keep(self, sequence: Sequence, tokens: tuple[int, ...]) -> None: ...
+
+
 class SequenceAllocator:
     """Sequence ids ``0 .. limit-1``, lowest free first; thread-safe."""
 
@@ -367,6 +376,34 @@ class Sequence:
         if ended:
             _fire_if(self, "job_ended")
 
+    def forget_ended_jobs(self) -> None:
+        """Let go of the ended jobs the sequence remembers (their results hold a stream's
+        logits rows) while it is kept idle for later (the prompt cache). No-op while a
+        job runs."""
+        with self._lock:
+            self._settle_finished_locked()
+            if self._running_locked() is None and not self._starting:
+                self._last = self._prev = self._settled = None
+
+    def truncate(self, keep_len: int) -> None:
+        """Drop the KV from position ``keep_len`` on (llama.cpp's ``seq_rm`` of a tail):
+        the next job goes on at ``keep_len``, and a prefill from there equals a fresh
+        run of the shorter history. Nothing changes at or past the position. Refused
+        (FailedPrecondition) while a job runs, and once the KV is lost or the sequence
+        closed."""
+        if isinstance(keep_len, bool) or not isinstance(keep_len, int) or keep_len < 0:
+            raise InvalidArgument(f"keep_len must be an integer >= 0, got {keep_len!r}",
+                                  stage="sequence", seq_id=self.seq_id)
+        with self._lock:
+            self._settle_finished_locked()
+            self._check_lost_locked()
+            if self.state != SequenceState.OPEN or self._running_locked() is not None:
+                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
+                                         stage="sequence", seq_id=self.seq_id)
+            if keep_len < self._position:
+                self.executor.epoch.kv.truncate_sequence(self.seq_id, keep_len)
+                self._position = keep_len
+
     def reset(self) -> None:
         """Forget the KV (after it was lost, or to start over): position 0, Open."""
         with self._lock:
@@ -424,7 +461,8 @@ class Sequence:
         """Release the KV and give the id back (the sequence's last job has ended)."""
         try:
             # a sequence that ran no job holds no KV: nothing to ask the device
-            if self._last is not None and self.executor.epoch is not None \
+            if (self._last is not None or self._position) \
+                    and self.executor.epoch is not None \
                     and not self.executor.lifecycle.closing:
                 self.executor.reset_sequence(self.seq_id)
         except CalfsmError as e:
@@ -456,22 +494,17 @@ class Sequence:
         return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
 
 
-def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
-    """A stream's own deadline (seconds > 0, or None) and resume budget (an int >= 0)."""
-    if deadline_s is not None and not (isinstance(deadline_s, int | float)
-                                       and deadline_s > 0):
-        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
-                              stage="request")
-    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) or max_resumes < 0:
-        raise InvalidArgument(f"max_resumes must be an integer >= 0, got {max_resumes!r}",
-                              stage="request")
-
-
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
     ``cancel()``, and ``result()`` / ``await stream.final()``. ``request_id`` names it
     in the executor (given, else generated): its steps, errors, log lines and observer
     events carry it, and ``executor.abort(request_id)`` cancels it.
+
+    ``close_sequence``: the sequence is the stream's own (a one-shot ``generate``):
+    released when the stream ends, or handed to ``keeper`` (the prompt cache).
+    ``cached``: the sequence's KV already ends with the first ``cached`` prompt tokens (a
+    prompt cache hit): only the rest is prefilled, and the stream's history still begins
+    where that prefix does (a resume replays all of it).
 
     ``priority`` (:attr:`calfsm.request.Request.priority`) is every step's: the prefill,
     each decode and a replay wait for admission at the stream's priority, each aged from
@@ -481,7 +514,8 @@ class Stream:
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
                  admitted: bool = False, request_id: str | None = None,
-                 parent: str | None = None, priority: int = 0) -> None:
+                 parent: str | None = None, priority: int = 0,
+                 keeper: Keeper | None = None, cached: int = 0) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument("params must be SamplingParams", stage="request")
         ex = sequence.executor
@@ -492,22 +526,28 @@ class Stream:
         tokenizer = ex.tokenizer
         self.sequence = sequence
         self.prompt = _prompt_tokens(sequence.seq_id, prompt, params, tokenizer)
+        _check_options(deadline_s, max_resumes, cached,
+                       min(sequence.position, len(self.prompt) - 1), sequence.seq_id)
         #: every step's admission priority
         self.priority: int = Request.prefill(sequence.seq_id, self.prompt,
                                              priority=priority).priority
+        #: prompt tokens whose KV the sequence already held (a prompt cache hit)
+        self.cached = cached
         self.params = params
         self._sampler: Sampler = params.sampler_for(contract.vocab)
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
-        _check_limits(deadline_s, max_resumes)
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
-        self._max_new = max_new_tokens(params, self._max_seq, sequence.position,
-                                       len(self.prompt))
+        #: where the stream's own history (its prompt, then its tokens) begins
+        self._start = sequence.position - cached
+        self._max_new = max_new_tokens(params, self._max_seq, self._start, len(self.prompt))
         if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
-            ex.live_streams.admit(prompt_tokens=len(self.prompt), max_new=self._max_new,
-                                  deadline=self._deadline, seq_id=sequence.seq_id)
+            ex.live_streams.admit(prompt_tokens=len(self.prompt) - cached,
+                                  max_new=self._max_new, deadline=self._deadline,
+                                  seq_id=sequence.seq_id)
         self._close_sequence = close_sequence
+        self._keeper = keeper if close_sequence else None
         self._t0 = now
         self._lock = threading.Condition(threading.Lock())
         #: the next step: in flight, prepared ahead, rows, replay and resume budget
@@ -519,13 +559,13 @@ class Stream:
                                                                 sequence.seq_id)
         #: a token is delivered at once, with no text: the one branch of the hot path
         self._plain = tokenizer is None and not params.holds_back
-        self._start = sequence.position
         #: this stream's id in the executor (calfsm/liverequests.py)
         self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
         self.parent_id = parent             #: the id grouping it with others (n > 1), or None
-        first = Request.prefill(sequence.seq_id, self.prompt, past_len=self._start,
-                                target=self._flow.row(), deadline_s=self._left(),
-                                request_id=self.request_id, priority=self.priority)
+        first = Request.prefill(sequence.seq_id, self.prompt[cached:],
+                                past_len=sequence.position, target=self._flow.row(),
+                                deadline_s=self._left(), request_id=self.request_id,
+                                priority=self.priority)
         ex.live_streams.add(self)
         ex.observers.stream_started(self)
         self._submit(first, continuing=False)
@@ -607,7 +647,7 @@ class Stream:
         costed with ``service`` (a :class:`~calfsm.service.ServiceModel`): what the
         admission estimate of a new stream weighs it by."""
         done = len(self._tokens)
-        return stream_work_s(service, prompt_tokens=len(self.prompt),
+        return stream_work_s(service, prompt_tokens=len(self.prompt) - self.cached,
                              left=max(0, self._max_new - done), prefilled=done > 0), \
             self._deadline
 
@@ -1069,8 +1109,8 @@ class Stream:
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
-                Usage(len(self.prompt), delivered), ttft, itl, error, self._flow.resumes,
-                None if self._text is None else "".join(self._text.delivered))
+                Usage(len(self.prompt), delivered, self.cached), ttft, itl, error,
+                self._flow.resumes, None if self._text is None else "".join(self._text.delivered))
         ex = self.sequence.executor
         ex.live_streams.remove(self)
         ex.live_requests.discard(self.request_id, self)
@@ -1084,7 +1124,17 @@ class Stream:
         if self._listening:
             self._listening = False
             self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
-        if self._close_sequence:
+        if self._keeper is not None:
+            # kept warm (or released) before the consumer wakes: a caller that has this
+            # result and sends the next turn finds it (unless the last step is still on
+            # the device: then the moment it ends). Its KV holds the prompt and the drawn
+            # tokens (every step carried the stream's own), unless it began later than
+            # the sequence's start: earlier KV is not the stream's to name
+            history = (*self.prompt, *self._tokens)
+            self.sequence.when_idle(
+                self.sequence.close_when_done if self._start else
+                lambda: self._keeper.keep(self.sequence, history))
+        elif self._close_sequence:
             # the id is back before the consumer wakes: a caller that has this result
             # may open the next stream at once (unless the last step is still on the
             # device: then the moment it ends)
@@ -1149,7 +1199,9 @@ class StreamText:
                         seq_id=self.seq_id)
 
 
-def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
+def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: int,
+                   seq_id: int) -> None:
+    """A stream's options, each refused with an InvalidArgument naming it."""
     if deadline_s is not None and not (isinstance(deadline_s, int | float)
                                        and deadline_s > 0):
         raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
@@ -1158,6 +1210,11 @@ def _check_limits(deadline_s: Any, max_resumes: Any) -> None:
             or max_resumes < 0:
         raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
                               f"{max_resumes!r}", stage="request")
+    if isinstance(cached, bool) or not isinstance(cached, int) \
+            or not 0 <= cached <= most_cached:
+        raise InvalidArgument(f"cached must be an integer in 0..{most_cached} (at least "
+                              f"one prompt token is prefilled), got {cached!r}",
+                              stage="request", seq_id=seq_id)
 
 
 def _prompt_tokens(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,

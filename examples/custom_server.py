@@ -28,6 +28,7 @@ from starlette.routing import Route
 
 from calfsm import DeviceExecutor, ExecutorConfig, SamplingParams, TaskKind, builtin_manifest
 from calfsm.errors import CalfsmError
+from calfsm.promptcache import PromptCacheConfig
 from calfsm.serve import realtime_sim
 from calfsm.tokenizer import ByteTokenizer
 
@@ -117,7 +118,7 @@ async def client(url: str, executor: DeviceExecutor) -> None:
         print(f"n=2: choices {sorted(two)}, distinct {two[0]['text'] != two[1]['text']}, "
               f"logprobs <= 0 {all(lp <= 0 for ch in two.values() for lp in ch['logprobs'])}")
         long = asyncio.ensure_future(ask(c, {"prompt": "long", "max_tokens": 5000}, "long-1"))
-        while not any(r.request_id == "long-1" and r.tokens for r in executor.requests()):
+        while not any(r.parent == "long-1" and r.tokens for r in executor.requests()):
             await asyncio.sleep(0.01)
         listed = (await c.get("/requests")).json()
         gone = (await c.delete("/requests/long-1")).status_code

@@ -63,3 +63,18 @@ def test_vendor_evidence_example_runs_every_runner(tmp_path: Path) -> None:
     assert levels["batch_rows_independent"] == "proven"
     assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.json"))) == 6
     assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.md"))) == 6
+
+
+def test_custom_server_uses_every_embedder_feature(tmp_path: Path) -> None:
+    """docs/embedding.md's server: request ids and abort, the live list, stop strings,
+    n with logprobs, and the prompt cache serving the second turn of a chat."""
+    p = run("custom_server.py", cwd=tmp_path)
+    assert p.returncode == 0, p.stderr
+    out = p.stdout
+    assert re.search(r"chat-1: \d+ chars, length", out) and "chat-2:" in out, out
+    assert re.search(r"stop .*: stop, text is the text before it: True", out), out
+    assert "n=2: choices [0, 1], distinct True, logprobs <= 0 True" in out, out
+    assert "listed ['long-1-0'], DELETE 204, ended cancelled" in out, out
+    hits = re.search(r"prompt cache: (\d+) hits, (\d+) tokens reused", out)
+    assert hits and int(hits.group(1)) >= 1 and int(hits.group(2)) > 0, out
+    assert len((EXAMPLES / "custom_server.py").read_text().splitlines()) < 200

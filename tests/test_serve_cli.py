@@ -25,6 +25,7 @@ import pytest
 from calfsm import cli
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.errors import CalrtCode
+from calfsm.promptcache import PromptCacheConfig
 from calfsm.serve import cli as serve_cli
 from tests.test_serve import TOK, params_of, poll, reference
 
@@ -133,9 +134,23 @@ def test_options_reach_the_executor_the_app_and_the_connections(monkeypatch):
     assert config.api_keys == ("from-env",)
     assert (limits.header_timeout_s, limits.body_timeout_s, limits.keep_alive_s,
             limits.max_header_bytes, limits.max_connections) == (2.5, 7, 90, 8000, 77)
+    assert exconfig.prompt_cache == PromptCacheConfig(5, 5 * 4096)   # half the ids
     exconfig, config, _ = serve_cli.configs(_parse("--api-key", "a", "--api-key", "b"))
     assert config.api_keys == ("a", "b")           # the options win over the variable
     assert exconfig.evidence_dir is None and exconfig.max_waiting == 128
+    assert exconfig.prompt_cache == PromptCacheConfig(32, 32 * 4096)
+
+
+@pytest.mark.parametrize(("argv", "cache"), [
+    (["--prompt-cache", "3,1000"], PromptCacheConfig(3, 1000)),
+    (["--prompt-cache", "2"], PromptCacheConfig(2, 2 * 4096)),
+    (["--prompt-cache", "1", "--max-sequences", "1"], PromptCacheConfig(1, 4096)),
+    (["--max-sequences", "1"], PromptCacheConfig(1, 4096)),
+    (["--no-prompt-cache"], None),
+])
+def test_the_prompt_cache_option_reaches_the_executor(argv, cache):
+    exconfig, _, _ = serve_cli.configs(_parse(*argv))
+    assert exconfig.prompt_cache == cache
 
 
 def test_a_reachable_address_without_a_key_warns_once(capsys, caplog):
@@ -195,6 +210,11 @@ def test_bad_serve_options_exit_2(tmp_path, capsys):
                                               "--max-header-bytes"),
     (["--max-connections", "0"], "--max-connections"),
     (["--api-key", ""], "--api-key"), (["--api-key", "has space"], "--api-key"),
+    (["--prompt-cache", "0"], "--prompt-cache"), (["--prompt-cache", "2,x"],
+                                                  "--prompt-cache"),
+    (["--prompt-cache", "1,2,3"], "--prompt-cache"),
+    (["--prompt-cache", "65"], "--prompt-cache 65"),     # over --max-sequences 64
+    (["--prompt-cache", "2", "--no-prompt-cache"], "--no-prompt-cache"),
 ])
 def test_every_bad_option_is_exit_2_with_one_line_naming_it(capsys, argv, names):
     assert cli.main(["serve", "--manifest", "tiny", *argv]) == 2
@@ -231,7 +251,8 @@ def test_serve_help_names_every_option(capsys):
                    "--max-client-waiting", "--request-timeout", "--hang-after",
                    "--default-max-tokens", "--max-tokens-cap", "--header-timeout",
                    "--body-timeout", "--keep-alive", "--max-header-bytes",
-                   "--max-connections", "--log-level", "--shutdown-grace"):
+                   "--max-connections", "--log-level", "--shutdown-grace",
+                   "--prompt-cache", "--no-prompt-cache"):
         assert option in out, option
     assert "0.0.0.0" not in out
     assert "--api-key" in " ".join(out.split("--host HOST", 1)[-1].split()[:40])

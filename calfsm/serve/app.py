@@ -376,9 +376,11 @@ class _Server:
         self.track(choices)
         return choices
 
-    def _usage(self, plan: GenerationPlan, ends: list[Piece]) -> dict[str, int]:
+    def _usage(self, plan: GenerationPlan, ends: list[Piece]) -> dict[str, Any]:
         prompt = sum(len(plan.prompts[i]) for i in range(0, len(plan.prompts), plan.n))
-        return usage(prompt, sum(p.completion_tokens for p in ends))
+        # each prompt counted once, as prompt_tokens: by its first choice
+        cached = sum(p.cached_tokens for p in ends if p.index % plan.n == 0)
+        return usage(prompt, sum(p.completion_tokens for p in ends), cached)
 
     async def _collect(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                        shape: Shape, client: str) -> Response:

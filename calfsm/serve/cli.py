@@ -42,6 +42,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.promptcache import PromptCacheConfig
 from calfsm.tokenizer import ByteTokenizer
 
 __all__ = ["add_parser", "configs", "run", "warn_if_open"]
@@ -93,6 +94,18 @@ _port = _number(int, lambda n: 0 <= n <= 65535, "a port number in 0..65535 (0: a
 _at_least_one = _number(int, lambda n: n >= 1, "an integer >= 1")
 _seconds = _number(float, lambda s: 0 < s < float("inf"), "a number of seconds > 0")
 
+#: ``--prompt-cache SEQS`` without TOKENS: this many tokens of KV per cached sequence
+CACHE_TOKENS_PER_SEQUENCE = 4096
+
+
+def _cache_budget(value: str) -> tuple[int, int | None]:
+    """``SEQS[,TOKENS]``: both integers >= 1."""
+    parts = value.split(",")
+    numbers = [_at_least_one(part.strip()) for part in parts] if len(parts) <= 2 else []
+    if not numbers:
+        raise argparse.ArgumentTypeError(f"must be SEQS or SEQS,TOKENS, got {value!r}")
+    return numbers[0], numbers[1] if len(numbers) == 2 else None
+
 
 def _one_line_error(prog: str) -> Callable[[str], NoReturn]:
     """argparse's usage error as one line (exit 2), not the usage text and the error."""
@@ -143,6 +156,16 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the driver and swarm plan")
     p.add_argument("--max-sequences", type=_at_least_one, default=64,
                    help="choices (streams) at once; a request past them is answered 429")
+    cache = p.add_mutually_exclusive_group()
+    cache.add_argument("--prompt-cache", type=_cache_budget, default=None,
+                       metavar="SEQS[,TOKENS]",
+                       help="keep up to SEQS finished requests' sequences warm, holding "
+                            f"TOKENS of KV in all (default {CACHE_TOKENS_PER_SEQUENCE} a "
+                            "sequence), so a prompt that repeats one's start (a chat's "
+                            "history) prefills only the rest (default: half of "
+                            "--max-sequences, at least 1)")
+    cache.add_argument("--no-prompt-cache", action="store_true",
+                       help="release every request's sequence when it ends")
     p.add_argument("--max-waiting", type=_at_least_one, default=None,
                    help="jobs that may wait for the device, else 429 (default: twice "
                         "--max-sequences: a stream has at most one step queued and one "
@@ -249,7 +272,8 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
     exconfig = ExecutorConfig(max_waiting=args.max_waiting or 2 * args.max_sequences,
                               max_sequences=args.max_sequences,
                               evidence_dir=args.evidence_dir,
-                              hang_after_s=args.hang_after)
+                              hang_after_s=args.hang_after,
+                              prompt_cache=_prompt_cache(args))
     config = ServerConfig(model_name=args.model_name,
                           request_timeout_s=args.request_timeout,
                           shutdown_grace_s=args.shutdown_grace,
@@ -264,6 +288,17 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
                               max_header_bytes=args.max_header_bytes,
                               max_connections=args.max_connections)
     return exconfig, config, limits
+
+
+def _prompt_cache(args: argparse.Namespace) -> PromptCacheConfig | None:
+    """``--prompt-cache``, by default half of ``--max-sequences``; None when off."""
+    if args.no_prompt_cache:
+        return None
+    seqs, tokens = args.prompt_cache or (max(1, args.max_sequences // 2), None)
+    if seqs > args.max_sequences:
+        raise InvalidArgument(f"--prompt-cache {seqs} sequences is over --max-sequences "
+                              f"{args.max_sequences}", stage="cli")
+    return PromptCacheConfig(seqs, tokens or seqs * CACHE_TOKENS_PER_SEQUENCE)
 
 
 def _listen(host: str, port: int) -> socket.socket:

@@ -49,6 +49,8 @@ class Piece:
     completion_tokens: int = 0
     event: TokenEvent | None = None
     offset: int = 0
+    #: prompt tokens whose KV the prompt cache gave (not prefilled again)
+    cached_tokens: int = 0
 
 
 class Choice:
@@ -86,7 +88,8 @@ class Choice:
         else:
             text = (result.text or "")[self._chars:]
         return Piece(self.index, text, (), reason, None if reason else result.error,
-                     result.usage.prompt_tokens, self._sent, offset=self._chars)
+                     result.usage.prompt_tokens, self._sent, offset=self._chars,
+                     cached_tokens=result.usage.cached_tokens)
 
     async def pieces(self) -> AsyncIterator[Piece]:
         try:

@@ -33,9 +33,16 @@ def sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {text}\n\n".encode()
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0
+          ) -> dict[str, Any]:
+    """OpenAI's usage object; ``prompt_tokens_details.cached_tokens`` when the prompt
+    cache gave some of the prompt's KV."""
+    out: dict[str, Any] = {"prompt_tokens": prompt_tokens,
+                           "completion_tokens": completion_tokens,
+                           "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens:
+        out["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return out
 
 
 class Shape:
@@ -58,7 +65,7 @@ class Shape:
         return chat_logprobs(pieces) if self.chat else completion_logprobs(pieces)
 
     def body(self, rid: str, model: str, texts: list[str], reasons: list[str],
-             used: dict[str, int], pieces: list[list[Piece]] | None = None
+             used: dict[str, Any], pieces: list[list[Piece]] | None = None
              ) -> dict[str, Any]:
         """The non-streaming answer: one choice per text; ``pieces`` (each choice's
         token pieces) when the request asked for logprobs."""
@@ -93,7 +100,7 @@ class Shape:
         return out
 
     def usage_chunk(self, rid: str, model: str, created: int,
-                    used: dict[str, int]) -> dict[str, Any]:
+                    used: dict[str, Any]) -> dict[str, Any]:
         """``stream_options.include_usage``: the last chunk, no choices."""
         return self._head(rid, model, created, self.chunk_object) | {
             "choices": [], "usage": used}
