@@ -59,7 +59,6 @@ from typing import Any
 import attrs
 import numpy as np
 
-from calfsm.bf16 import bf16_dtype
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
 from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver, EngineSlot
@@ -75,6 +74,7 @@ from calfsm.errors import (
     code_name,
     from_calrt,
 )
+from calfsm.lazy import bf16_dtype
 from calfsm.lograte import RateLimitedLog
 from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
 from calfsm.request import check_embeds

@@ -28,9 +28,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from calfsm import refmodel
-from calfsm.bf16 import bf16_dtype
 from calfsm.drivers.base import Calbin, Driver
 from calfsm.errors import Internal, InvalidArgument, ResourceExhausted, check
+from calfsm.lazy import bf16_dtype
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.staging import check_ending, check_output, read_output
 

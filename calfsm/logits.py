@@ -52,7 +52,6 @@ from typing import Any
 import numpy as np
 
 from calfsm import _native
-from calfsm.bf16 import bf16_dtype
 from calfsm.errors import (
     CalrtCode,
     Incompatible,
@@ -60,6 +59,7 @@ from calfsm.errors import (
     from_calrt,
     output_fault,
 )
+from calfsm.lazy import bf16_dtype
 from calfsm.manifest import SubmodelContract, TaskKind
 
 __all__ = [

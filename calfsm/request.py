@@ -29,9 +29,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 import numpy as np
 
-from calfsm.bf16 import bf16_dtype
 from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
+from calfsm.lazy import bf16_dtype
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
 __all__ = ["EMBED_DTYPES", "Request", "check_embeds", "check_request", "check_token"]

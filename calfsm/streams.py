@@ -37,7 +37,6 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
@@ -45,7 +44,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
@@ -63,6 +62,7 @@ from calfsm.errors import (
 from calfsm.flow import Flow
 from calfsm.job import JobContext, JobHandle, Successor, drop_tracebacks
 from calfsm.kv import SeqState
+from calfsm.lazy import asyncio_module
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
@@ -70,6 +70,9 @@ from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.sampling import Sampler, SamplingParams
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
            "TokenEvent", "Usage"]
@@ -419,7 +422,7 @@ class Sequence:
             self._allocator.give_back(self.seq_id)
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
+        await asyncio_module().to_thread(self.close)
 
     def __enter__(self) -> Sequence:
         return self
@@ -603,7 +606,7 @@ class Stream:
             await self._await(fut)
 
     def _park(self) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
+        loop = asyncio_module().get_running_loop()
         fut = loop.create_future()
         self._waiters.append((loop, fut))
         return fut
@@ -611,7 +614,7 @@ class Stream:
     async def _await(self, fut: asyncio.Future) -> None:
         try:
             await fut
-        except asyncio.CancelledError:
+        except asyncio_module().CancelledError:
             self.cancel()               # the consumer went away: so does the stream
             raise
 
