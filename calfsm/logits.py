@@ -73,10 +73,10 @@ __all__ = [
 
 log = logging.getLogger("calfsm.logits")
 
-#: numpy's bfloat16 dtype, bound by _bind_bf16 before any use: at a contract's first plan
-#: (so the per-job path reads this name) or at a direct conversion; importing ml_dtypes at
-#: module import would cost ``import calfsm`` ~0.6 s. A bfloat16 array cannot exist before
-#: ml_dtypes is imported, so until then no array's dtype is this.
+#: numpy's bfloat16 dtype (ml_dtypes: ~0.6 s to import, so not with calfsm), bound by
+#: _bind_bf16 before any read: when a contract's plan is made (extract_logits makes or
+#: finds one first, so the per-job path reads this name) and by the public helpers that
+#: take BF16 input
 _BF16: Any = None
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
