@@ -1,14 +1,15 @@
 """calfsm: run LLM inference jobs on the Calculet NPU and stay correct when it misbehaves.
 
 The public API is re-exported here (``from calfsm import DeviceExecutor, Request``); see
-README.md and docs/architecture.md. ``CalrtDriver`` is imported on first use: it loads
-cffi and the native library.
+README.md and docs/architecture.md. The drivers (``SimDriver``, ``CalrtDriver``, with
+``FaultPlan`` and ``FaultRule``) are imported on first use, as every heavy dependency is
+(the cffi driver loads cffi and the native library; ml_dtypes, the server, metrics and
+plots load where they are used): ``import calfsm`` stays light for an embedder.
 """
 
+import importlib
 from typing import TYPE_CHECKING, Any
 
-from calfsm.drivers.faults import FaultPlan, FaultRule
-from calfsm.drivers.sim import SimDriver
 from calfsm.dump import DumpConfig
 from calfsm.errors import (
     CalfsmError,
@@ -51,6 +52,8 @@ from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream, Tok
 
 if TYPE_CHECKING:
     from calfsm.drivers.calrt import CalrtDriver
+    from calfsm.drivers.faults import FaultPlan, FaultRule
+    from calfsm.drivers.sim import SimDriver
 
 __version__ = "0.1.0"
 
@@ -111,8 +114,23 @@ __all__ = [
 ]
 
 
+#: the public names imported at their first use: name -> the module that defines it
+_LAZY = {
+    "CalrtDriver": "calfsm.drivers.calrt",
+    "FaultPlan": "calfsm.drivers.faults",
+    "FaultRule": "calfsm.drivers.faults",
+    "SimDriver": "calfsm.drivers.sim",
+}
+
+
 def __getattr__(name: str) -> Any:
-    if name == "CalrtDriver":          # cffi and the native library load only when used
-        from calfsm.drivers.calrt import CalrtDriver
-        return CalrtDriver
-    raise AttributeError(f"module 'calfsm' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'calfsm' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value             # bound once: later reads are plain attributes
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

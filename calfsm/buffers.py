@@ -57,7 +57,6 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import attrs
-import ml_dtypes
 import numpy as np
 
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
@@ -75,6 +74,7 @@ from calfsm.errors import (
     code_name,
     from_calrt,
 )
+from calfsm.lazy import bf16_dtype
 from calfsm.lograte import RateLimitedLog
 from calfsm.manifest import SubmodelContract, TaskKind, TensorContract
 from calfsm.request import check_embeds
@@ -806,7 +806,7 @@ def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
                       model=model, inp=inp, out=out, contract=contract, token_host=token,
                       position_host=position, logits=logits, tokens=token.reshape(-1),
                       positions=position.reshape(-1),
-                      logits_bf16=logits.reshape(-1).view(ml_dtypes.bfloat16))
+                      logits_bf16=logits.reshape(-1).view(bf16_dtype()))
     try:
         check(driver.map_buffer(inp, contract.token_or_embed.name, token), "map", **ctx)
         check(driver.map_buffer(inp, contract.position.name, position), "map", **ctx)

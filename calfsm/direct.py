@@ -25,12 +25,12 @@ from __future__ import annotations
 import random
 from collections.abc import Sequence
 
-import ml_dtypes
 import numpy as np
 
 from calfsm import refmodel
 from calfsm.drivers.base import Calbin, Driver
 from calfsm.errors import Internal, InvalidArgument, ResourceExhausted, check
+from calfsm.lazy import bf16_dtype
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.staging import check_ending, check_output, read_output
 
@@ -91,7 +91,7 @@ class DirectRunner:
             s.rows = sub.rows
             s.vocab = sub.vocab
             s.max_tokens = sub.max_tokens
-            s.bf16 = s.logits.reshape(-1).view(ml_dtypes.bfloat16)
+            s.bf16 = s.logits.reshape(-1).view(bf16_dtype())
             s.logits = s.logits.reshape(-1, s.vocab)[:s.rows]   # row 0 of a batch graph
             self.sets[sub.kind] = s
         if TaskKind.DECODE not in self.sets or TaskKind.PREFILL_IDS not in self.sets:

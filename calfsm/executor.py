@@ -19,7 +19,6 @@ The data flow, invariants, lock order and the machines are described in
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Callable
@@ -44,6 +43,7 @@ from calfsm.errors import (
 from calfsm.inflight import plan_inflight
 from calfsm.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.kv import SeqState
+from calfsm.lazy import asyncio_module
 from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
 from calfsm.liverequests import LiveRequests, RequestInfo
 from calfsm.manifest import Manifest, TaskKind
@@ -217,7 +217,7 @@ class DeviceExecutor:
         handle = self.enqueue_nowait(request)
         try:
             return await handle
-        except asyncio.CancelledError:
+        except asyncio_module().CancelledError:
             handle.cancel()
             raise
 
@@ -463,19 +463,19 @@ class DeviceExecutor:
                      calbin: Calbin | None = None,
                      tokenizer: Tokenizer | None = None) -> DeviceExecutor:
         """Construct (start-up and warm-up) without blocking the event loop."""
-        return await asyncio.to_thread(cls, driver, manifest, config, calbin=calbin,
-                                       tokenizer=tokenizer)
+        return await asyncio_module().to_thread(cls, driver, manifest, config, calbin=calbin,
+                                                tokenizer=tokenizer)
 
     async def aclose(self, timeout: float | None = None, *, grace_s: float | None = None
                      ) -> None:
-        await asyncio.to_thread(self.close, timeout, grace_s=grace_s)
+        await asyncio_module().to_thread(self.close, timeout, grace_s=grace_s)
 
     async def await_lifecycle(self, *states: str, timeout: float | None = None) -> str:
-        return await asyncio.to_thread(self.wait_lifecycle, *states, timeout=timeout)
+        return await asyncio_module().to_thread(self.wait_lifecycle, *states, timeout=timeout)
 
     async def aswitch_model(self, manifest: Manifest, calbin: Calbin | None = None,
                             timeout: float = 10.0) -> None:
-        await asyncio.to_thread(self.switch_model, manifest, calbin, timeout)
+        await asyncio_module().to_thread(self.switch_model, manifest, calbin, timeout)
 
     async def __aenter__(self) -> DeviceExecutor:
         return self

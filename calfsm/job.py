@@ -9,7 +9,6 @@ event loop.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import threading
 from collections.abc import Callable
@@ -20,11 +19,14 @@ import numpy as np
 
 from calfsm.drivers.base import EngineSlot
 from calfsm.errors import CalfsmError, DeadlineExceeded
+from calfsm.lazy import asyncio_module
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 
 if TYPE_CHECKING:
+    import asyncio
+
     from calfsm.buffers import BufferLease
     from calfsm.kv import KvReservation
 
@@ -243,7 +245,7 @@ class JobHandle:
         _run_callback(fn, self)
 
     def __await__(self):
-        loop = asyncio.get_running_loop()
+        loop = asyncio_module().get_running_loop()
         fut: asyncio.Future = loop.create_future()
 
         def transfer(handle: JobHandle) -> None:

@@ -49,7 +49,6 @@ import math
 import threading
 from typing import Any
 
-import ml_dtypes
 import numpy as np
 
 from calfsm import _native
@@ -60,6 +59,7 @@ from calfsm.errors import (
     from_calrt,
     output_fault,
 )
+from calfsm.lazy import bf16_dtype
 from calfsm.manifest import SubmodelContract, TaskKind
 
 __all__ = [
@@ -73,7 +73,11 @@ __all__ = [
 
 log = logging.getLogger("calfsm.logits")
 
-_BF16 = np.dtype(ml_dtypes.bfloat16)
+#: numpy's bfloat16 dtype (ml_dtypes: ~0.6 s to import, so not with calfsm), bound by
+#: _bind_bf16 before any read: when a contract's plan is made (extract_logits makes or
+#: finds one first, so the per-job path reads this name) and by the public helpers that
+#: take BF16 input
+_BF16: Any = None
 _U16 = np.dtype(np.uint16)
 _F32 = np.dtype(np.float32)
 _F64 = np.dtype(np.float64)
@@ -151,8 +155,16 @@ def _decided() -> _Kernel | None:
     return _kernel
 
 
+def _bind_bf16() -> np.dtype:
+    """Bind :data:`_BF16` (importing ml_dtypes at the first call) and return it."""
+    global _BF16
+    _BF16 = bf16_dtype()
+    return _BF16
+
+
 def _plan(contract: SubmodelContract) -> _Plan:
     """The contract's plan, made with the kernel in use at its first extraction."""
+    _bind_bf16()
     with _lock:
         plan = _plans.get(id(contract))
         if plan is None:
@@ -211,7 +223,8 @@ def convert_bf16_range(src_u16: np.ndarray, base: int, dict_len: int,
     Raises :class:`InvalidArgument` (before touching ``dst_f32``) for a wrong dtype, a
     negative index, a range outside the source or a target shorter than ``dict_len``.
     """
-    if src_u16.dtype != _U16 and src_u16.dtype != _BF16:
+    bf16 = _bind_bf16()    # _convert reads it
+    if src_u16.dtype != _U16 and src_u16.dtype != bf16:
         raise InvalidArgument(f"BF16 source must be uint16 bits, got {src_u16.dtype}",
                               stage=_STAGE)
     if dst_f32.dtype != _F32:
@@ -252,7 +265,7 @@ def find_nonfinite(values: np.ndarray) -> int | None:
     case allocates nothing (two reductions); only a hit pays for locating the index.
     """
     if values.dtype == _U16:
-        values = values.view(_BF16)
+        values = values.view(_bind_bf16())
     if values.size == 0:
         return None
     with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf is what we look for

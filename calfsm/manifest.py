@@ -23,24 +23,23 @@ reports every difference in one error, so an operator fixes them all in one roun
 from __future__ import annotations
 
 import enum
+import functools
 import json
 import math
 import re
 import reprlib
-import tomllib
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import cattrs
-from cattrs.errors import ClassValidationError, ForbiddenExtraKeysError, IterableValidationError
-from cattrs.gen import make_dict_structure_fn
 
 from calfsm.boundedio import MAX_DEPTH, check_depth, load_json, read_or_raise
 from calfsm.errors import Incompatible, InvalidArgument, ManifestError
+
+if TYPE_CHECKING:
+    import cattrs
 
 __all__ = [
     "MAX_FILE_BYTES",
@@ -260,8 +259,14 @@ class Manifest:
             # cattrs would iterate a string's characters or a table's keys instead
             raise ManifestError(f"submodels: expected a list of sub-models, got "
                                 f"{reprlib.repr(submodels)}", stage="manifest")
+        conv = _converter()
+        from cattrs.errors import (
+            ClassValidationError,
+            ForbiddenExtraKeysError,
+            IterableValidationError,
+        )
         try:
-            manifest = _converter.structure(data, cls)
+            manifest = conv.structure(data, cls)
         except (ClassValidationError, IterableValidationError, ForbiddenExtraKeysError) as e:
             raise ManifestError("; ".join(_paths(e)), stage="manifest") from None
         except (ValueError, TypeError, KeyError) as e:
@@ -279,6 +284,7 @@ class Manifest:
             f"cannot read manifest {str(path)!r}: {why}", stage="manifest"))
         try:
             if path.suffix == ".toml":
+                import tomllib
                 data = check_depth(tomllib.loads(raw.decode("utf-8")))
             else:
                 data = load_json(raw)
@@ -290,7 +296,7 @@ class Manifest:
         return cls.from_dict(data)
 
     def to_dict(self) -> dict[str, Any]:
-        return _converter.unstructure(self)
+        return _converter().unstructure(self)
 
     # ---- validation ----------------------------------------------------------------
     def validate(self) -> None:
@@ -580,7 +586,13 @@ def _show(v: Any) -> str:
     return repr(v)
 
 
-def _make_converter() -> cattrs.Converter:
+@functools.cache
+def _converter() -> cattrs.Converter:
+    """The one converter, made at the first load: cattrs is imported then, not with
+    calfsm (it is ~10 ms of ``import calfsm``)."""
+    import cattrs
+    from cattrs.gen import make_dict_structure_fn
+
     conv = cattrs.Converter(forbid_extra_keys=True)
 
     def strict_int(value: Any, _type: type) -> int:
@@ -642,11 +654,9 @@ def _make_converter() -> cattrs.Converter:
     return conv
 
 
-_converter = _make_converter()
-
-
 def _paths(exc: BaseException) -> list[str]:
     """cattrs' nested errors as ``submodels[1].logits.byte_size: <problem> (got <value>)``."""
+    import cattrs
     out = []
     for line in cattrs.transform_error(exc, path="$", format_exception=_describe):
         msg, _, path = line.rpartition(" @ ")
@@ -658,6 +668,7 @@ def _paths(exc: BaseException) -> list[str]:
 def _describe(exc: BaseException, type_: Any) -> str:
     if isinstance(exc, KeyError):
         return "required field missing"
+    from cattrs.errors import ForbiddenExtraKeysError
     if isinstance(exc, ForbiddenExtraKeysError):
         return f"unknown field(s) {sorted(exc.extra_fields)}"
     return str(exc)
@@ -680,6 +691,8 @@ def builtin_manifest(name: str = "qwen3-b1") -> Manifest:
     if name not in _BUILTINS:
         raise ManifestError(f"no built-in manifest {name!r} (have {sorted(_BUILTINS)})",
                             stage="manifest")
+    # importlib.resources is imported here, not with calfsm (~8 ms of the import)
+    from importlib import resources
     text = resources.files("calfsm.data").joinpath(_BUILTINS[name]).read_text("utf-8")
     return Manifest.from_dict(json.loads(text))
 

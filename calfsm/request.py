@@ -20,17 +20,18 @@ arrays itself so that construction takes the fast paths (about 2 µs in all).
 
 from __future__ import annotations
 
+import functools
 import math
 import reprlib
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
-import ml_dtypes
 import numpy as np
 
 from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
+from calfsm.lazy import bf16_dtype
 from calfsm.manifest import DType, SubmodelContract, TaskKind
 
 __all__ = ["EMBED_DTYPES", "MAX_REQUEST_ID", "PRIORITY_MAX", "PRIORITY_MIN", "Request",
@@ -47,13 +48,35 @@ _I64_MIN, _I64_MAX = -2**63, 2**63 - 1
 #: step stays an exact, finite number of seconds
 PRIORITY_MIN, PRIORITY_MAX = -2**15, 2**15 - 1
 
-#: the numpy dtype an embeddings array must have for each manifest dtype it may name
-EMBED_DTYPES: Mapping[DType, np.dtype] = {
-    DType.F32: np.dtype(np.float32),
-    DType.F16: np.dtype(np.float16),
-    DType.BF16: np.dtype(ml_dtypes.bfloat16),
-}
-_EMBED_NAMES = {v: k.value for k, v in EMBED_DTYPES.items()}
+
+@functools.cache
+def _embed_dtypes() -> Mapping[DType, np.dtype]:
+    """:data:`EMBED_DTYPES`, the numpy dtype an embeddings array must have for each
+    manifest dtype it may name; made at the first call (BF16 imports ml_dtypes)."""
+    return {
+        DType.F32: np.dtype(np.float32),
+        DType.F16: np.dtype(np.float16),
+        DType.BF16: bf16_dtype(),
+    }
+
+
+@functools.cache
+def _embed_names() -> Mapping[np.dtype, str]:
+    return {v: k.value for k, v in _embed_dtypes().items()}
+
+
+if TYPE_CHECKING:
+    #: the numpy dtype an embeddings array must have for each manifest dtype it may name
+    EMBED_DTYPES: Mapping[DType, np.dtype]
+
+
+def __getattr__(name: str) -> Any:
+    # EMBED_DTYPES is made on first access, so importing this module does not import
+    # ml_dtypes (~0.6 s)
+    if name == "EMBED_DTYPES":
+        return _embed_dtypes()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 _set = object.__setattr__          # a frozen instance's fields, set once in post-init
 
@@ -116,11 +139,11 @@ def _int_array(values: Any, field: str) -> np.ndarray:
 def _embeds(values: Any) -> np.ndarray:
     """A prefill_embeds request's ``(n, hidden)`` array, kept as given."""
     if not isinstance(values, np.ndarray) or values.ndim != 2 \
-            or values.dtype not in _EMBED_NAMES:
+            or values.dtype not in _embed_names():
         what = (f"an array of {values.dtype} {values.shape}"
                 if isinstance(values, np.ndarray) else reprlib.repr(values))
         raise _bad("embeds must be a 2-D (n, hidden) numpy array of "
-                   f"{', '.join(_EMBED_NAMES.values())} (the manifest's dtype), got {what}")
+                   f"{', '.join(_embed_names().values())} (the manifest's dtype), got {what}")
     if values.size and not np.isfinite(values).all():
         raise _bad("embeds must be finite, got NaN or infinity")
     return values
@@ -379,12 +402,12 @@ def check_embeds(embeds: np.ndarray, contract: SubmodelContract,
     """Check an embeddings array fits the contract's embedding tensor: ``(n, hidden)`` in
     the tensor's dtype (:data:`EMBED_DTYPES`). Raises InvalidArgument with ``context``."""
     tensor = contract.token_or_embed
-    want = EMBED_DTYPES.get(tensor.dtype)
+    want = _embed_dtypes().get(tensor.dtype)
     if want is None:
         raise InvalidArgument(f"embedding tensor {tensor.name!r} is {tensor.dtype.value}, "
                               "not a float dtype calfsm can write", **context)
     if embeds.dtype != want:
-        got = _EMBED_NAMES.get(embeds.dtype, str(embeds.dtype))
+        got = _embed_names().get(embeds.dtype, str(embeds.dtype))
         raise InvalidArgument(f"embeds are {got}, tensor {tensor.name!r} takes "
                               f"{tensor.dtype.value}", **context)
     hidden = tensor.shape[-1]

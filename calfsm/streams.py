@@ -46,7 +46,6 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import math
@@ -54,7 +53,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 from collections.abc import Sequence as Seq
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 import numpy as np
@@ -74,6 +73,7 @@ from calfsm.errors import (
 from calfsm.flow import Flow
 from calfsm.job import JobContext, JobHandle, Successor, drop_tracebacks
 from calfsm.kv import SeqState
+from calfsm.lazy import asyncio_module
 from calfsm.lifecycle import Lifecycle
 from calfsm.lograte import RateLimitedLog
 from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
@@ -84,6 +84,9 @@ from calfsm.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.sampling import Sampler, SamplingParams
 from calfsm.stopstrings import StopStrings
 from calfsm.tokenizer import IncrementalDecoder, encode_prompt, incremental_decoder
+
+if TYPE_CHECKING:
+    import asyncio
 
 __all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
            "TokenEvent", "Usage"]
@@ -476,7 +479,7 @@ class Sequence:
             self._allocator.give_back(self.seq_id)
 
     async def aclose(self) -> None:
-        await asyncio.to_thread(self.close)
+        await asyncio_module().to_thread(self.close)
 
     def __enter__(self) -> Sequence:
         return self
@@ -696,7 +699,7 @@ class Stream:
             await self._await(fut)
 
     def _park(self) -> asyncio.Future:
-        loop = asyncio.get_running_loop()
+        loop = asyncio_module().get_running_loop()
         fut = loop.create_future()
         self._waiters.append((loop, fut))
         return fut
@@ -704,7 +707,7 @@ class Stream:
     async def _await(self, fut: asyncio.Future) -> None:
         try:
             await fut
-        except asyncio.CancelledError:
+        except asyncio_module().CancelledError:
             self.cancel()               # the consumer went away: so does the stream
             raise
 

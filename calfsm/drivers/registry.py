@@ -14,7 +14,6 @@ environment has. Nothing is imported until :func:`driver_class` is asked for a n
 from __future__ import annotations
 
 import importlib
-from importlib.metadata import entry_points
 from typing import Any
 
 from calfsm.drivers.base import Driver
@@ -33,10 +32,17 @@ BUILTIN: dict[str, str] = {
 }
 
 
+def entry_points(group: str) -> Any:
+    """The entry points of ``group``; importlib.metadata is imported at the first call
+    (it adds ~15 ms to ``import calfsm``, which seldom asks for a driver by name)."""
+    from importlib import metadata
+    return metadata.entry_points(group=group)
+
+
 def _targets() -> dict[str, list[str]]:
     """name -> the distinct ``"module:Class"`` targets registered for it, built-ins first."""
     targets = {name: [target] for name, target in BUILTIN.items()}
-    for ep in entry_points(group=GROUP):
+    for ep in entry_points(GROUP):
         have = targets.setdefault(ep.name, [])
         if ep.value not in have:
             have.append(ep.value)
