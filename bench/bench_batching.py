@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -45,6 +44,8 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+
+from runs import print_summary  # noqa: E402
 
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.direct import DirectRunner  # noqa: E402
@@ -165,10 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{args.streams} streams x {args.tokens} tokens, decode {DECODE_S * 1e3:.0f} ms, "
           f"batch_row_share {SHARE}: step of {ROWS} rows {STEP_S * 1e3:.1f} ms, ideal "
           f"{ROWS / STEP_S:.0f} tok/s batched, {1 / DECODE_S:.0f} tok/s batch-1")
-    for k in runs[0]:
-        vals = [r[k] for r in runs]
-        print(f"  {k:28} median {statistics.median(vals):8.3f}   range "
-              f"{min(vals):.3f}-{max(vals):.3f}")
+    print_summary(runs, width=28)
     return 0
 
 

@@ -51,6 +51,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runs import print_summary  # noqa: E402
+
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
 from calfsm.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
@@ -201,10 +203,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{DECODE_S * 1e3:.0f} ms, prefill {PREFILL_TOKEN_S * 1e6:.0f} us/token, "
           f"batch_row_share {SHARE}; the suffix's prefill alone "
           f"{(shape.user + 1) * PREFILL_TOKEN_S * 1e3:.1f} ms")
-    for k in runs[0]:
-        vals = [r[k] for r in runs]
-        print(f"  {k:36} median {statistics.median(vals):9.3f}   range "
-              f"{min(vals):.3f}-{max(vals):.3f}")
+    print_summary(runs, width=36)
     return 0
 
 

@@ -251,21 +251,7 @@ def reference_stream(runner: Any, prompt: list[int], params: Any) -> list[int]:
     path's float32 logits sampled by a fresh sampler of ``params``, with the stream's
     finish rules (stop tokens, max_tokens, max_seq); logits processors see the prompt
     and the tokens so far. Uses and releases sequence 0."""
-    contract = TINY.submodel(TaskKind.DECODE)
-    sampler = params.sampler_for(contract.vocab)
-    row, pos, out = runner.prefill(0, prompt), len(prompt), []
-    try:
-        while True:
-            tok = sampler.sample(row.copy(), (*prompt, *out))
-            if params.is_stop(tok):
-                return out
-            out.append(tok)
-            if len(out) >= params.max_tokens or pos >= contract.max_seq:
-                return out
-            row = runner.decode(0, tok, pos)
-            pos += 1
-    finally:
-        runner.release(0)
+    return [tok for tok, _ in reference_seen(runner, prompt, params)]
 
 
 def reference_seen(runner: Any, prompt: list[int], params: Any) -> list[tuple[int, Any]]:
