@@ -134,6 +134,9 @@ class FakePipeline:
     def capacity_freed(self) -> None:
         pass
 
+    def kv_full(self) -> None:
+        pass                        # nothing here keeps KV warm for nobody
+
     def device_barrier(self) -> None:
         self.asked.append("device_barrier")
 
