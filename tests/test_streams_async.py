@@ -270,22 +270,32 @@ N_STREAMS = 200
 LOOP_BUDGET_S = 0.005
 
 
-def _runqueue_wait() -> float:
-    """Seconds the process's Python threads have spent runnable but waiting for a CPU,
-    summed (Linux ``/proc/self/task/<tid>/schedstat``, second field), or 0 where there
-    is none. A worker thread that holds the GIL and waits for a CPU holds the loop up
-    too, and that wait is the machine's, not calfsm's. Only Python threads can hold the
-    GIL, so only theirs are read: a process that earlier tests left with dozens of
-    native threads (Ray's, a thread pool's) would otherwise make this read itself the
-    loop's biggest cost, and their waits say nothing about the loop."""
-    total = 0
+def _runqueue_waits() -> dict[int, int]:
+    """Nanoseconds each of the process's Python threads has spent runnable but waiting
+    for a CPU, by native thread id (Linux ``/proc/self/task/<tid>/schedstat``, second
+    field; empty where there is none). A worker thread that holds the GIL and waits for
+    a CPU holds the loop up too, and that wait is the machine's, not calfsm's. Only
+    Python threads can hold the GIL, so only theirs are read: a process that earlier
+    tests left with dozens of native threads (Ray's, a thread pool's) would otherwise
+    make this read itself the loop's biggest cost, and their waits say nothing about the
+    loop."""
+    out = {}
     for t in threading.enumerate():
         try:
             with open(f"/proc/self/task/{t.native_id}/schedstat", "rb") as f:
-                total += int(f.read().split()[1])
+                out[t.native_id] = int(f.read().split()[1])
         except (OSError, IndexError, ValueError, TypeError):
             continue
-    return total * 1e-9
+    return out
+
+
+def _starved_s(before: dict[int, int], after: dict[int, int]) -> float:
+    """Seconds of runqueue wait between two :func:`_runqueue_waits` readings, over the
+    threads present in both. A thread that ended in between takes its whole lifetime's
+    wait with it (in the full suite, threads that earlier tests left behind end at any
+    moment), and one that began brought all of its own: summing the totals would count
+    either as a negative or positive wait of this stretch."""
+    return sum(max(0, after[t] - w) for t, w in before.items() if t in after) * 1e-9
 
 
 # C calls that can wait for something other than the GIL: another thread's lock, a
@@ -404,7 +414,7 @@ class Stretches:
 
     def _run(self, step: Callable[[], Any]) -> Any:
         calls = BlockingCalls()
-        q0, c0, t0 = _runqueue_wait(), time.thread_time(), time.perf_counter()
+        q0, c0, t0 = _runqueue_waits(), time.thread_time(), time.perf_counter()
         try:
             with calls:
                 return step()
@@ -413,7 +423,7 @@ class Stretches:
             own_gc, other_gc = self._gc.within(t0, t1, threading.get_ident())
             wall = max(0.0, t1 - t0 - own_gc)
             cpu = max(0.0, c1 - c0 - own_gc)
-            starved = _runqueue_wait() - q0
+            starved = _starved_s(q0, _runqueue_waits())
             held = max(min(wall, cpu + calls.blocked),
                        max(cpu, wall - other_gc - starved))
             self.spans.append((t0, t1, held))
