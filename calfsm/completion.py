@@ -37,7 +37,7 @@ from calfsm.staging import (
     check_output,
     convert_row,
     read_output,
-    status_name,
+    row_failure,
 )
 from calfsm.submission import Submission
 
@@ -255,9 +255,7 @@ class Completion:
         results: list[Any] = []
         for r, row in enumerate(rows):
             if ends[r] != OutputStatus.DONE_OK:
-                results.append(Unavailable(
-                    f"row {r} of a batch job ended {status_name(ends[r])} although the job "
-                    "ended DONE_OK", category=ErrorCategory.DEVICE, **job_ctx(row, "row")))
+                results.append(row_failure(ends[r], r, job_ctx(row, None)))
                 continue
             try:
                 results.append(convert_row(reading, row_logits(leader, r), contract,

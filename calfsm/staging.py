@@ -26,26 +26,37 @@ from calfsm.logits import extract_logits
 from calfsm.manifest import SubmodelContract
 
 __all__ = ["OutputReading", "check_ending", "check_job", "check_output", "convert_row",
-           "read_output",
-           "status_name"]
+           "read_output", "row_failure", "status_name"]
 
-#: (status, output_bytes code, bytes produced)
-OutputReading = tuple[int, int, int]
+#: (the job's status, output_bytes code, bytes produced, and on a batch graph row 0's
+#: own ending when the job ended DONE_OK, else None)
+OutputReading = tuple[int, int, int, int | None]
 
 
 def read_output(driver: Driver, out: Any, contract: SubmodelContract) -> OutputReading:
     """The device calls that tell how a finished job ended (no judgement yet). A job of a
-    batch graph carries its one row as row 0, which ends on its own (``row_status``)."""
+    batch graph carries its first (or only) row as row 0, which ends on its own
+    (``row_status``): read apart from the job's status, so that a row's failure is the
+    row's whether or not other rows shared the job."""
     status = driver.status(out)
-    if contract.batched and status == OutputStatus.DONE_OK:
-        status = driver.row_status(out, 0)  # type: ignore[attr-defined]
+    row = driver.row_status(out, 0) if contract.batched \
+        and status == OutputStatus.DONE_OK else None  # type: ignore[attr-defined]
     code, produced = driver.output_bytes(out, contract.logits.name)
-    return status, code, produced
+    return status, code, produced, row
+
+
+def row_failure(status: int, row: int, ctx: dict[str, Any]) -> Unavailable:
+    """The error of row ``row`` of a job of a batch graph that ended ``status`` while the
+    job ended DONE_OK: the row's own failure (stage ``row``), the same whether the job
+    carried one row or several."""
+    return Unavailable(f"row {row} of a batch job ended {status_name(status)} although the "
+                       "job ended DONE_OK", category=ErrorCategory.DEVICE, stage="row",
+                       **ctx)
 
 
 def check_ending(reading: OutputReading, ctx: dict[str, Any]) -> None:
     """Raise the classified error of a job that did not end well (status, output code)."""
-    status, code, _ = reading
+    status, code = reading[0], reading[1]
     if status != OutputStatus.DONE_OK:
         raise Unavailable(f"device reported {status_name(status)} although Wait "
                           "succeeded", category=ErrorCategory.DEVICE, stage="status", **ctx)
@@ -75,6 +86,9 @@ def check_output(reading: OutputReading, logits_bf16: np.ndarray,
     tensor's (an output fault); else the float32 logits of the last token, written into
     ``target`` (allocated when None)."""
     check_job(reading, contract, ctx)
+    row = reading[3]
+    if row is not None and row != OutputStatus.DONE_OK:
+        raise row_failure(row, 0, ctx)
     return convert_row(reading, logits_bf16, contract, token_count, target, ctx)
 
 

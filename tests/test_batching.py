@@ -272,3 +272,26 @@ def test_threaded_on_a_virtual_clock_never_holds_a_batch_for_a_window(golden, tm
                    for i in range(5)]
         for i, s in enumerate(streams):
             assert list(s.result(30).tokens) == golden[i][:4 + 3 * i]
+
+
+def test_a_row_fault_on_a_lone_row_is_the_rows_as_in_a_batch(mode, golden, tmp_path, device):
+    """A job of the batch graph that carries one row (a stream alone) and whose row ends
+    DONE_CCU_EXCEPTION while the job ends DONE_OK fails as a row of a batch would (stage
+    ``row``), not as a job the device failed: the same fault is the same error whether
+    other rows shared the step or not (threaded, that depends on timing)."""
+    with make_batched(mode, tmp_path, device=device) as probe:
+        seq = probe.open_sequence().seq_id            # the id a first sequence gets
+    plan = FaultPlan((FaultRule("infer", "row_ccu_exception", seq_id=seq, nth=3),))
+    with make_batched(mode, tmp_path, faults=plan, device=device) as ex:
+        sq = ex.open_sequence()
+        assert sq.seq_id == seq
+        stream = sq.generate(PROMPTS[5], GREEDY, resume=False)
+        run_all(ex, [stream])
+        r = stream.result(0)
+        assert r.finish_reason == FinishReason.ERROR
+        assert isinstance(r.error, Unavailable) and r.error.stage in ("row", "stream")
+        assert "row 0 of a batch job ended DONE_CCU_EXCEPTION" in str(r.error), r.error
+        assert list(r.tokens) == golden[5][:len(r.tokens)] and len(r.tokens) == 2
+        assert batch_sizes(ex) and set(batch_sizes(ex)) == {1}
+        sq.close()
+        drive(ex, ex.idle)

@@ -514,11 +514,11 @@ def test_staging_refuses_any_output_size_but_the_tensors(delta):
     size = PREFILL.logits.byte_size
     dst = np.full(PREFILL.vocab, SENTINEL, np.float32)
     with pytest.raises(Internal) as info:
-        check_output((OutputStatus.DONE_OK, 0, size + delta), out, PREFILL, 21, dst,
+        check_output((OutputStatus.DONE_OK, 0, size + delta, None), out, PREFILL, 21, dst,
                      {"job_id": 3})
     err = info.value
     assert err.category is ErrorCategory.UNKNOWN and err.calrt_code == CalrtCode.SHAPE_MISMATCH
     assert err.job_id == 3 and f"reports {size + delta} bytes" in err.message
     assert (dst == SENTINEL).all()
-    row = check_output((OutputStatus.DONE_OK, 0, size), out, PREFILL, 21, dst, {})
+    row = check_output((OutputStatus.DONE_OK, 0, size, None), out, PREFILL, 21, dst, {})
     np.testing.assert_array_equal(row, reference(out[0, 4]))
