@@ -102,9 +102,9 @@ class DeviceExecutor:
         #: what a step is expected to cost (hang detection) and costs (admission)
         self.service = ServiceModel(manifest.timing,
                                     execution_timeout_s=cfg.execution_timeout_s)
-        #: the live streams and the admission estimate for a new one
         #: the live streams and jobs by request id (abort, requests)
         self.live_requests = LiveRequests(self.clock)
+        #: the live streams and the admission estimate for a new one
         self.live_streams = LiveStreams(self.service, self.clock,
                                         slack=cfg.admission_slack,
                                         enabled=cfg.admission_estimate)
