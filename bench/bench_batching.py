@@ -45,7 +45,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runs import print_summary  # noqa: E402
+from runs import print_summary, repeat  # noqa: E402
 
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.direct import DirectRunner  # noqa: E402
@@ -157,12 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         args.runs, args.tokens = 1, 20
     with tempfile.TemporaryDirectory(prefix="calfsm-bench-evidence-") as evidence:
         write_evidence(evidence)
-        runs = []
-        for i in range(args.runs):
-            r = one_run(args, evidence)
-            runs.append(r)
-            print(f"run {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()),
-                  flush=True)
+        runs = repeat(args.runs, lambda _: one_run(args, evidence))
     print(f"\n{args.streams} streams x {args.tokens} tokens, decode {DECODE_S * 1e3:.0f} ms, "
           f"batch_row_share {SHARE}: step of {ROWS} rows {STEP_S * 1e3:.1f} ms, ideal "
           f"{ROWS / STEP_S:.0f} tok/s batched, {1 / DECODE_S:.0f} tok/s batch-1")

@@ -51,7 +51,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runs import print_summary  # noqa: E402
+from runs import print_summary, repeat  # noqa: E402
 
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
@@ -191,12 +191,7 @@ def main(argv: list[str] | None = None) -> int:
         shape = Shape(system=500, user=50, answer=20, turns=4)
     with tempfile.TemporaryDirectory(prefix="calfsm-bench-evidence-") as evidence:
         write_evidence(evidence)
-        runs = []
-        for i in range(args.runs):
-            r = one_run(args, evidence, i, shape)
-            runs.append(r)
-            print(f"run {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()),
-                  flush=True)
+        runs = repeat(args.runs, lambda i: one_run(args, evidence, i, shape))
     end = shape.system + shape.turns * (shape.user + shape.answer)
     print(f"\nchats of a {shape.system}-token system prompt and {shape.turns} turns of "
           f"{shape.user} + {shape.answer} tokens (history to {end}); decode "

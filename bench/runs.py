@@ -1,8 +1,21 @@
-"""The summary every benchmark prints: each figure's median and range over the runs."""
+"""What every benchmark prints: each run's figures as it ends, then each figure's median
+and range over the runs."""
 
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
+
+
+def repeat(n: int, one_run: Callable[[int], dict[str, float]]) -> list[dict[str, float]]:
+    """``one_run(i)`` for i in 0..n-1, each run's figures printed as it ends."""
+    runs = []
+    for i in range(n):
+        r = one_run(i)
+        runs.append(r)
+        print(f"run {i + 1}: " + ", ".join(f"{k} {v:.3f}" for k, v in r.items()),
+              flush=True)
+    return runs
 
 
 def print_summary(runs: list[dict[str, float]], *, width: int = 28) -> None:
