@@ -528,12 +528,12 @@ class Stream:
         contract = epoch.contract(TaskKind.DECODE)
         tokenizer = ex.tokenizer
         self.sequence = sequence
-        self.prompt = _prompt_tokens(sequence.seq_id, prompt, params, tokenizer)
+        checked = _checked_prompt(sequence.seq_id, prompt, params, tokenizer, priority)
+        self.prompt = tuple(int(t) for t in checked.tokens)
+        #: every step's admission priority (checked with the prompt)
+        self.priority: int = checked.priority
         _check_options(deadline_s, max_resumes, cached,
                        min(sequence.position, len(self.prompt) - 1), sequence.seq_id)
-        #: every step's admission priority
-        self.priority: int = Request.prefill(sequence.seq_id, self.prompt,
-                                             priority=priority).priority
         #: prompt tokens whose KV the sequence already held (a prompt cache hit)
         self.cached = cached
         self.params = params
@@ -1220,10 +1220,10 @@ def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: 
                               stage="request", seq_id=seq_id)
 
 
-def _prompt_tokens(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,
-                   tokenizer: Any) -> tuple[int, ...]:
-    """A stream's prompt as token ids, checked (text needs the executor's tokenizer, and
-    so do stop strings)."""
+def _checked_prompt(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,
+                    tokenizer: Any, priority: Any) -> Request:
+    """A stream's prompt as the prefill request that checks it and the priority (text
+    needs the executor's tokenizer, and so do stop strings)."""
     if params.stop and tokenizer is None:
         raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
                               "stream's text, which needs the executor's tokenizer "
@@ -1231,11 +1231,11 @@ def _prompt_tokens(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,
                               seq_id=seq_id)
     if isinstance(prompt, str):
         prompt = encode_prompt(tokenizer, prompt)
-    tokens = tuple(int(t) for t in Request.prefill(seq_id, prompt).tokens)
-    if not tokens:
+    checked = Request.prefill(seq_id, prompt, priority=priority)
+    if not len(checked.tokens):
         raise InvalidArgument("a stream needs a prompt of at least one token",
                               stage="request", seq_id=seq_id)
-    return tokens
+    return checked
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,
