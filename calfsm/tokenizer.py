@@ -59,8 +59,7 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import numpy as np
-
+from calfsm.drivers.base import is_int as _is_int
 from calfsm.errors import CalfsmError, ErrorCategory, Internal, InvalidArgument, Unsupported
 from calfsm.sampling import MAX_VOCAB
 
@@ -128,10 +127,6 @@ def incremental_decoder(tokenizer: Any) -> IncrementalDecoder:
     return dec
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
 # ---- the byte-level tokenizer ---------------------------------------------------------
 
 #: token ids that are bytes; the model's vocabulary must hold at least these
@@ -158,17 +153,10 @@ def _fix(text: str) -> str:
     return text
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int | np.integer) and not isinstance(x, bool)
-
-
 def escaped_token(token: int) -> str:
     """The byte-level tokenizer's text of an id of 256 or more: its two escape
     characters."""
     return chr(_HIGH + (token >> 12)) + chr(_LOW + (token & 0xFFF))
-
-
-_token_text = escaped_token
 
 
 class ByteTokenizer:
@@ -257,7 +245,7 @@ class ByteDecoder:
         token = int(token)
         if token < BYTE_IDS:
             return _fix(self._utf8.decode(bytes((token,))))
-        return self.flush() + _token_text(token)
+        return self.flush() + escaped_token(token)
 
     def flush(self) -> str:
         text = self._utf8.decode(b"", final=True)

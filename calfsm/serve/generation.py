@@ -24,8 +24,8 @@ import attrs
 from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor
 from calfsm.sampling import SamplingParams
-from calfsm.serve.tokenizer import IncrementalDecoder
 from calfsm.streams import FinishReason, GenerationResult, Stream, TokenEvent
+from calfsm.tokenizer import ByteDecoder
 
 __all__ = ["Choice", "Piece", "merged"]
 
@@ -61,7 +61,7 @@ class Choice:
                  request_id: str | None = None, parent: str | None = None,
                  priority: int = 0) -> None:
         self.index = index
-        self._decoder = None if executor.tokenizer is not None else IncrementalDecoder()
+        self._decoder = None if executor.tokenizer is not None else ByteDecoder()
         self._sent = 0                           # tokens given to the client
         self._chars = 0                          # characters of text given to it
         self.stream: Stream = executor.generate(list(prompt), params,
