@@ -42,25 +42,28 @@ def unusable_row(m: float) -> InvalidArgument | Internal:
 
 class RowLogprobs:
     """``log_softmax`` of one float32 row: :attr:`log_z`, :meth:`of` a logit,
-    :meth:`top` k tokens. Reads the row when made; keeps only the chunks' maxima."""
+    :meth:`top` k tokens, and the row's :attr:`argmax` (lowest id of the maximum: what
+    greedy takes, found in the same pass). Reads the row when made; keeps only the
+    chunks' maxima."""
 
-    __slots__ = ("_maxima", "log_z", "max_logit")
+    __slots__ = ("_maxima", "argmax", "log_z", "max_logit")
 
     def __init__(self, x: np.ndarray) -> None:
         n = x.shape[0]
         maxima = []
-        m, s = -math.inf, 0.0
+        m, s, at = -math.inf, 0.0, 0
         for lo in range(0, n, _CHUNK):
             c = x[lo:lo + _CHUNK]
-            cm = float(c.max())
+            i = int(c.argmax())                 # a NaN's index if there is one
+            cm = float(c[i])
             maxima.append(cm)
             if not cm < math.inf:               # NaN or +inf
                 raise unusable_row(cm)
             if cm == -math.inf:
                 continue
-            if cm > m:
+            if cm > m:                          # strict: a tie keeps the lower id
                 s *= math.exp(m - cm)           # 0 while nothing was summed
-                m = cm
+                m, at = cm, lo + i
             d = c.astype(_F64)
             d -= m
             np.exp(d, out=d)
@@ -68,6 +71,7 @@ class RowLogprobs:
         if m == -math.inf:
             raise unusable_row(m)
         self.max_logit = m
+        self.argmax = at
         self.log_z = m + math.log(s)
         self._maxima = maxima
 

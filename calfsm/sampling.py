@@ -465,8 +465,7 @@ class Sampler:
         lp = RowLogprobs(x)
         top = lp.top(x, self.params.logprobs or 0)
         if self._mode == "greedy":
-            tok = int(x.argmax())
-            return tok, lp.of(x[tok]), top
+            return lp.argmax, lp.of(lp.max_logit), top
         kept = self._scratch
         if kept is None:
             kept = self._scratch = np.empty(self.vocab, _F32)
