@@ -393,9 +393,9 @@ class Sampler:
                                       f"vocabulary of {vocab}", stage="request")
         for i, fn in enumerate(params.logits_processors):
             ids = fn.token_ids if isinstance(fn, LogitBias | BanTokens) else ()
-            if ids and ids[-1] >= vocab:
+            if ids and max(ids) >= vocab:       # built directly, they need not be sorted
                 raise InvalidArgument(f"logits_processors[{i}] ({type(fn).__name__}) names "
-                                      f"token {ids[-1]}, outside the vocabulary of {vocab}",
+                                      f"token {max(ids)}, outside the vocabulary of {vocab}",
                                       stage="request")
         self.params = params
         self.vocab = vocab

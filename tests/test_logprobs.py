@@ -23,8 +23,8 @@ from calfsm.errors import ErrorCategory, Internal, InvalidArgument
 from calfsm.logprobs import RowLogprobs
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
-from calfsm.processors import TokenHistory, ban_tokens, logit_bias
-from calfsm.sampling import SamplingParams, native_sampling_available
+from calfsm.processors import BanTokens, TokenHistory, ban_tokens, logit_bias
+from calfsm.sampling import Sampler, SamplingParams, native_sampling_available
 from calfsm.streams import FinishReason, GenerationResult, TokenEvent
 from tests.executor_helpers import (
     TINY,
@@ -166,6 +166,13 @@ def test_a_bias_and_a_ban_touch_only_their_tokens():
     ban_tokens([3, 3, 0])((), row)
     assert row.tolist() == [-math.inf, 3.5, 2.0, -math.inf, 4.0, 5.0, 5.0, 7.0]
     assert ban_tokens([3, 0]) == ban_tokens((0, 3)) and ban_tokens([3]).token_ids == (3,)
+
+
+def test_a_processor_built_directly_is_checked_against_the_vocabulary_unsorted():
+    """BanTokens and LogitBias are public: built without their factories their ids need
+    not be sorted, and the largest is still refused at request time, not at the draw."""
+    with pytest.raises(InvalidArgument, match="names token 9, outside the vocabulary"):
+        Sampler(SamplingParams(logits_processors=[BanTokens((9, 1))]), 4)
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["kernel", "numpy"])
