@@ -246,7 +246,7 @@ class DeviceExecutor:
             try:
                 return self._sequences.take()
             except ResourceExhausted:
-                if self._cache is None or not self._cache.evict_one("room"):
+                if self._cache is None or not self._cache.evict_one():
                     raise
 
     def generate(self, prompt: list[int] | str, params: SamplingParams | None = None, *,

@@ -343,10 +343,9 @@ class KvCoordinator:
                 return None
             self._asking = True
             self._seqs.setdefault(seq_id, _Seq()).busy = True
-        granted = refused = False
+        granted = False
         try:
             granted = self._device_grow(seq_id, target)
-            refused = not granted
         finally:
             with self._lock:
                 r = self._grant_locked(seq_id, past_len, target, token_count, job_id,
@@ -354,7 +353,7 @@ class KvCoordinator:
                 retry = self._done_asking_locked(seq_id)
             if retry:
                 self._freed()
-        if refused:
+        if not granted:         # refused (a raise above never gets here)
             hook = self.on_full
             if hook is not None:
                 hook()

@@ -60,7 +60,7 @@ class RequestInfo:
 @attrs.define
 class _Entry:
     kind: str
-    what: Any
+    what: Live
     created: float
     parent: str | None
 
@@ -83,7 +83,7 @@ class LiveRequests:
             if rid not in self._by_id and rid not in self._children:
                 return rid
 
-    def add(self, request_id: str | None, kind: str, what: Any, *,
+    def add(self, request_id: str | None, kind: str, what: Live, *,
             parent: str | None = None) -> str:
         """Enter ``what`` under ``request_id`` (None: a new id); returns the id. A given
         id that is live (or a live parent) is refused."""
@@ -137,11 +137,6 @@ class LiveRequests:
         return entry is not None and entry.kind == "stream" \
             and entry.what.sequence.seq_id == seq_id
 
-    def get(self, request_id: str) -> Any:
-        """The live stream or job handle of ``request_id``, or None."""
-        entry = self._by_id.get(request_id)
-        return entry.what if entry is not None else None
-
     def abort(self, request_id: str) -> bool:
         """Cancel the request (or every child of a parent id); False if nothing live has
         that id or it had already ended."""
@@ -165,6 +160,3 @@ class LiveRequests:
             out.append(RequestInfo(rid, e.kind, state, max(0.0, now - e.created), tokens,
                                    e.parent))
         return out
-
-    def __len__(self) -> int:
-        return len(self._by_id)

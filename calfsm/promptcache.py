@@ -126,7 +126,6 @@ class CacheHost(Protocol):
 class _Entry:
     seq: Any                    # a CachedSequence, idle, its KV exactly ``tokens``
     tokens: np.ndarray          # int64, the tokens the KV holds
-    generation: int
 
 
 class PromptCache:
@@ -134,9 +133,6 @@ class PromptCache:
 
     def __init__(self, config: PromptCacheConfig, host: CacheHost, *,
                  defer: Callable[[Callable[[], None]], None]) -> None:
-        if not isinstance(config, PromptCacheConfig):
-            raise InvalidArgument(f"prompt_cache must be a PromptCacheConfig, got "
-                                  f"{config!r}", stage="config")
         self.config = config
         self._host = host
         #: run a function on the admission side, outside every lock (a release asked for
@@ -166,7 +162,7 @@ class PromptCache:
                 and held[1] == self._generation
             if kept:
                 arr = held[0]
-                self._entries[seq.seq_id] = _Entry(seq, arr, held[1])
+                self._entries[seq.seq_id] = _Entry(seq, arr)
                 self._tokens += len(arr)
                 self._stored += 1
                 evicted = self._over_budget_locked()
@@ -255,33 +251,30 @@ class PromptCache:
                 if prefix == 0:
                     self._misses += 1
                     return None
+                # every entry is of the current generation: a change empties the cache
                 entry = self._pop_locked(seq_id, None)
-                stale = entry.generation != self._generation
-                if stale:
+            try:
+                entry.seq.truncate(prefix)
+            except CalfsmError as e:
+                log.warning("a cached sequence %s could not be reused: %s", seq_id,
+                            str(e), extra=e.context())
+                with self._lock:
                     self._evicted["reset"] += 1
-            if not stale:
-                try:
-                    entry.seq.truncate(prefix)
-                except CalfsmError as e:
-                    log.warning("a cached sequence %s could not be reused: %s", seq_id,
-                                str(e), extra=e.context())
-                    with self._lock:
-                        self._evicted["reset"] += 1
-                else:
-                    with self._lock:
-                        self._hits += 1
-                        self._reused += prefix
-                    return entry.seq, prefix
+            else:
+                with self._lock:
+                    self._hits += 1
+                    self._reused += prefix
+                return entry.seq, prefix
             entry.seq.close_when_done()
 
     # ---- making room ---------------------------------------------------------------
-    def evict_one(self, cause: str = "room") -> bool:
+    def evict_one(self) -> bool:
         """Release the least recently used entry now (in the caller's thread); False if
         the cache is empty."""
         with self._lock:
             if not self._entries:
                 return False
-            entry = self._pop_locked(next(iter(self._entries)), cause)
+            entry = self._pop_locked(next(iter(self._entries)), "room")
         entry.seq.close_when_done()
         return True
 
@@ -299,7 +292,7 @@ class PromptCache:
     def _make_room(self) -> None:
         with self._lock:
             self._room_asked = False
-        self.evict_one("room")
+        self.evict_one()
 
     # ---- resets and close ----------------------------------------------------------
     def lifecycle_changed(self) -> None:
@@ -331,9 +324,6 @@ class PromptCache:
         self._release(entries)
 
     # ---- observation ---------------------------------------------------------------
-    def __len__(self) -> int:
-        return len(self._entries)
-
     def stats(self) -> PromptCacheStats:
         with self._lock:
             return PromptCacheStats(
