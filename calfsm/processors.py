@@ -33,7 +33,9 @@ def _bad(message: str) -> InvalidArgument:
     return InvalidArgument(message, stage="request")
 
 
-def _token(value: Any, where: str) -> int:
+def token_id(value: Any, where: str) -> int:
+    """``value`` as a token id (an integer >= 0, numpy's too, not a bool), else an
+    InvalidArgument naming ``where`` (sampling's checks share it)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
         raise _bad(f"{where} must be a token id (an integer >= 0), got "
                    f"{reprlib.repr(value)}")
@@ -84,7 +86,7 @@ def logit_bias(biases: Mapping[int, float]) -> LogitBias:
                    f"{reprlib.repr(biases)}")
     out = []
     for t, b in biases.items():
-        tok = _token(t, "logit_bias key")
+        tok = token_id(t, "logit_bias key")
         if isinstance(b, bool) or not isinstance(b, int | float | np.integer | np.floating) \
                 or not math.isfinite(float(b)):
             raise _bad(f"logit_bias[{tok}] must be a finite number, got {reprlib.repr(b)}")
@@ -97,7 +99,7 @@ def ban_tokens(ids: Iterable[int]) -> BanTokens:
     whose every token is banned is an InvalidArgument when a token is chosen."""
     if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
         raise _bad(f"ban_tokens takes token ids, got {reprlib.repr(ids)}")
-    return BanTokens(tuple(sorted({_token(t, "ban_tokens id") for t in ids})))
+    return BanTokens(tuple(sorted({token_id(t, "ban_tokens id") for t in ids})))
 
 
 class TokenHistory(Sequence[int]):

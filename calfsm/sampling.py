@@ -80,7 +80,7 @@ from calfsm.errors import (
     InvalidArgument,
 )
 from calfsm.logprobs import MAX_LOGPROBS, RowLogprobs, unusable_row
-from calfsm.processors import BanTokens, LogitBias
+from calfsm.processors import BanTokens, LogitBias, token_id
 
 __all__ = ["MAX_LOGPROBS", "MAX_VOCAB", "LogitsProcessor", "Sampler", "SamplingParams",
            "native_sampling_available"]
@@ -139,13 +139,7 @@ def _number(value: Any, field: str) -> float:
 def _token_ids(values: Any, field: str) -> tuple[int, ...]:
     if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
         raise _bad(f"{field} must be a sequence of token ids, got {reprlib.repr(values)}")
-    out = []
-    for i, v in enumerate(values):
-        if isinstance(v, bool) or not isinstance(v, int | np.integer) or v < 0:
-            raise _bad(f"{field}[{i}] must be a token id (an integer >= 0), got "
-                       f"{reprlib.repr(v)}")
-        out.append(int(v))
-    return tuple(out)
+    return tuple(token_id(v, f"{field}[{i}]") for i, v in enumerate(values))
 
 
 def _stop_strings(values: Any) -> tuple[str, ...]:
