@@ -228,13 +228,18 @@ class ExecutorMetrics(Observer):
             self.padding_rows.labels(step.kind.value).inc(step.capacity - step.rows)
 
 
+def _unlabelled(kind: type, name: str, doc: str, value: float | None) -> Metric:
+    """A family of ``kind`` with one sample of ``value`` (none while it is None)."""
+    m = kind(name, doc)
+    if value is not None:
+        m.add_metric([], value)
+    return m
+
+
 def _prompt_cache_families(ns: str, pc: PromptCacheStats | None) -> Iterator[Metric]:
     """The prompt cache's counters and gauges (no samples while it is off)."""
     def family(kind: type, name: str, doc: str, value: float | None) -> Metric:
-        m = kind(ns + "prompt_cache_" + name, doc)
-        if value is not None:
-            m.add_metric([], value)
-        return m
+        return _unlabelled(kind, ns + "prompt_cache_" + name, doc, value)
 
     yield family(CounterMetricFamily, "hits", "Generates that took a cached sequence and "
                  "prefilled only the rest of their prompt.", pc and pc.hits)
@@ -277,17 +282,11 @@ class _BooksCollector:
         pool = epoch.pool.stats() if epoch is not None else None
         kv = epoch.kv.stats() if epoch is not None else None
 
-        def gauge(name: str, doc: str, value: float | None) -> GaugeMetricFamily:
-            g = GaugeMetricFamily(ns + name, doc)
-            if value is not None:
-                g.add_metric([], value)
-            return g
+        def gauge(name: str, doc: str, value: float | None) -> Metric:
+            return _unlabelled(GaugeMetricFamily, ns + name, doc, value)
 
-        def total(name: str, doc: str, value: float | None) -> CounterMetricFamily:
-            c = CounterMetricFamily(ns + name, doc)
-            if value is not None:
-                c.add_metric([], value)
-            return c
+        def total(name: str, doc: str, value: float | None) -> Metric:
+            return _unlabelled(CounterMetricFamily, ns + name, doc, value)
 
         jobs = CounterMetricFamily(ns + "jobs", "Jobs ended, by outcome.",
                                    labels=["outcome"])
