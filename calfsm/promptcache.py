@@ -52,6 +52,7 @@ from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.kv import SeqState
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.machines.sequence import SequenceState
+from calfsm.request import Request
 
 __all__ = ["EVICTION_CAUSES", "PromptCache", "PromptCacheConfig", "PromptCacheStats"]
 
@@ -209,15 +210,14 @@ class PromptCache:
     # ---- lookup --------------------------------------------------------------------
     @staticmethod
     def key(prompt: Any) -> np.ndarray | None:
-        """``prompt`` as the cache compares it (None when it is not a sequence of
-        integers: the stream refuses it, with the reason, and the cache is not asked)."""
+        """``prompt`` as the cache compares it, converted as every request's tokens are
+        (None when a request would refuse it, or it is empty: the stream refuses it,
+        with the reason, and the cache is not asked)."""
         try:
-            arr = np.asarray(prompt)
-        except (TypeError, ValueError):
+            arr = Request.prefill(0, prompt).tokens
+        except InvalidArgument:
             return None
-        if arr.ndim != 1 or arr.dtype.kind not in "iu" or len(arr) < 1:
-            return None
-        return arr.astype(np.int64, copy=False)
+        return arr if len(arr) else None
 
     def _best_locked(self, prompt: np.ndarray) -> tuple[int, int]:
         """(sequence id, common prefix) of the entry sharing the longest prefix with
