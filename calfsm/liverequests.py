@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import attrs
 
 from calfsm.errors import InvalidArgument
-from calfsm.request import check_request_id
+from calfsm.request import MAX_REQUEST_ID, check_request_id
 
 __all__ = ["LiveRequests", "RequestInfo"]
 
@@ -104,6 +104,11 @@ class LiveRequests:
         checked free; nothing is entered yet."""
         if parent is not None:
             check_request_id(parent)
+            if len(parent) + len(f"-{n - 1}") > MAX_REQUEST_ID:
+                raise InvalidArgument(
+                    f"request_id of {len(parent)} characters leaves no room for the "
+                    f"'-{n - 1}' of n={n} choices' ids (at most {MAX_REQUEST_ID} in all)",
+                    stage="request")
         with self._lock:
             rid = parent if parent is not None else self.new_id()
             ids = [f"{rid}-{i}" for i in range(n)]

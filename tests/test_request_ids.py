@@ -240,6 +240,20 @@ def test_a_bad_n_is_refused(n):
         assert ex.requests() == []
 
 
+def test_a_parent_id_too_long_for_its_choices_suffix_is_refused_as_such():
+    """The children's ids are the parent's with '-i': a parent that fits alone but not
+    with the suffix is refused naming the parent, before anything starts."""
+    with make_executor("step") as ex:
+        with pytest.raises(InvalidArgument, match="no room for the '-3'"):
+            ex.generate(PROMPT, n=4, request_id="p" * 127)
+        assert ex.requests() == []
+        streams = ex.generate(PROMPT, SamplingParams(max_tokens=2), n=4,
+                              request_id="p" * 126)
+        assert [s.request_id for s in streams][-1] == "p" * 126 + "-3"
+        drive(ex, lambda: all(s.done() for s in streams))
+        assert {s.result().finish_reason for s in streams} == {FinishReason.LENGTH}
+
+
 def test_n_over_the_sequences_cancels_those_started():
     with make_executor("step", max_sequences=2) as ex:
         with pytest.raises(Exception, match="sequence"):
