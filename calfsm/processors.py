@@ -16,7 +16,6 @@ are) and know their token ids, which the sampler checks against the vocabulary.
 
 from __future__ import annotations
 
-import math
 import reprlib
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
@@ -77,6 +76,18 @@ class BanTokens:
         row[self._ids] = -np.inf
 
 
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _finite_f32(value: Any) -> bool:
+    """Whether ``value`` is finite as the float32 it is added as (an int beyond the
+    floats, or 1e39, is not: it would make the row's logit infinite)."""
+    try:
+        return abs(float(value)) <= _F32_MAX
+    except OverflowError:
+        return False
+
+
 def logit_bias(biases: Mapping[int, float]) -> LogitBias:
     """A processor adding ``biases[token]`` to each named token's logit (a finite
     number; a large negative one makes a token unlikely, :func:`ban_tokens` makes it
@@ -88,8 +99,9 @@ def logit_bias(biases: Mapping[int, float]) -> LogitBias:
     for t, b in biases.items():
         tok = token_id(t, "logit_bias key")
         if isinstance(b, bool) or not isinstance(b, int | float | np.integer | np.floating) \
-                or not math.isfinite(float(b)):
-            raise _bad(f"logit_bias[{tok}] must be a finite number, got {reprlib.repr(b)}")
+                or not _finite_f32(b):
+            raise _bad(f"logit_bias[{tok}] must be a finite number (as a float32), got "
+                       f"{reprlib.repr(b)}")
         out.append((tok, float(np.float32(b))))
     return LogitBias(tuple(sorted(out)))
 

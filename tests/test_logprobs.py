@@ -168,6 +168,13 @@ def test_a_bias_and_a_ban_touch_only_their_tokens():
     assert ban_tokens([3, 0]) == ban_tokens((0, 3)) and ban_tokens([3]).token_ids == (3,)
 
 
+@pytest.mark.parametrize("bias", [10**400, 1e39, -1e39, math.inf, math.nan])
+def test_a_bias_beyond_float32_is_refused_as_an_argument(bias):
+    """Not a raw OverflowError, and not a bias that makes the row's logit infinite."""
+    with pytest.raises(InvalidArgument, match=r"logit_bias\[1\] must be a finite number"):
+        logit_bias({1: bias})
+
+
 def test_a_processor_built_directly_is_checked_against_the_vocabulary_unsorted():
     """BanTokens and LogitBias are public: built without their factories their ids need
     not be sorted, and the largest is still refused at request time, not at the draw."""
