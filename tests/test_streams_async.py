@@ -317,7 +317,7 @@ class BlockingCalls:
     def __init__(self) -> None:
         self.blocked = 0.0
         self.longest = (0.0, "")
-        self._entered: list[tuple[float, str]] = []
+        self._entered: list[tuple[float, str] | None] = []
 
     def __enter__(self) -> BlockingCalls:
         self._prior = sys.getprofile()
@@ -327,18 +327,44 @@ class BlockingCalls:
     def __exit__(self, *exc: object) -> None:
         sys.setprofile(self._prior)
 
-    def _hook(self, _frame: Any, event: str, arg: Any) -> None:
+    def _hook(self, frame: Any, event: str, arg: Any) -> None:
         if event == "c_call":
             name = getattr(arg, "__name__", "")
             if name in _BLOCKING_CALLS:
-                self._entered.append((time.perf_counter(), _qualified(arg)))
+                # None: a call that cannot wait; its c_return is matched all the same
+                self._entered.append((time.perf_counter(), _qualified(arg))
+                                     if _can_wait(frame, arg) else None)
         elif (event in ("c_return", "c_exception") and self._entered
               and getattr(arg, "__name__", "") in _BLOCKING_CALLS):
-            t0, what = self._entered.pop()
+            entered = self._entered.pop()
+            if entered is None:
+                return
+            t0, what = entered
             spent = time.perf_counter() - t0
             self.blocked += spent
             if spent > self.longest[0]:
                 self.longest = (spent, what)
+
+
+def _can_wait(caller: Any, fn: Any) -> bool:
+    """Whether the C call ``fn`` made from frame ``caller`` can wait for another thread.
+    Two ``acquire`` calls on the loop's path cannot: ``Condition._is_owned``'s (it asks
+    ``acquire(False)``, inside every ``notify``) and one of a lock nobody holds (a job's
+    fresh latch). Counted in full, such a call's time was the GIL's hand-off around the
+    profile hook: while a worker thread that took the GIL meanwhile waits for a CPU that
+    another process has, the loop waits too (4.3 ms seen under load), which is the
+    machine's time, not calfsm's (the second reading in :class:`Stretches` counts a
+    worker's turn with the GIL less its runqueue wait). A lock some thread holds is
+    counted in full."""
+    if fn.__name__ != "acquire":
+        return True
+    if caller.f_code is _CONDITION_IS_OWNED:
+        return False
+    locked = getattr(getattr(fn, "__self__", None), "locked", None)
+    return locked is None or locked()
+
+
+_CONDITION_IS_OWNED = threading.Condition._is_owned.__code__
 
 
 def _qualified(fn: Any) -> str:
