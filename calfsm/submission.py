@@ -265,17 +265,24 @@ class Submission:
 
     def submit_wait_s(self) -> float | None:
         """How long a submitter with nothing to claim may sleep: until the first queue
-        deadline or the end of a back-off (None: nothing queued)."""
+        deadline, the end of a batch hold or of a back-off; none if a job may go now
+        (None: nothing queued)."""
         core = self.core
         with core.lock:
             if not self._submit_q:
                 return None
             now = core.clock.now()
+            # a job may go now: a hold the claim saw has ended since (a window ends
+            # silently, nobody rings), so a wait until the first queue deadline would
+            # strand the queue
+            go = self.submittable()
             first = min(j.queue_deadline for j in self._submit_q) - now
             held_until = self._followed_at + core.batch_window_s
             if self._last_rows and not self._rows_following and held_until > now:
                 first = min(first, held_until - now)    # a held batch goes then
         backoff = core.faults.backoff_until - now
+        if go:
+            return max(0.0, backoff)            # only a back-off keeps it waiting
         return max(0.0, min(first, backoff) if backoff > 0 else first)
 
     def submit(self, job: JobContext) -> None:
