@@ -59,7 +59,7 @@ class Core:
             self.driver, self.life, FaultPolicy(RecoveryPolicy()),
             timeouts=PipelineTimeouts(admission_s=admission_s, queue_s=queue_s,
                                       default_deadline_s=60.0, zombie_wait_s=0.25),
-            service=ServiceModel(TINY.timing, execution_timeout_s=None),
+            service=ServiceModel(manifest.timing, execution_timeout_s=None),
             max_inflight=1, engines=(EngineSlot.AUTO,),
             apply=self.verdicts.append, drain=self._drain, max_rows=max_rows,
             batch_window_s=batch_window_s)
