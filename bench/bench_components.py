@@ -44,7 +44,6 @@ import numpy as np
 
 from calfsm import _native
 from calfsm.buffers import BufferPool
-from calfsm.clock import VirtualClock
 from calfsm.drivers.sim import SimDriver
 from calfsm.kv import KvCoordinator
 from calfsm.logits import (
@@ -206,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lease: acquire + bind + move + release {best * 1e6:.2f} us "
           f"(median {med * 1e6:.2f})")
 
-    kv = KvCoordinator(driver, max_seq=40960, token_budget=1 << 20, clock=VirtualClock())
+    kv = KvCoordinator(driver, max_seq=40960, token_budget=1 << 20)
     state = {"len": 0}
 
     def kv_commit() -> None:

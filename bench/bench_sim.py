@@ -80,13 +80,10 @@ def main() -> None:
     for trace in (False, True):
         d = SimDriver(m, trace=trace)
         r = DirectRunner(d, m)
-        s = r._sets[TaskKind.DECODE]
-        d.kv_apply(0, 1 << 19)
+        s = r.sets[TaskKind.DECODE]
         s.tok[0] = 1
         s.pos[0] = 0
-        d.set_csr(s.inp, s.cur, 1)
-        d.set_csr(s.inp, s.total, 1)
-        d.set_kv_seq(s.inp, 0)
+        r.program(s, 0, 1, 1)   # KV room, both CSRs and the KV sequence, once
 
         def device(i, d=d, s=s):
             d.infer(s.handle, s.inp, s.out)
