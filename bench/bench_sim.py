@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/bench_sim.py            # default 2000 steps
     python bench/bench_sim.py --steps 500
+    python bench/bench_sim.py --smoke   # seconds; its figures mean nothing
 
 Reports CPU time per step (``time.process_time``; target <= 2 ms) for
 
@@ -68,7 +69,12 @@ def alloc_per_step(fn, steps: int) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second, 20 steps each: checks it still runs (the test suite's), "
+                         "its figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.steps = 20
     m = builtin_manifest("qwen3-b1")
     vocab = m.submodel(TaskKind.DECODE).vocab
     rows = []
