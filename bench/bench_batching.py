@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/bench_batching.py              # three runs, ~3 minutes
     python bench/bench_batching.py --quick      # one run, fewer tokens
+    python bench/bench_batching.py --smoke      # seconds; its figures mean nothing
 
 The device: ``LatencyModel.fixed(decode_s=10 ms, prefill_token_us=200,
 batch_row_share=0.05)``. A batch decode step of ``R`` rows takes ``decode_s * (1 + 0.05 *
@@ -152,9 +153,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one run, 20 tokens")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the reference check of the batched tokens")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few seconds, one run of 8 streams x 10 tokens: checks it still "
+                        "runs (the test suite's), its figures mean nothing")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.tokens = 1, 20
+    if args.smoke:
+        args.runs, args.streams, args.tokens = 1, ROWS, 10   # a window all 8 share
     with tempfile.TemporaryDirectory(prefix="calfsm-bench-evidence-") as evidence:
         write_evidence(evidence)
         runs = repeat(args.runs, lambda _: one_run(args, evidence))

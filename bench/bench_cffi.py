@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python bench/bench_cffi.py                 # defaults: --vocab 1024 --steps 2000 --reps 7
+    python bench/bench_cffi.py --smoke   # seconds; its figures mean nothing
 
 A "round trip" is what the executor does per decode step, with zero device latency:
 write the token and position into the mapped host arrays, set both CSRs, ``infer``,
@@ -66,7 +67,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second, 50 steps x 2 reps: checks it still runs (the test "
+                         "suite's), its figures mean nothing")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.steps, args.reps = 50, 2
     cb = small_calbin(vocab=args.vocab, max_seq=(args.reps + 1) * args.steps + 16)
     positions = (args.reps + 1) * args.steps + 16
     zero = LatencyModel.zero()

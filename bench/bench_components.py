@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python bench/bench_components.py            # or: python bench/bench_components.py --quick
+    python bench/bench_components.py --smoke   # seconds; its figures mean nothing
 
 What it measures, side by side in one run so the ratios compare like with like:
 
@@ -44,7 +45,6 @@ import numpy as np
 
 from calfsm import _native
 from calfsm.buffers import BufferPool
-from calfsm.clock import VirtualClock
 from calfsm.drivers.sim import SimDriver
 from calfsm.kv import KvCoordinator
 from calfsm.logits import (
@@ -115,11 +115,12 @@ def logits_rows(contract, native_ok: bool) -> tuple[dict, int]:
     return rows, base // vocab
 
 
-def bench_logits(name: str, runs: int, repeat: int, native_ok: bool, gated: bool) -> None:
+def bench_logits(name: str, runs: int, repeat: int, native_ok: bool, gated: bool,
+                 scale: int = 1) -> None:
     contract = builtin_manifest(name).submodel(TaskKind.PREFILL_IDS)
     vocab = contract.vocab
     rows, row = logits_rows(contract, native_ok)
-    number = max(100, 2_000_000 // vocab)  # a timing of ~1-2 ms
+    number = max(100, 2_000_000 // vocab) // scale  # a timing of ~1-2 ms
     best: dict[str, float] = {}
     ratios: dict[str, list[float]] = {k: [] for k in rows}
     names = list(rows)
@@ -155,15 +156,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats and runs")
     ap.add_argument("--runs", type=int, default=None,
                     help="runs of the logits rows (default 5, --quick 2)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, every row once with few calls: checks it still "
+                         "runs (the test suite's), its figures mean nothing")
     args = ap.parse_args(argv)
-    repeat = 5 if args.quick else 15
-    runs = args.runs or (2 if args.quick else 5)
+    repeat = 1 if args.smoke else 5 if args.quick else 15
+    runs = 1 if args.smoke else args.runs or (2 if args.quick else 5)
+    scale = 20 if args.smoke else 1          # fewer calls per timing
 
     native_ok = native_kernel_in_use()
     print(f"native logits kernel: {'loaded' if native_ok else 'NOT available (numpy only)'}"
           f"; OPENBLAS_CORETYPE={os.environ.get('OPENBLAS_CORETYPE', '(unset)')}")
     for name, gated in (("qwen3-b1", True), ("tiny", False)):
-        bench_logits(name, runs, repeat, native_ok, gated)
+        bench_logits(name, runs, repeat, native_ok, gated, scale)
 
     manifest = builtin_manifest("qwen3-b1")
     prefill = manifest.submodel(TaskKind.PREFILL_IDS)
@@ -199,14 +204,14 @@ def main(argv: list[str] | None = None) -> int:
         lease = pool.acquire(TaskKind.DECODE).bind(job_id=1, seq_id=1)
         pool.release(lease.move())
 
-    best, med = measure(lease_cycle, 20000, repeat)
+    best, med = measure(lease_cycle, 20000 // scale, repeat)
     print(f"lease: acquire + release {best * 1e6:.2f} us (median {med * 1e6:.2f}) "
           f"(target < 20 us): {'OK' if best < 20e-6 else 'OVER'}")
-    best, med = measure(lease_move_cycle, 20000, repeat)
+    best, med = measure(lease_move_cycle, 20000 // scale, repeat)
     print(f"lease: acquire + bind + move + release {best * 1e6:.2f} us "
           f"(median {med * 1e6:.2f})")
 
-    kv = KvCoordinator(driver, max_seq=40960, token_budget=1 << 20, clock=VirtualClock())
+    kv = KvCoordinator(driver, max_seq=40960, token_budget=1 << 20)
     state = {"len": 0}
 
     def kv_commit() -> None:
@@ -223,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
 
     for name, fn in (("try_reserve + mark_submitted + commit", kv_commit),
                      ("try_reserve + rollback", kv_rollback)):
-        best, med = measure(fn, 2000, repeat)
+        best, med = measure(fn, 2000 // scale, repeat)
         print(f"kv: {name:38s} {best * 1e6:7.1f} us (median {med * 1e6:7.1f})")
     return 0
 

@@ -8,6 +8,7 @@ Run from the repository root::
     python bench/bench_critical_path.py            # 3 runs of 150 tokens, ~15 s
     python bench/bench_critical_path.py --load 2   # the same beside two busy processes
     python bench/bench_critical_path.py --hops     # and the stream's path hop by hop
+    python bench/bench_critical_path.py --smoke   # seconds; its figures mean nothing
 
 Each run prints the P50 and P90 of that gap for both paths, side by side. On the 2-core
 VM of 2026-12-02 (quiet, three runs) the stream's gap was 168-241 us at P50 against the
@@ -207,8 +208,13 @@ def main() -> int:
     ap.add_argument("--hops", action="store_true",
                     help="after the runs, one more stream run with the path split hop by "
                          "hop (output check, sampling, queueing, the submitter's wake-up)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, one run of 10 tokens with --hops: checks it still "
+                         "runs (the test suite's), its figures mean nothing")
     add_load_option(ap)
     args = ap.parse_args()
+    if args.smoke:
+        args.runs, args.tokens, args.hops = 1, 10, True
     with cpu_load(args.load):
         return _runs(args)
 

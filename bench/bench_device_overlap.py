@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/bench_device_overlap.py                  # both drivers, 3 runs each
     python bench/bench_device_overlap.py --share 0.3 --decode-ms 10 --jobs 200 --runs 3
+    python bench/bench_device_overlap.py --smoke   # seconds; its figures mean nothing
 
 Two sequences decode on the real-time device (``LatencyModel.fixed(decode_s,
 transfer_share)``), side by side in one run:
@@ -94,7 +95,12 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--driver", choices=("sim", "calrt", "both"), default="both")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, one run of 10 jobs at 2 ms on both drivers: checks "
+                         "it still runs (the test suite's), its figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        args.jobs, args.runs, args.decode_ms, args.driver = 10, 1, 2.0, "both"
     lat = LatencyModel.fixed(decode_s=args.decode_ms / 1e3, transfer_share=args.share)
     bound = 1 / max(args.share, 1 - args.share)
     ideal_one = 1e3 / args.decode_ms

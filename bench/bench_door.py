@@ -6,6 +6,7 @@ Run from the repository root (about a minute; everything on 127.0.0.1)::
 
     python bench/bench_door.py
     python bench/bench_door.py --idle 5000 --slow 300 --others 20
+    python bench/bench_door.py --smoke   # seconds; its figures mean nothing
 
 The server is ``calfsm serve --port 0`` in a subprocess, with one API key for the hog
 and one per other client (so they are distinct clients from one address), and otherwise
@@ -30,12 +31,15 @@ import httpx
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
 MODEL = "qwen3-b1"
+#: --smoke: the same attacks, small, against short timeouts on the tiny manifest
+SMOKE_SERVE = ["--manifest", "tiny", "--max-sequences", "4", "--header-timeout", "0.5",
+               "--body-timeout", "0.5"]
 
 
-def start(keys: list[str]) -> tuple[subprocess.Popen, str, int]:
+def start(keys: list[str], extra: list[str]) -> tuple[subprocess.Popen, str, int]:
     args = [a for k in keys for a in ("--api-key", k)]
     proc = subprocess.Popen([sys.executable, "-m", "calfsm.cli", "serve", "--port", "0",
-                             *args], stderr=subprocess.PIPE, text=True)
+                             *args, *extra], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:
         m = re.search(r"listening on (http://[\d.]+:(\d+))", line)
@@ -123,39 +127,39 @@ def big_header(port: int) -> str:
     return f"an 8 MiB header: {got} after {time.monotonic() - t0:.2f} s"
 
 
-def bad_bodies(url: str, key: str) -> list[str]:
+def bad_bodies(url: str, key: str, model: str) -> list[str]:
     auth = {"authorization": f"Bearer {key}"}
     r = httpx.post(url + "/v1/completions", content=b"[" * 980 + b"]" * 980, headers=auth)
     out = [f"a JSON body nested 980 levels (2 KB): {r.status_code} "
            f"{r.json()['error']['message']!r}"]
     r = httpx.post(url + "/v1/completions", headers=auth,
-                   json={"model": MODEL, "prompt": "x", "max_tokens": 10 ** 30})
+                   json={"model": model, "prompt": "x", "max_tokens": 10 ** 30})
     out.append(f"max_tokens 10^30: {r.status_code} {r.json()['error']['message']!r}")
     return out
 
 
-async def hog(url: str, others: int) -> str:
+async def hog(url: str, others: int, model: str, held_n: int) -> str:
     limits = httpx.Limits(max_connections=200, max_keepalive_connections=200)
     async with httpx.AsyncClient(base_url=url, timeout=120, limits=limits) as c, \
             AsyncExitStack() as stack:
         held: dict[int, int] = {}
-        for i in range(64):
+        for i in range(held_n):
             r = await stack.enter_async_context(c.stream(
                 "POST", "/v1/completions", headers={"authorization": "Bearer hog"},
-                json={"model": MODEL, "prompt": [i + 1], "max_tokens": 4000,
+                json={"model": model, "prompt": [i + 1], "max_tokens": 4000,
                       "stream": True}))
             held[r.status_code] = held.get(r.status_code, 0) + 1
 
         async def other(i: int) -> int:
             r = await c.post("/v1/completions", headers={"authorization": f"Bearer c{i}"},
-                             json={"model": MODEL, "prompt": [7, i], "max_tokens": 20})
+                             json={"model": model, "prompt": [7, i], "max_tokens": 20})
             return r.status_code
 
         t0 = time.monotonic()
         codes = await asyncio.gather(*(other(i) for i in range(others)))
         took = time.monotonic() - t0
     answered = dict(sorted((k, codes.count(k)) for k in set(codes)))
-    return (f"one client opens 64 streams it never reads: {held}; then {others} other "
+    return (f"one client opens {held_n} streams it never reads: {held}; then {others} other "
             f"clients ask for 20 tokens each: {answered} in {took:.1f} s")
 
 
@@ -164,17 +168,25 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=5000, help="idle connections")
     ap.add_argument("--slow", type=int, default=300, help="slow-header and slow-body ones")
     ap.add_argument("--others", type=int, default=20, help="clients beside the hog")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: a handful of each on tiny with 0.5 s timeouts and 4 "
+                         "sequences; checks it still runs (the test suite's), its figures "
+                         "mean nothing")
     args = ap.parse_args()
+    model, held_n, extra = MODEL, 64, []
+    if args.smoke:
+        args.idle, args.slow, args.others = 10, 4, 2
+        model, held_n, extra = "tiny", 4, SMOKE_SERVE
     keys = ["hog", *(f"c{i}" for i in range(args.others))]
-    proc, url, port = start(keys)
+    proc, url, port = start(keys, extra)
     try:
         print(idle(port, args.idle))
         print(slow_headers(port, args.slow))
         print(slow_bodies(port, args.slow, "c0"))
         print(big_header(port))
-        for line in bad_bodies(url, "c0"):
+        for line in bad_bodies(url, "c0", model):
             print(line)
-        print(asyncio.run(hog(url, args.others)))
+        print(asyncio.run(hog(url, args.others, model, held_n)))
         print(f"/health after all that: {httpx.get(url + '/health').status_code}")
     finally:
         proc.send_signal(signal.SIGINT)

@@ -6,6 +6,7 @@ Run from the repository root::
     python bench/bench_executor.py --quick    # ~30 s
     python bench/bench_executor.py --manifest qwen3-b1
     python bench/bench_executor.py --profile  # + where it goes
+    python bench/bench_executor.py --smoke   # seconds; its figures mean nothing
 
 Every path drives its own ``SimDriver(clock=RealClock(), latency=LatencyModel.fixed(
 decode_s=...))`` of the same manifest; the runs are interleaved in ABC/CBA blocks so
@@ -385,10 +386,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the executor per job")
     ap.add_argument("--profile-jobs", type=int, default=3000)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds, 2 blocks of a few steps and a short profile: checks "
+                         "it still runs (the test suite's), its figures mean nothing")
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.blocks, args.profile, args.profile_jobs, args.top = 2, True, 50, 5
     manifest = builtin_manifest(args.manifest)
     vocab = manifest.submodel(TaskKind.DECODE).vocab
-    q = 4 if args.quick else 1
+    q = 50 if args.smoke else 4 if args.quick else 1
     plan = [(0.010, 200 // q), (0.002, 400 // q), (0.0, 2000 // q)]
     print(f"bench_executor: {manifest.name} (V={vocab}), SimDriver real time, "
           f"{args.blocks} interleaved blocks per row, medians over blocks; "

@@ -4,6 +4,7 @@ and doing without either.
 Run from the repository root::
 
     python bench/bench_machines.py            # defaults: --reps 21 --jobs 2000
+    python bench/bench_machines.py --smoke   # seconds; its figures mean nothing
 
 It measures, in one run and interleaved (table batch, engine batch, plain batch, table
 batch, ...), so that CPU frequency and cache drift hit all sides alike:
@@ -108,7 +109,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=21, help="interleaved repetitions")
     parser.add_argument("--jobs", type=int, default=2000, help="lifecycles per batch")
+    parser.add_argument("--smoke", action="store_true",
+                        help="a second, 1 rep of 50 lifecycles: checks it still runs (the "
+                             "test suite's), its figures mean nothing")
     args = parser.parse_args(argv)
+    populations = (10, 50) if args.smoke else (100, 2000)
+    if args.smoke:
+        args.reps, args.jobs = 1, 50
 
     sides = {"table": JOB_MACHINE.fire, "engine": JOB_MACHINE.fire_via_engine}
     for fire in sides.values():  # warm-up: import-time caches, first-call costs
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  ratio {num}/{den:<24} {med[num] / med[den]:8.1f}x   "
               f"(difference {med[num] - med[den]:.2f} us per job)")
     print("context, transitions.Machine.add_model (one model per job, not used by calfsm):")
-    for population in (100, 2000):
+    for population in populations:
         per = statistics.median(add_model_per_model(population) for _ in range(3))
         print(f"  add_model, {population:5d} models  {per * 1e6:8.2f} us/model")
     return 0

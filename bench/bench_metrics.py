@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/bench_metrics.py            # ~10 s
     python bench/bench_metrics.py --quick    # ~3 s
+    python bench/bench_metrics.py --smoke   # seconds; its figures mean nothing
 
 Step-mode executors (no threads, zero device latency, the virtual clock) on SimDriver,
 so the figure is the executor's own CPU per job, without thread hand-offs or device
@@ -96,9 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manifest", default="tiny")
     ap.add_argument("--blocks", type=int, default=8, help="interleaved blocks (even)")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, 2 blocks of 20 jobs and 1 stream: checks it still "
+                         "runs (the test suite's), its figures mean nothing")
     args = ap.parse_args(argv)
     manifest = builtin_manifest(args.manifest)
-    jobs, streams = (300, 4) if args.quick else (1000, 12)
+    jobs, streams = (20, 1) if args.smoke else (300, 4) if args.quick else (1000, 12)
+    if args.smoke:
+        args.blocks = 2
     variants = ("none", "no-op", "metrics", "+dump")
     with tempfile.TemporaryDirectory() as tmp:
         exs = {v: make(manifest, v, tmp) for v in variants}

@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/bench_pingpong.py               # ~60 s, three runs
     python bench/bench_pingpong.py --quick       # ~15 s, one run
+    python bench/bench_pingpong.py --smoke   # seconds; its figures mean nothing
 
 The device: ``LatencyModel.fixed(decode_s=10 ms, transfer_share=0.3)`` — each decode
 spends 1.5 ms in H2D, 7 ms computing and 1.5 ms in D2H, on one DMA channel and one
@@ -154,9 +155,12 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-ms", type=float, default=10.0)
     ap.add_argument("--share", type=float, default=0.3, help="transfer share of a job")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds, one run of 2 blocks of 8 steps: checks it still runs "
+                         "(the test suite's), its figures mean nothing")
     args = ap.parse_args()
-    runs = 1 if args.quick else args.runs
-    steps, blocks = (60, 2) if args.quick else (150, 4)
+    runs = 1 if args.quick or args.smoke else args.runs
+    steps, blocks = (8, 2) if args.smoke else (60, 2) if args.quick else (150, 4)
     decode_s = args.decode_ms * 1e-3
     with tempfile.TemporaryDirectory(prefix="calfsm-evidence-") as evidence:
         write_evidence(evidence)

@@ -7,6 +7,7 @@ Run from the repository root::
     python bench/bench_probes.py --quick        # ~1 min: idle and 512 clients, 2 rounds
     python bench/bench_probes.py --serve-args="--request-timeout 600"   # sequence-bound
     python bench/bench_probes.py --retry-ms 0   # clients that never back off
+    python bench/bench_probes.py --smoke   # seconds; its figures mean nothing
 
 The server is ``calfsm serve`` (its defaults: qwen3-b1 on the simulated device in real
 time, 10 ms per decode, 64 sequences, 60 s request timeout; ``--serve-args`` adds
@@ -73,9 +74,14 @@ def main() -> int:
                     help="pause after a 429/503 (default: its retry-after-ms)")
     ap.add_argument("--quick", action="store_true", help="idle and 512 clients, 2 rounds")
     ap.add_argument("--serve-args", default="", help="extra calfsm serve options")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: idle and 8 clients, one round of 1 s each; checks it "
+                         "still runs (the test suite's), its figures mean nothing")
     args = ap.parse_args()
     counts = [512] if args.quick else [int(x) for x in args.clients.split(",")]
     rounds = 2 if args.quick else args.rounds
+    if args.smoke:
+        counts, rounds, args.seconds, args.warm, args.tokens = [8], 1, 1.0, 0.5, "10"
     proc, port = start_serve(*args.serve_args.split())
     prober = Prober(port)
     prober.start()

@@ -4,6 +4,7 @@ Run from the repository root::
 
     python bench/bench_prompt_cache.py              # three runs, ~7 minutes
     python bench/bench_prompt_cache.py --quick      # one short run (a smoke test)
+    python bench/bench_prompt_cache.py --smoke   # seconds; its figures mean nothing
 
 The device: the manifests' own timing (``tiny-b8``, like ``tiny`` and ``qwen3-b1``:
 10 ms a decode step, 200 us a prefilled token), ``LatencyModel.fixed(decode_s=10 ms,
@@ -184,11 +185,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chats", type=int, default=16)
     p.add_argument("--quick", action="store_true",
                    help="one run, 4 chats of 4 turns with 20-token answers")
+    p.add_argument("--smoke", action="store_true",
+                   help="a few seconds, one run of 2 chats of 3 short turns: checks it still "
+                        "runs (the test suite's), its figures mean nothing")
     args = p.parse_args(argv)
     shape = Shape(system=500, user=50, answer=100, turns=10)
     if args.quick:
         args.runs, args.chats = 1, 4
         shape = Shape(system=500, user=50, answer=20, turns=4)
+    if args.smoke:
+        args.runs, args.chats = 1, 2
+        shape = Shape(system=40, user=8, answer=3, turns=3)
     with tempfile.TemporaryDirectory(prefix="calfsm-bench-evidence-") as evidence:
         write_evidence(evidence)
         runs = repeat(args.runs, lambda i: one_run(args, evidence, i, shape))

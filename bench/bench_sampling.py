@@ -3,6 +3,7 @@
 Run from the repository root::
 
     python bench/bench_sampling.py            # or: python bench/bench_sampling.py --quick
+    python bench/bench_sampling.py --smoke   # seconds; its figures mean nothing
 
 What it measures, side by side in one run so the ratios compare like with like:
 
@@ -87,9 +88,10 @@ def rows_of(src: np.ndarray, native_ok: bool) -> dict[str, Callable[[], object]]
     return fns
 
 
-def bench(name: str, src: np.ndarray, runs: int, repeat: int, native_ok: bool) -> None:
+def bench(name: str, src: np.ndarray, runs: int, repeat: int, native_ok: bool,
+          budget_s: float = 2e-3) -> None:
     fns = rows_of(src, native_ok)
-    numbers = {k: calls_for(fn) for k, fn in fns.items()}
+    numbers = {k: calls_for(fn, budget_s) for k, fn in fns.items()}
     names = list(fns)
     best: dict[str, float] = {}
     ratios: dict[str, list[float]] = {k: [] for k in names if k != COPY}
@@ -128,15 +130,19 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and runs")
     ap.add_argument("--runs", type=int, default=None, help="runs (default 5, --quick 2)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a second or two, every row once with a few calls: checks it still "
+                         "runs (the test suite's), its figures mean nothing")
     args = ap.parse_args(argv)
-    repeat = 3 if args.quick else 7
-    runs = args.runs or (2 if args.quick else 5)
+    repeat = 1 if args.smoke else 3 if args.quick else 7
+    runs = 1 if args.smoke else args.runs or (2 if args.quick else 5)
+    budget_s = 1e-5 if args.smoke else 2e-3     # one timing's length: the fewest calls
     native_ok = native_sampling_available()
     print(f"native sampling kernel: {'loaded' if native_ok else 'NOT available (numpy only)'}")
     for vocab in (151936, 1024):
         for name, make in (("reference-model logits", reference_row),
                            ("normal logits (sigma 3)", normal_row)):
-            bench(name, make(vocab), runs, repeat, native_ok)
+            bench(name, make(vocab), runs, repeat, native_ok, budget_s)
     vocab = 151936
     src = reference_row(vocab)
     row = np.empty_like(src)

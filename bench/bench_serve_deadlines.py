@@ -9,6 +9,7 @@ Run from the repository root (about 50 s a round at the defaults)::
     python bench/bench_serve_deadlines.py
     python bench/bench_serve_deadlines.py --rounds 3 \\
         --serve-args="--decode-ms 1 --request-timeout 6"
+    python bench/bench_serve_deadlines.py --smoke   # seconds; its figures mean nothing
 
 Each round starts a fresh ``calfsm serve`` (qwen3-b1 on the simulated device in real
 time, 10 ms per decode, 64 sequences, 60 s request timeout, unless ``--serve-args``
@@ -37,6 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from tests.serve_load import pct, start_serve
 
 CLIENTS, TOKENS = 64, 100
+#: --smoke: 8 clients x 10 tokens against 4 sequences at 2 ms a decode
+SMOKE = (8, 10, "--max-sequences 4 --decode-ms 2")
 
 
 def _request(i: int) -> bytes:
@@ -95,7 +98,14 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--serve-args", default="", help="extra calfsm serve options")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds, one round of 8 clients x 10 tokens on 4 sequences: "
+                         "checks it still runs (the test suite's), its figures mean nothing")
     args = ap.parse_args()
+    if args.smoke:
+        global CLIENTS, TOKENS
+        CLIENTS, TOKENS, args.serve_args = SMOKE
+        args.rounds = 1
     print(f"bench_serve_deadlines: {CLIENTS} clients x {TOKENS} tokens at once against "
           f"calfsm serve {args.serve_args or '(defaults)'}, {args.rounds} round(s)")
     verdict = True

@@ -6,6 +6,7 @@ Run from the repository root::
     python bench/bench_server.py                    # ~4 min: 1, 8, 32 clients, 3 rounds
     python bench/bench_server.py --quick            # ~30 s: 1 and 8 clients, 2 rounds
     python bench/bench_server.py --clients 1 --rounds 5
+    python bench/bench_server.py --smoke   # seconds; its figures mean nothing
 
 Two paths, each with its own executor on its own ``realtime_sim(manifest, decode_ms)``
 (qwen3-b1, V=151936, 10 ms per decode, prefill 50 us per token, greedy):
@@ -165,9 +166,17 @@ def main() -> int:
                          "directory both paths read")
     ap.add_argument("--batch-row-share", type=float, default=0.0,
                     help="what each row past the first adds to a batch decode step")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds: 1 and 2 clients, 2 rounds of 8 tokens on tiny at 2 ms "
+                         "a decode; checks it still runs and the tokens agree (the test "
+                         "suite's), its figures mean nothing")
     args = ap.parse_args()
     counts = [1, 8] if args.quick else [int(x) for x in args.clients.split(",")]
     rounds = 2 if args.quick else args.rounds
+    if args.smoke:
+        counts, rounds, args.tokens, args.decode_ms = [1, 2], 2, 8, 2.0
+        if args.manifest == MANIFEST:
+            args.manifest = "tiny"
     manifest = builtin_manifest(args.manifest)
     MODEL[0] = manifest.name
     VOCAB[0] = manifest.submodel(TaskKind.DECODE).vocab

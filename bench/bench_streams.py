@@ -5,6 +5,7 @@ Run from the repository root::
     python bench/bench_streams.py             # ~75 s
     python bench/bench_streams.py --quick     # ~20 s
     python bench/bench_streams.py --runs 3    # three runs, ranges reported
+    python bench/bench_streams.py --smoke   # seconds; its figures mean nothing
 
 Every path drives its own ``SimDriver(clock=RealClock(), latency=LatencyModel.fixed(
 decode_s=...))`` of the same manifest (prefill takes no device time); as in
@@ -186,9 +187,9 @@ def bench_four_streams(manifest, decode_s: float, steps: int, rounds: int) -> di
 
 # ---- one run --------------------------------------------------------------------------------
 
-def one_run(manifest, blocks: int, quick: bool) -> dict:
-    """Both parts once; prints the run's tables and returns the figures the targets read."""
-    q = 4 if quick else 1
+def one_run(manifest, blocks: int, q: int) -> dict:
+    """Both parts once, each with ``1/q`` of the steps; prints the run's tables and returns
+    the figures the targets read."""
     figures: dict = {}
     print("\n(a) one stream, time per output token as the consumer sees it; ratios to the "
           "direct path's and to the device time per decode")
@@ -270,8 +271,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=6, help="A/B blocks per latency (even)")
     ap.add_argument("--runs", type=int, default=1, help="whole runs; ranges over them")
     ap.add_argument("--quick", action="store_true", help="a quarter of the steps")
+    ap.add_argument("--smoke", action="store_true",
+                    help="a few seconds, 2 blocks of a few steps: checks it still runs (the "
+                         "test suite's), its figures mean nothing")
     add_load_option(ap)
     args = ap.parse_args(argv)
+    if args.smoke:
+        args.blocks, args.runs = 2, 1
     if args.runs < 1 or args.blocks < 1 or args.load < 0:
         ap.error("--runs and --blocks must be >= 1, --load >= 0")
     with cpu_load(args.load):
@@ -283,13 +289,14 @@ def _runs(args: argparse.Namespace) -> int:
     vocab = manifest.submodel(TaskKind.DECODE).vocab
     print(f"bench_streams: {manifest.name} (V={vocab}), SimDriver real time, "
           f"{args.blocks} interleaved blocks per row, medians over blocks, {args.runs} "
-          f"run(s){', quick' if args.quick else ''}, {args.load} CPU-bound process(es) "
+          f"run(s){', smoke' if args.smoke else ', quick' if args.quick else ''}, {args.load} "
+          "CPU-bound process(es) "
           f"beside; python {sys.version.split()[0]}")
     runs = []
     for i in range(args.runs):
         if args.runs > 1:
             print(f"\n=== run {i + 1} of {args.runs} ===")
-        runs.append(one_run(manifest, args.blocks, args.quick))
+        runs.append(one_run(manifest, args.blocks, 50 if args.smoke else 4 if args.quick else 1))
     print(f"\ntargets{f' (every one of {args.runs} runs must meet it)' if args.runs > 1 else ''}:")
     for name, key, target, at_most in TARGETS:
         values = [r[key] for r in runs]

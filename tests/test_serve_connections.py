@@ -10,6 +10,7 @@ has nothing to do with the timer)."""
 
 from __future__ import annotations
 
+import json
 import logging
 import select
 import socket
@@ -239,3 +240,91 @@ def test_connections_past_the_limit_are_closed_at_once(executor):
 def test_connection_limits_refuse_bad_values(field):
     with pytest.raises(InvalidArgument, match=field):
         ConnectionLimits(**{field: 0})
+
+
+# ---- HTTP oddities (issue 34, item 6) ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def patient(executor: DeviceExecutor) -> Iterator[LiveServer]:
+    """A server whose keep-alive outlasts every wait here, so a connection it closes was
+    closed by the rule under test, not by the idle timer."""
+    srv = LiveServer(create_app(executor, ServerConfig()),
+                     ConnectionLimits(keep_alive_s=60, header_timeout_s=30, body_timeout_s=30))
+    yield srv
+    srv.stop()
+
+
+def read_answer(s: socket.socket) -> tuple[bytes, dict[bytes, bytes], bytes, bytes]:
+    """One HTTP/1.1 answer framed by its content-length: (status line, headers, body,
+    the bytes that came after it)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = s.recv(65536)
+        assert chunk, f"closed before an answer: {data[:80]!r}"
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status, *lines = head.split(b"\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (x.partition(b":") for x in lines)}
+    size = int(headers[b"content-length"])
+    while len(body) < size:
+        chunk = s.recv(65536)
+        assert chunk, "closed in the middle of an answer"
+        body += chunk
+    return status, headers, body[:size], body[size:]
+
+
+def _chunked(data: bytes) -> bytes:
+    return f"{len(data):x}\r\n".encode() + data + b"\r\n0\r\n\r\n"
+
+
+REQUEST = (b'{"model": "' + MODEL.encode() + b'", "prompt": [1], "max_tokens": 1, '
+           b'"temperature": 0}')
+
+
+@pytest.mark.parametrize("order", ["cl-first", "te-first"])
+def test_content_length_with_chunked_is_answered_then_the_connection_closed(patient, order):
+    """RFC 9112 6.1: a request with both Transfer-Encoding and Content-Length is read by
+    its Transfer-Encoding (h11's rule) and its connection closed after the answer, so the
+    two ends cannot disagree about where the next request begins (request smuggling).
+    The bytes after the chunked body would be a second request to a reader that trusts
+    the Content-Length; they are never answered."""
+    cl, te = b"content-length: 4\r\n", b"transfer-encoding: chunked\r\n"
+    framing = cl + te if order == "cl-first" else te + cl
+    smuggled = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+    with connect(patient) as s:
+        s.sendall(HEAD + framing + b"\r\n" + _chunked(REQUEST) + smuggled)
+        status, headers, body, after = read_answer(s)
+        assert status.startswith(b"HTTP/1.1 200 "), (status, body[:200])
+        assert json.loads(body)["usage"]["completion_tokens"] == 1   # the chunked body
+        rest = after + until_closed(s, MARGIN)
+        assert headers.get(b"connection") == b"close", headers
+    assert rest == b"", f"the smuggled request was answered: {rest[:80]!r}"
+
+
+def test_a_plain_chunked_request_keeps_its_connection(patient):
+    """Only the ambiguous framing closes: chunked alone is an ordinary request."""
+    with connect(patient) as s:
+        s.sendall(HEAD + b"transfer-encoding: chunked\r\n\r\n" + _chunked(REQUEST))
+        status, headers, _, _ = read_answer(s)
+        assert status.startswith(b"HTTP/1.1 200 ") and b"connection" not in headers
+        s.sendall(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+        status, _, _, _ = read_answer(s)
+        assert status.startswith(b"HTTP/1.1 200 "), status
+
+
+@pytest.mark.parametrize(("method", "path"), [
+    ("GET", "/v1/completions/"), ("POST", "/v1/completions/"),
+    ("POST", "/v1/chat/completions/"), ("GET", "/v1/models/"), ("GET", "/metrics/"),
+    ("GET", "/health/"), ("GET", "/ready/")])
+def test_a_trailing_slash_is_an_openai_404_not_a_redirect(patient, method, path):
+    """Starlette would redirect (307, empty body) to the path without the slash; a POST
+    client that follows it may resend or drop its body, and an OpenAI client expects an
+    error object. OpenAI answers such a path 404 too."""
+    r = httpx.request(method, patient.url + path, json={"model": MODEL, "prompt": "x"},
+                      timeout=10, follow_redirects=False)
+    assert r.status_code == 404, (r.status_code, r.headers, r.text)
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["type"] == "invalid_request_error" and path in err["message"]
+    assert f"did you mean {path.rstrip('/')!r}?" in err["message"]
+    assert "location" not in r.headers

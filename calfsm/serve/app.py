@@ -79,7 +79,7 @@ from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
 from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
 from calfsm.serve.fields import count, count_or_none, non_negative, positive_or_none
-from calfsm.serve.front import Front
+from calfsm.serve.front import GENERATION_PATHS, PROBE_PATHS, Front
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, clip, from_calfsm
 from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of, ready_answer
@@ -93,6 +93,8 @@ __all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
 
 log = logging.getLogger("calfsm.serve")
 _limited = RateLimitedLog(log)
+#: every path the app answers (a 404's hint names the one a trailing slash missed)
+_PATHS = frozenset({*GENERATION_PATHS, *PROBE_PATHS, "/v1/models", "/metrics"})
 #: the header that names a request, in (optional: generated otherwise) and out
 REQUEST_ID_HEADER = "x-request-id"
 
@@ -552,6 +554,10 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
     app = Starlette(routes=routes, lifespan=lifespan, middleware=middleware,
                     exception_handlers={ApiError: _api_error, 404: _not_found,
                                         405: _not_allowed})
+    # a path with a trailing slash is a 404 in OpenAI's format (OpenAI's own answer),
+    # not Starlette's 307 with an empty body, which a POST client may follow without
+    # its body or not at all
+    app.router.redirect_slashes = False
     app.state.calfsm = server
     return app
 
@@ -612,7 +618,10 @@ async def _api_error(request: Request, exc: Exception) -> Response:
 
 
 async def _not_found(request: Request, exc: Exception) -> Response:
-    return _error_response(ApiError(404, f"no route {clip(request.url.path)}"))
+    path = request.url.path
+    hint = f" (did you mean {clip(path.rstrip('/'))}?)" \
+        if path.endswith("/") and path.rstrip("/") in _PATHS else ""
+    return _error_response(ApiError(404, f"no route {clip(path)}{hint}"))
 
 
 async def _not_allowed(request: Request, exc: Exception) -> Response:

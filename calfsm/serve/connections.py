@@ -20,7 +20,14 @@ the state these checks read) that adds, per connection:
   they come in one read or a byte at a time, are a 431 and close, checked before h11
   parses them (h11 limits only an incomplete head, and uvicorn answers that a 400);
 - a **connection limit**: past ``max_connections`` open connections a new one is closed
-  at once, before it can hold anything.
+  at once, before it can hold anything;
+- **ambiguous framing closes**: a request with both ``Content-Length`` and
+  ``Transfer-Encoding`` is read by its Transfer-Encoding (h11's rule) and answered with
+  ``connection: close``, then its connection is closed (RFC 9112 section 6.1: the server
+  MUST close it), so no byte after it is read as another request — the two framings
+  disagree about where that request begins (request smuggling through a proxy that
+  trusts the other header). h11 has no setting for it; uvicorn's own per-request
+  ``keep_alive`` (what its graceful shutdown sets) and default headers do the closing.
 
 The keep-alive timeout (``keep_alive_s``, default 75 s) must be *longer* than the idle
 expiry of the clients' connection pools. A client reuses a pooled connection it believes
@@ -61,6 +68,14 @@ log = logging.getLogger("calfsm.serve.connections")
 _H11_SLACK = 1 << 20
 #: the blank line after the headers (h11 accepts a bare LF as a line end too)
 _HEAD_END = re.compile(rb"\n\r?\n")
+_CLOSE = (b"connection", b"close")
+
+
+def _ambiguous_framing(headers: list[tuple[bytes, bytes]]) -> bool:
+    """Both a Content-Length and a Transfer-Encoding (names lower-cased, as in an ASGI
+    scope)."""
+    names = {name for name, _ in headers}
+    return b"content-length" in names and b"transfer-encoding" in names
 
 
 def _error_json(status: int, message: str) -> bytes:
@@ -119,6 +134,23 @@ class LimitedH11Protocol(H11Protocol):
             return
         super().on_response_complete()
         self._follow()
+
+    def handle_events(self) -> None:
+        before = self.cycle
+        super().handle_events()
+        cycle = self.cycle
+        if cycle is not None and cycle is not before \
+                and _ambiguous_framing(cycle.scope["headers"]):
+            self._close_after(cycle)
+
+    def _close_after(self, cycle: Any) -> None:
+        """A request framed both ways: answered (its body read as chunked), then its
+        connection closed; the answer says ``connection: close``."""
+        log.debug("closing the connection from %s after its answer: the request has both "
+                  "Content-Length and Transfer-Encoding", self._peer())
+        cycle.keep_alive = False                 # uvicorn closes once the answer is sent
+        if not cycle.response_started:
+            cycle.default_headers = [*cycle.default_headers, _CLOSE]
 
     def _head_too_big(self, data: bytes) -> bool:
         """The next request's line and headers — what h11 holds of it plus ``data``, up
