@@ -334,7 +334,7 @@ def test_a_batch_row_cancelled_after_the_claim_never_runs_nor_commits():
     assert core.complete() is leader
     for seq in (0, 2):
         got = handles[seq].result(0)
-        np.testing.assert_array_equal(got.logits, _logits_of(prompt + [5]))
+        np.testing.assert_array_equal(got.logits, _logits_of([*prompt, 5]))
         assert core.epoch.kv.sequence_length(seq) == len(prompt) + 1
     assert core.epoch.kv.sequence_length(1) == len(prompt)          # never committed
     assert core.epoch.kv.allocation(1) == len(prompt)               # nor grown on it
