@@ -36,6 +36,7 @@ from calfsm.staging import (
     check_job,
     check_output,
     convert_row,
+    is_row_failure,
     read_output,
     row_failure,
 )
@@ -226,7 +227,7 @@ class Completion:
         decided = False
         for row, result, early in zip(rows, results, continued, strict=True):
             if isinstance(result, CalfsmError):
-                job_level = result.stage != "row"
+                job_level = not is_row_failure(result)
                 self._completion_failed(row, result, decide=not (job_level and decided))
                 decided = decided or job_level
             else:
@@ -394,7 +395,11 @@ class Completion:
                            decide: bool = True) -> None:
         """Wait error, CCU exception, bad or non-finite output: the job fails, the KV is
         Unknown (the device ran), the slot is quarantined, the fault policy decides
-        (``decide=False``: a batch's other rows of one job-level failure it has seen)."""
+        (``decide=False``: a batch's other rows of one job-level failure it has seen).
+        A row's own failure goes its own way (:meth:`_row_failed`)."""
+        if is_row_failure(err):
+            self._row_failed(job, err)
+            return
         # the raw output, for observers (a dump sink): the slot is quarantined below, so
         # its host arrays stay as the device left them
         outcomes = self.outcomes
@@ -404,6 +409,24 @@ class Completion:
         if decide:
             self.core.decide(err)              # before the caller hears
         outcomes.finish(job, err, "quarantined", output=output)
+
+    def _row_failed(self, job: JobContext, err: CalfsmError) -> None:
+        """A row of a batch graph's job ended otherwise while the job ended DONE_OK
+        (``row_status``): only this row fails. Its KV is Unknown (after submit nothing
+        is proven: spec 7), so its sequence alone is reset before it goes on (a stream
+        resumes or ends as its policy says). The job ran well, so nothing of the device
+        is suspect: the slot goes back (a rider's never reached the device; a leader's
+        job is over and wrote its whole output tensor, read before any row resolves),
+        and the policy drains nothing (:meth:`FaultPolicy.row_failed`), so the other
+        rows' streams go on without a resume."""
+        outcomes = self.outcomes
+        output = job.lease.slot.logits_bf16.copy() \
+            if outcomes.observers.jobs and job.lease is not None else None
+        outcomes.withhold(job, str(err), slot_clean=True)
+        _fire(job, "fail")
+        core = self.core
+        core.apply(core.faults.row_failed(err))    # before the caller hears
+        outcomes.finish(job, err, "failed", output=output)
 
     def _execution_timeout(self, job: JobContext) -> None:
         """Wait timed out past the execution deadline (FI07): no logits, KV Unknown,

@@ -176,15 +176,17 @@ class Outcomes:
                 return e
         return None
 
-    def withhold(self, job: JobContext, reason: str) -> None:
+    def withhold(self, job: JobContext, reason: str, *, slot_clean: bool = False) -> None:
         """The device may have run (or may still run) the job: never claim a rollback.
         An open KV reservation becomes Unknown and the slot is quarantined, both in the
-        job's own generation (a retired one is fenced: no device call)."""
+        job's own generation (a retired one is fenced: no device call). ``slot_clean``:
+        the device is done with the slot and its job ended well (a row's own failure in
+        a DONE_OK job), so the slot goes back instead."""
         if job.kv is not None and job.kv.state in ("Reserved", "Submitted"):
             job.epoch.kv.mark_unknown(job.kv, reason)
         if job.lease is not None:
             lease, job.lease = job.lease, None
-            if job.rides:       # the device never had this slot: a row of another's job
+            if job.rides or slot_clean:     # a row of another's job, or a clean slot
                 job.epoch.pool.release(lease)
             else:
                 job.epoch.pool.quarantine(lease, reason)

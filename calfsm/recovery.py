@@ -34,6 +34,10 @@ them with no success between, it answers ``DRAIN_AND_RESET`` ("generation fails 
 job"). If the device still refuses, the warm-up golden of the next generation fails too
 and the bring-up ends Failed: a 503 a supervisor acts on, not a 500 forever.
 
+A row of a batch job that fails while the job ended ``DONE_OK`` (its ``row_status``) is
+not judged by the table: the device ran the job, and the row's failure is the row's
+(:meth:`FaultPolicy.row_failed`: ``CONTINUE``, counted in the streak above).
+
 One decision is not about an error: when quarantine has taken every buffer slot of a
 task kind (:meth:`FaultPolicy.slots_exhausted`; the pool tells, see
 :mod:`calfsm.buffers`), that kind's jobs could only wait for a buffer that never comes,
@@ -176,6 +180,22 @@ class FaultPolicy:
                 and requeues < self.policy.max_requeues:
             return Verdict(Decision.REQUEUE, f"requeued after {err}", until)
         return Verdict(Decision.BACK_OFF, f"backing off after {err}", until)
+
+    def row_failed(self, err: CalfsmError) -> Verdict:
+        """The decision for a row of a batch job that failed while the job ended DONE_OK
+        (``row_status``): the row's own failure, so only it fails (``CONTINUE``). The
+        category's row of the table is not read: the job, which the table judges, ran
+        well. It counts toward the failure streak, so a generation whose every row fails
+        is still drained as one failing every job."""
+        limit = self.policy.failure_streak
+        with self._lock:
+            self._failed_in_a_row += 1
+            streak = self._failed_in_a_row
+        if limit and streak >= limit:
+            return Verdict(Decision.DRAIN_AND_RESET,
+                           f"generation fails every job: {streak} in a row failed, the "
+                           f"last a row: {err}")
+        return Verdict(Decision.CONTINUE, f"row failed alone: {err}")
 
     def slots_exhausted(self, kind: TaskKind, reason: str) -> Verdict:
         """The decision when no slot of ``kind`` is left to lend in this generation

@@ -26,7 +26,7 @@ from calfsm.logits import extract_logits
 from calfsm.manifest import SubmodelContract
 
 __all__ = ["OutputReading", "check_ending", "check_job", "check_output", "convert_row",
-           "read_output", "row_failure", "status_name"]
+           "is_row_failure", "read_output", "row_failure", "status_name"]
 
 #: (the job's status, output_bytes code, bytes produced, and on a batch graph row 0's
 #: own ending when the job ended DONE_OK, else None)
@@ -52,6 +52,12 @@ def row_failure(status: int, row: int, ctx: dict[str, Any]) -> Unavailable:
     return Unavailable(f"row {row} of a batch job ended {status_name(status)} although the "
                        "job ended DONE_OK", category=ErrorCategory.DEVICE, stage="row",
                        **ctx)
+
+
+def is_row_failure(err: Exception) -> bool:
+    """Whether ``err`` is a row's own failure (:func:`row_failure`): the job ran well,
+    one row of it did not. It fails that row alone: not a fault of the device."""
+    return isinstance(err, Unavailable) and err.stage == "row"
 
 
 def check_ending(reading: OutputReading, ctx: dict[str, Any]) -> None:

@@ -315,8 +315,9 @@ class Sequence:
         if self.state == SequenceState.OPEN and self._kv_lost():
             _fire(self, "lose")
         if self.state == SequenceState.LOST:
-            raise Unavailable(f"the KV of sequence {self.seq_id} was lost in a device "
-                              "reset; reset() the sequence and send the prompt again",
+            raise Unavailable(f"the KV of sequence {self.seq_id} was lost (a device reset, "
+                              "or a failed step the device may have run); reset() the "
+                              "sequence and send the prompt again",
                               stage="sequence", seq_id=self.seq_id,
                               retry_after_s=self.executor.lifecycle.retry_after_s)
 
@@ -1010,8 +1011,9 @@ class Stream:
             self._wait_for_ready()
         else:
             if self._lost():
-                err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost in a "
-                                  f"device reset ({err.message})",
+                # a device reset, or this row's own failure: the sequence alone is lost
+                err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost "
+                                  f"({err.message})",
                                   seq_id=self.sequence.seq_id, stage="stream",
                                   retry_after_s=self.sequence.executor.lifecycle.retry_after_s)
             self._finish(FinishReason.ERROR, err)

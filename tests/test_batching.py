@@ -9,7 +9,8 @@ form while one runs).
 - Streams joining and leaving mid-batch (different lengths, starts and ends).
 - A cancel, a deadline and a stop token in one row each leave the other rows untouched.
 - A job-level fault (the whole batch job ends DONE_CCU_EXCEPTION) resumes every row's
-  stream with the fault-free tokens; a row-level fault fails only its row.
+  stream with the fault-free tokens; a row-level fault (its row_status, or its
+  sequence's KV) fails only its row: no drain, and no other stream spends a resume.
 - Batching only on evidence: none, or failing, keeps one row per job with the reason in
   ``health().notes``; proven evidence turns it on; ``max_batch`` caps it.
 """
@@ -203,25 +204,130 @@ def test_a_job_level_fault_resumes_every_row_with_the_fault_free_tokens(mode, go
         assert_freed(ex)
 
 
+class Resumed:
+    """The sequences whose streams resumed (an observer of ``stream_resumed``)."""
+
+    def __init__(self) -> None:
+        self.seqs: list[int] = []
+
+    def stream_resumed(self, stream: Stream) -> None:
+        self.seqs.append(stream.sequence.seq_id)
+
+
+def assert_no_recovery(ex: DeviceExecutor) -> None:
+    """The generation served the whole run: no drain, no recovery, still generation 1."""
+    states = [state for _t, state, _why in ex.lifecycle.history]
+    assert states == ["Ready"], ex.lifecycle.history
+    assert ex.generation == 1 and ex.stats().recoveries == 0, ex.stats()
+
+
+def sixteen_streams(ex: DeviceExecutor, *, resume_of: Any = lambda seq: True
+                    ) -> tuple[list[Any], list[Stream]]:
+    """Sixteen greedy streams on sequences of their own (prompts 30..45), run to
+    their ends: more than one batch's rows, so batches form and re-form."""
+    seqs = [ex.open_sequence() for _ in range(16)]
+    streams = [sq.generate(PROMPTS[30 + i], GREEDY, resume=resume_of(sq.seq_id))
+               for i, sq in enumerate(seqs)]
+    run_all(ex, streams)
+    return seqs, streams
+
+
+def assert_the_others_untouched(streams: list[Stream], seqs: list[Any], golden: Any,
+                                faulted: int, resumed: Resumed) -> None:
+    """Every stream but the faulted sequence's: the reference tokens, no resume spent,
+    no resume seen by the observers."""
+    assert set(resumed.seqs) <= {faulted}, resumed.seqs
+    for i, s in enumerate(streams):
+        if seqs[i].seq_id == faulted:
+            continue
+        r = s.result(0)
+        assert r.error is None and list(r.tokens) == golden[30 + i], f"stream {i}"
+        assert r.resumes == 0, f"stream {i} paid a resume for another row's fault"
+
+
 def test_a_row_level_fault_fails_only_its_row(mode, golden, tmp_path, device):
     """One row of a batch job ends DONE_CCU_EXCEPTION (the job DONE_OK): that row's job
-    fails, its stream (resume off) ends error; every other row succeeded as it was."""
+    fails, its stream (resume off) ends error; every other row succeeded as it was,
+    with no drain, no recovery and no resume of any other stream (once the row's fault
+    drained the generation and every stream replayed: same tokens, a resume spent)."""
     seq = 3
     plan = FaultPlan((FaultRule("infer", "row_ccu_exception", seq_id=seq, nth=6),))
     with make_batched(mode, tmp_path, faults=plan, device=device) as ex:
-        seqs = [ex.open_sequence() for _ in range(8)]
-        streams = [sq.generate(PROMPTS[30 + i], GREEDY, resume=sq.seq_id != seq)
-                   for i, sq in enumerate(seqs)]
-        run_all(ex, streams)
+        ex.add_observer(resumed := Resumed())
+        seqs, streams = sixteen_streams(ex, resume_of=lambda s: s != seq)
+        assert max(batch_sizes(ex)) > 1
+        assert_no_recovery(ex)
+        assert resumed.seqs == []
         for i, s in enumerate(streams):
             r = s.result(0)
             if seqs[i].seq_id == seq:
                 assert r.finish_reason == FinishReason.ERROR
-                assert isinstance(r.error, Unavailable) and "row" in str(r.error)
+                assert isinstance(r.error, Unavailable) and r.error.retryable
+                assert f"the KV of sequence {seq} was lost (row " in str(r.error)
+                assert "ended DONE_CCU_EXCEPTION although the job ended DONE_OK" \
+                    in str(r.error), r.error
                 assert list(r.tokens) == golden[30 + i][:len(r.tokens)]
-            else:
-                assert r.error is None and list(r.tokens) == golden[30 + i], f"stream {i}"
-        assert ex.stats().quarantined == 1
+                assert len(r.tokens) == 5 and r.resumes == 0
+        assert_the_others_untouched(streams, seqs, golden, seq, resumed)
+        stats = ex.stats()
+        assert (stats.failed, stats.quarantined) == (1, 0), stats
+        assert stats.errors_by_category == {"device": 1}, stats
+        for sq in seqs:
+            sq.close()
+        drive(ex, ex.idle)
+        assert_freed(ex)
+
+
+def test_a_leading_rows_fault_resumes_only_its_stream(mode, golden, tmp_path, device):
+    """The issue's case: the thirtieth job's row 0 (the row whose slot the batch runs)
+    ends DONE_CCU_EXCEPTION among 16 greedy streams. Its stream resumes (its sequence
+    alone reset and replayed) and ends with the reference tokens, one resume spent;
+    the other 15 go on with no resume and the generation stays (once every one of the
+    16 resumed after a drain)."""
+    plan = FaultPlan((FaultRule("infer", "row_ccu_exception", nth=30, index=1),))
+    with make_batched(mode, tmp_path, faults=plan, device=device) as ex:
+        ex.add_observer(resumed := Resumed())
+        seqs, streams = sixteen_streams(ex)
+        assert_no_recovery(ex)
+        assert len(resumed.seqs) == 1, resumed.seqs
+        (faulted,) = resumed.seqs
+        assert_the_others_untouched(streams, seqs, golden, faulted, resumed)
+        i = [sq.seq_id for sq in seqs].index(faulted)
+        r = streams[i].result(0)
+        assert r.error is None and list(r.tokens) == golden[30 + i] and r.resumes == 1
+        stats = ex.stats()
+        assert (stats.failed, stats.quarantined) == (1, 0), stats
+        assert ex.epoch.pool.stats().quarantined == 0      # the leader's slot came back
+        for sq in seqs:
+            sq.close()
+        drive(ex, ex.idle)
+        assert_freed(ex)
+
+
+def test_a_rows_kv_faults_fail_only_its_stream(mode, golden, tmp_path, device):
+    """KV faults of one row's sequence among 16 batched streams: another sequence's KV
+    grow is refused three times (its row waits for room and goes on), and a row's
+    DONE_CCU_EXCEPTION is followed by a refused KV reset of its sequence, so its
+    stream cannot resume and ends error as its policy says. Neither drains the
+    generation, and no other stream resumes or changes a token."""
+    faulted, refused = 5, 9
+    plan = FaultPlan((FaultRule("kv_apply", "refuse", seq_id=refused, nth=4, every=1,
+                                count=3),
+                      FaultRule("infer", "row_ccu_exception", seq_id=faulted, nth=8),
+                      FaultRule("kv_release", "code", seq_id=faulted)))
+    with make_batched(mode, tmp_path, faults=plan, device=device) as ex:
+        ex.add_observer(resumed := Resumed())
+        seqs, streams = sixteen_streams(ex)
+        assert_no_recovery(ex)
+        if device == "sim":
+            assert ex.driver.faults_fired() == (3, 1, 1)
+        assert_the_others_untouched(streams, seqs, golden, faulted, resumed)
+        assert resumed.seqs == []            # its reset failed: no replay began
+        i = [sq.seq_id for sq in seqs].index(faulted)
+        r = streams[i].result(0)
+        assert r.finish_reason == FinishReason.ERROR and r.resumes == 0
+        assert r.error.stage == "kv_reset", r.error
+        assert list(r.tokens) == golden[30 + i][:len(r.tokens)] and len(r.tokens) == 7
         for sq in seqs:
             sq.close()
         drive(ex, ex.idle)

@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from calfsm.drivers.base import OutputStatus
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.errors import (
     ACTIONS,
@@ -22,6 +23,7 @@ from calfsm.errors import (
 from calfsm.job import Request
 from calfsm.recovery import Decision, FaultPolicy, RecoveryPolicy
 from calfsm.scheduler import StepScheduler
+from calfsm.staging import is_row_failure, row_failure
 from tests.executor_helpers import TINY, make_executor, renamed
 
 SEQ = 5
@@ -144,6 +146,30 @@ def test_success_restarts_the_backoff_streak():
     assert policy.decide(_busy(), now=1.0).until == pytest.approx(1.08)  # streak 4
     policy.succeeded()
     assert policy.decide(_busy(), now=2.0).until == pytest.approx(2.01)  # streak 1 again
+
+
+def test_a_rows_own_failure_fails_only_the_row_until_every_job_fails():
+    """A row that ended DONE_CCU_EXCEPTION in a DONE_OK job (stage ``row``, category
+    device) is not judged by the table's device row (quarantine, reset): only the row
+    fails. It counts in the failure streak, so a generation failing every row of every
+    job is still drained; any success in between starts the streak over."""
+    row = row_failure(OutputStatus.DONE_CCU_EXCEPTION, 3, {"seq_id": SEQ})
+    assert row.category is ErrorCategory.DEVICE and is_row_failure(row)
+    assert FaultPolicy().decide(row, 0.0).decision is Decision.DRAIN_AND_RESET  # the table
+    policy = FaultPolicy(RecoveryPolicy(failure_streak=3))
+    for _ in range(2):
+        assert policy.row_failed(row).decision is Decision.CONTINUE
+    policy.succeeded()                              # another row of the job ran well
+    for _ in range(2):
+        assert policy.row_failed(row).decision is Decision.CONTINUE
+    verdict = policy.row_failed(row)
+    assert verdict.decision is Decision.DRAIN_AND_RESET
+    assert "fails every job" in verdict.reason and "row 3 of a batch job" in verdict.reason
+    policy.reset()
+    assert policy.row_failed(row).decision is Decision.CONTINUE
+    never = FaultPolicy(RecoveryPolicy(failure_streak=0))
+    assert all(never.row_failed(row).decision is Decision.CONTINUE for _ in range(20))
+    assert not is_row_failure(from_calrt(int(CalrtCode.UNEXPECTED), "wait"))
 
 
 def test_reset_restores_the_budget_and_clears_the_backoff():

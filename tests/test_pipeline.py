@@ -305,3 +305,42 @@ def test_a_batch_hold_whose_window_ended_leaves_the_submitter_no_wait():
     job = core.submit()
     assert job.batch is not None and [j.seq_id for j in job.batch] == [0, 1]
     core.complete()
+
+
+def test_a_batch_row_cancelled_after_the_claim_never_runs_nor_commits():
+    """A rider whose stream is cancelled after the submitter claimed its batch and before
+    the submit (a threaded caller's cancel lands between the two) fails "before submit":
+    the device job carries only the other rows, its KV is rolled back and never grows,
+    and the other rows run, commit and equal the reference. (Once a cancelled rider was
+    programmed into the job anyway: it ran, and its KV was committed.)"""
+    core = Core(manifest=builtin_manifest("tiny-b8"), max_rows=8, slots_per_engine=4)
+    dev = core.pipe.device
+    prompt = [1, 2, 3]
+    for seq in range(3):
+        core.run(Request.prefill(seq, prompt))
+    handles = [core.start(Request.decode(seq, 5, len(prompt)))[1] for seq in range(3)]
+    before = core.epoch.kv.stats()
+    leader = dev.claim()
+    assert leader is not None and leader.seq_id == 0
+    assert leader.batch is not None and [j.seq_id for j in leader.batch] == [0, 1, 2]
+    assert handles[1].cancel()          # claimed, not yet submitted
+    assert not handles[1].done()        # nobody but the submitter can fail it now
+    dev.submit(leader)
+    assert handles[1].done(), "the cancelled rider went to the device"
+    err = handles[1].exception(0)
+    assert isinstance(err, Cancelled) and "before submit" in str(err), err
+    assert calls(core.driver, "set_batch_rows")[-1]["rows"] == 2
+    assert {c["seq"] for c in calls(core.driver, "set_kv_seq") if c.get("row")} == {2}
+    assert core.complete() is leader
+    for seq in (0, 2):
+        got = handles[seq].result(0)
+        np.testing.assert_array_equal(got.logits, _logits_of([*prompt, 5]))
+        assert core.epoch.kv.sequence_length(seq) == len(prompt) + 1
+    assert core.epoch.kv.sequence_length(1) == len(prompt)          # never committed
+    assert core.epoch.kv.allocation(1) == len(prompt)               # nor grown on it
+    after = core.epoch.kv.stats()
+    assert (after.committed - before.committed, after.rolled_back - before.rolled_back,
+            after.unknown - before.unknown) == (2, 1, 0)
+    counts, _ = core.pipe.counts()
+    assert counts["cancelled"] == 1 and not core.verdicts and not core.drains
+    core.assert_books_as_built()
