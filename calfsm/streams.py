@@ -22,11 +22,11 @@ wait for KV or a buffer is parked, holding no thread). The consumer reads events
 iterator, an async iterator, or waits for the final :class:`GenerationResult`;
 ``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
 
-Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
-(a stop token, a stop sequence or a stop string; none is delivered), ``cancelled``,
-``deadline`` (the stream's deadline, checked after every step, and each step's own
-deadline), ``error`` (any other error; ``result().error`` has it, with ``retryable``
-saying whether sending it again may help).
+Finish reasons: ``length`` (``max_tokens``, which must fit the context:
+:mod:`calfsm.arguments`), ``stop`` (a stop token, a stop sequence or a stop string; none
+is delivered), ``cancelled``, ``deadline`` (the stream's deadline, checked after every
+step, and each step's own deadline), ``error`` (any other error; ``result().error`` has
+it, with ``retryable`` saying whether sending it again may help).
 
 Text: on an executor with a tokenizer (:mod:`calfsm.tokenizer`), a stream decodes its
 tokens one at a time: each event carries the ``text`` it delivers and the result all of
