@@ -26,7 +26,7 @@ from typing import Any
 
 import attrs
 
-from calfsm.arguments import ContextLimits, check_n
+from calfsm.arguments import check_n
 from calfsm.batching import plan_batching
 from calfsm.capacity import LiveStreams
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
@@ -334,7 +334,7 @@ class DeviceExecutor:
                 prompt = encode_prompt(self.tokenizer, prompt)
             return prompt, params if params is not None else SamplingParams()
         checked, params = judge_stream(prompt, params, self.tokenizer, priority,
-                                       ContextLimits.of(epoch.model))
+                                       epoch.model)
         return checked.tokens.tolist(), params
 
     def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,

@@ -529,17 +529,15 @@ class Stream:
                  admitted: bool = False, request_id: str | None = None,
                  parent: str | None = None, priority: int = 0,
                  keeper: Keeper | None = None, cached: int = 0) -> None:
-        ex = sequence.executor
+        ex, seq_id = sequence.executor, sequence.seq_id
         epoch = ex.epoch
         if epoch is None:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
         tokenizer = ex.tokenizer
         self.sequence = sequence
-        checked, params = judge_stream(prompt, params, tokenizer, priority,
-                                       ContextLimits.of(epoch.model),
-                                       position=sequence.position - cached,
-                                       seq_id=sequence.seq_id)
+        checked, params = judge_stream(prompt, params, tokenizer, priority, epoch.model,
+                                       position=sequence.position - cached, seq_id=seq_id)
         self.prompt = tuple(int(t) for t in checked.tokens)
         #: every step's admission priority (checked with the prompt)
         self.priority: int = checked.priority
@@ -1232,17 +1230,18 @@ def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: 
 
 
 def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenizer: Any,
-                 priority: Any, limits: ContextLimits, *, position: int = 0,
+                 priority: Any, model: Any, *, position: int = 0,
                  seq_id: int | None = None) -> tuple[Request, SamplingParams]:
     """A stream's arguments judged before anything is taken for it
     (:mod:`calfsm.arguments`): the prompt (text through ``tokenizer``) as the prefill
-    request that types it and the priority, its length and ids against ``limits`` at
-    ``position``, and ``max_tokens`` against the room left; ``params`` None becomes the
-    default clipped to that room. Raises InvalidArgument."""
+    request that types it and the priority, its length and ids against the limits of
+    ``model`` (the configured model) at ``position``, and ``max_tokens`` against the room
+    left; ``params`` None becomes the default clipped to that room. Raises
+    InvalidArgument."""
     if params is not None and not isinstance(params, SamplingParams):
         raise InvalidArgument("params must be SamplingParams", stage="request")
     checked = _checked_prompt(seq_id, prompt, params, tokenizer, priority)
-    n = len(checked.tokens)
+    n, limits = len(checked.tokens), ContextLimits.of(model)
     try:
         room = check_prompt(checked.tokens, limits, position=position)
         if params is None:
