@@ -335,7 +335,7 @@ class DeviceExecutor:
             return prompt, params if params is not None else SamplingParams()
         checked, params = judge_stream(prompt, params, self.tokenizer, priority,
                                        epoch.model)
-        return checked.tokens.tolist(), params
+        return checked.tokens, params     # typed once: the streams take it as is
 
     def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,
                   resume: bool, max_resumes: int, request_id: str | None,
