@@ -26,6 +26,7 @@ from typing import Any
 
 import attrs
 
+from calfsm.arguments import check_n
 from calfsm.batching import plan_batching
 from calfsm.capacity import LiveStreams
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
@@ -36,7 +37,6 @@ from calfsm.errors import (
     CalfsmError,
     Cancelled,
     ExecutorClosed,
-    InvalidArgument,
     ResourceExhausted,
     Unavailable,
 )
@@ -55,7 +55,13 @@ from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
 from calfsm.sampling import SamplingParams
 from calfsm.scheduler import StepScheduler
 from calfsm.service import ServiceModel
-from calfsm.streams import Sequence, SequenceAllocator, Stream, max_new_tokens
+from calfsm.streams import (
+    Sequence,
+    SequenceAllocator,
+    Stream,
+    judge_stream,
+    max_new_tokens,
+)
 from calfsm.tokenizer import Tokenizer, check_tokenizer, encode_prompt
 
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
@@ -241,6 +247,12 @@ class DeviceExecutor:
             raise
         return Sequence(self, seq_id, self._sequences, self._steps)
 
+    @property
+    def max_sequences(self) -> int:
+        """Sequences open at once at most (``config.max_sequences`` within the device's
+        id range): what ``generate(n=...)`` is judged against."""
+        return self._sequences.limit
+
     def _take_id(self) -> int:
         while True:
             try:
@@ -279,13 +291,22 @@ class DeviceExecutor:
         lost the sequence's KV, replay the prompt and the tokens so far on the new
         generation and go on, at most ``max_resumes`` times for this stream.
         ``priority``: every step's admission priority (higher first, aged while it
-        waits; :attr:`calfsm.request.Request.priority`)."""
-        params = params or SamplingParams()
+        waits; :attr:`calfsm.request.Request.priority`).
+
+        What can be judged against the model alone is judged first, before anything is
+        taken (:mod:`calfsm.arguments`): ``n`` against ``max_sequences`` and
+        :data:`~calfsm.arguments.MAX_N`, the prompt's ids against the vocabulary and its
+        length against the context, ``params.max_tokens`` against the context left after
+        the prompt (``params`` None: the default ``max_tokens`` clipped to it). Such a
+        refusal is an :class:`InvalidArgument` raised here, never a retryable 429."""
+        try:
+            prompt, params = self._judged(prompt, params, n, priority)
+        except CalfsmError as e:
+            self._rejected(e)
+            raise
         if n is None:
             return self._generate(prompt, params, deadline_s, resume, max_resumes,
                                   request_id, parent, priority)
-        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-            raise InvalidArgument(f"n must be an integer >= 1, got {n!r}", stage="request")
         parent, ids = self.live_requests.reserve_parent(request_id, n)
         streams: list[Stream] = []
         try:
@@ -300,13 +321,27 @@ class DeviceExecutor:
             raise
         return streams
 
+    def _judged(self, prompt: Any, params: Any, n: Any, priority: Any
+                ) -> tuple[Any, SamplingParams]:
+        """``generate``'s arguments judged before anything is taken (O(1) beyond the
+        prompt): the prompt's token ids (text encoded once, for every stream of ``n``)
+        and the parameters (None: the default clipped to the context left)."""
+        if n is not None:
+            check_n(n, self.max_sequences)
+        epoch = self.epoch
+        if epoch is None:           # not configured: the lifecycle gate refuses it
+            if isinstance(prompt, str):
+                prompt = encode_prompt(self.tokenizer, prompt)
+            return prompt, params if params is not None else SamplingParams()
+        checked, params = judge_stream(prompt, params, self.tokenizer, priority,
+                                       epoch.model)
+        return checked.tokens, params     # typed once: the streams take it as is
+
     def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,
                   resume: bool, max_resumes: int, request_id: str | None,
                   parent: str | None, priority: int) -> Stream:
         cache = self._cache
         try:        # the estimate first: a refusal costs no sequence and no buffers
-            if isinstance(prompt, str):
-                prompt = encode_prompt(self.tokenizer, prompt)
             key = None if cache is None else cache.key(prompt)
             self._admit_stream(prompt, params, deadline_s,
                                cached=0 if key is None else cache.match(key))

@@ -22,11 +22,11 @@ wait for KV or a buffer is parked, holding no thread). The consumer reads events
 iterator, an async iterator, or waits for the final :class:`GenerationResult`;
 ``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
 
-Finish reasons: ``length`` (max tokens, or the sequence reached ``max_seq``), ``stop``
-(a stop token, a stop sequence or a stop string; none is delivered), ``cancelled``,
-``deadline`` (the stream's deadline, checked after every step, and each step's own
-deadline), ``error`` (any other error; ``result().error`` has it, with ``retryable``
-saying whether sending it again may help).
+Finish reasons: ``length`` (``max_tokens``, which must fit the context:
+:mod:`calfsm.arguments`), ``stop`` (a stop token, a stop sequence or a stop string; none
+is delivered), ``cancelled``, ``deadline`` (the stream's deadline, checked after every
+step, and each step's own deadline), ``error`` (any other error; ``result().error`` has
+it, with ``retryable`` saying whether sending it again may help).
 
 Text: on an executor with a tokenizer (:mod:`calfsm.tokenizer`), a stream decodes its
 tokens one at a time: each event carries the ``text`` it delivers and the result all of
@@ -58,6 +58,12 @@ from typing import TYPE_CHECKING, Any, Protocol
 import attrs
 import numpy as np
 
+from calfsm.arguments import (
+    ContextLimits,
+    check_max_tokens,
+    check_prompt,
+    default_params,
+)
 from calfsm.capacity import stream_work_s
 from calfsm.errors import (
     CalfsmError,
@@ -426,8 +432,11 @@ class Sequence:
                  priority: int = 0) -> Stream:
         """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
         tokenizer) after what the sequence holds, then sample and decode until a finish
-        reason. ``priority``: every step's (see :class:`Stream`)."""
-        return Stream(self, prompt, params or SamplingParams(), deadline_s=deadline_s,
+        reason. ``priority``: every step's (see :class:`Stream`). A prompt or a
+        ``max_tokens`` the context cannot hold after the sequence's position is refused
+        here, at once (InvalidArgument, :mod:`calfsm.arguments`); ``params`` None: the
+        default ``max_tokens`` clipped to the room left."""
+        return Stream(self, prompt, params, deadline_s=deadline_s,
                       resume=resume, max_resumes=max_resumes, request_id=request_id,
                       priority=priority)
 
@@ -514,22 +523,22 @@ class Stream:
     each decode and a replay wait for admission at the stream's priority, each aged from
     its own acceptance (docs/architecture.md, Admission)."""
 
-    def __init__(self, sequence: Sequence, prompt: Seq[int] | str, params: SamplingParams, *,
+    def __init__(self, sequence: Sequence, prompt: Seq[int] | str,
+                 params: SamplingParams | None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, close_sequence: bool = False,
                  admitted: bool = False, request_id: str | None = None,
                  parent: str | None = None, priority: int = 0,
                  keeper: Keeper | None = None, cached: int = 0) -> None:
-        if not isinstance(params, SamplingParams):
-            raise InvalidArgument("params must be SamplingParams", stage="request")
-        ex = sequence.executor
+        ex, seq_id = sequence.executor, sequence.seq_id
         epoch = ex.epoch
         if epoch is None:
             raise Unavailable("executor has no configured model", stage="generate")
         contract = epoch.contract(TaskKind.DECODE)
         tokenizer = ex.tokenizer
         self.sequence = sequence
-        checked = _checked_prompt(sequence.seq_id, prompt, params, tokenizer, priority)
+        checked, params = judge_stream(prompt, params, tokenizer, priority, epoch.model,
+                                       position=sequence.position - cached, seq_id=seq_id)
         self.prompt = tuple(int(t) for t in checked.tokens)
         #: every step's admission priority (checked with the prompt)
         self.priority: int = checked.priority
@@ -1222,18 +1231,44 @@ def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: 
                               stage="request", seq_id=seq_id)
 
 
-def _checked_prompt(seq_id: int, prompt: Seq[int] | str, params: SamplingParams,
-                    tokenizer: Any, priority: Any) -> Request:
+def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenizer: Any,
+                 priority: Any, model: Any, *, position: int = 0,
+                 seq_id: int | None = None) -> tuple[Request, SamplingParams]:
+    """A stream's arguments judged before anything is taken for it
+    (:mod:`calfsm.arguments`): the prompt (text through ``tokenizer``) as the prefill
+    request that types it and the priority, its length and ids against the limits of
+    ``model`` (the configured model) at ``position``, and ``max_tokens`` against the room
+    left; ``params`` None becomes the default clipped to that room. Raises
+    InvalidArgument."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidArgument("params must be SamplingParams", stage="request")
+    checked = _checked_prompt(seq_id, prompt, params, tokenizer, priority)
+    n, limits = len(checked.tokens), ContextLimits.of(model)
+    try:
+        room = check_prompt(checked.tokens, limits, position=position)
+        if params is None:
+            params = default_params(room)
+        else:
+            check_max_tokens(params.max_tokens, n, limits, position=position,
+                             field="SamplingParams.max_tokens")
+    except InvalidArgument as e:
+        raise e.with_context(seq_id=seq_id) from None
+    return checked, params
+
+
+def _checked_prompt(seq_id: int | None, prompt: Seq[int] | str,
+                    params: SamplingParams | None, tokenizer: Any,
+                    priority: Any) -> Request:
     """A stream's prompt as the prefill request that checks it and the priority (text
     needs the executor's tokenizer, and so do stop strings)."""
-    if params.stop and tokenizer is None:
+    if params is not None and params.stop and tokenizer is None:
         raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
                               "stream's text, which needs the executor's tokenizer "
                               "(DeviceExecutor(..., tokenizer=...))", stage="request",
                               seq_id=seq_id)
     if isinstance(prompt, str):
         prompt = encode_prompt(tokenizer, prompt)
-    checked = Request.prefill(seq_id, prompt, priority=priority)
+    checked = Request.prefill(0 if seq_id is None else seq_id, prompt, priority=priority)
     if not len(checked.tokens):
         raise InvalidArgument("a stream needs a prompt of at least one token",
                               stage="request", seq_id=seq_id)

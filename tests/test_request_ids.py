@@ -120,7 +120,7 @@ def test_a_bad_request_id_is_refused(bad):
 
 def test_errors_and_log_lines_carry_the_id(mode, caplog):
     with make_executor(mode) as ex, caplog.at_level(logging.DEBUG, logger="calfsm"):
-        stream = ex.generate(PROMPT, SamplingParams(max_tokens=10_000), request_id="late",
+        stream = ex.generate(PROMPT, SamplingParams(max_tokens=8_000), request_id="late",
                              deadline_s=0.01)
         drive(ex, stream.done)
         result = stream.result()
@@ -219,7 +219,7 @@ def test_n_streams_are_seeded_runs_of_seed_plus_i(mode):
 
 def test_n_greedy_streams_agree_and_abort_of_the_parent_aborts_all(mode):
     with make_executor(mode) as ex:
-        streams = ex.generate(PROMPT, SamplingParams(max_tokens=10_000), n=3,
+        streams = ex.generate(PROMPT, SamplingParams(max_tokens=8_000), n=3,
                               request_id="p")
         assert ex.abort("p")
         drive(ex, lambda: all(s.done() for s in streams))
@@ -267,7 +267,7 @@ def test_n_over_the_sequences_cancels_those_started():
 def test_abort_by_id_from_asyncio():
     with make_executor("threaded") as ex:
         async def main() -> FinishReason:
-            stream = ex.generate(PROMPT, SamplingParams(max_tokens=10_000),
+            stream = ex.generate(PROMPT, SamplingParams(max_tokens=8_000),
                                  request_id="async")
             got = 0
             async for _ in stream:

@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
+from calfsm.arguments import check_n
 from calfsm.epoch import WARMUP_SEQ
 from calfsm.errors import CalfsmError, Cancelled, InvalidArgument, Unavailable
 from calfsm.job import InferenceResult, JobHandle
@@ -114,6 +115,8 @@ class LlamaContext:
         epoch = executor.epoch
         if epoch is None:
             raise Unavailable("the executor has no configured model", stage="llama_context")
+        # more sequences than the executor opens at once could never all be opened
+        check_n(n_seq_max, executor.max_sequences, field="n_seq_max")
         self.executor = executor
         self.n_vocab = epoch.contract(TaskKind.DECODE).vocab
         self.n_ctx = epoch.contract(TaskKind.DECODE).max_seq

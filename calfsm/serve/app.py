@@ -69,6 +69,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from calfsm.arguments import ContextLimits
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.lograte import RateLimitedLog
@@ -191,8 +192,11 @@ class _Server:
             else ByteTokenizer(contract.vocab)
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
-        self.limits = Limits(name, contract.vocab, contract.max_seq,
-                             cfg.default_max_tokens, cfg.max_choices, cfg.max_tokens_cap)
+        context = ContextLimits.of(epoch.model)
+        self.limits = Limits(name, context.vocab, context.max_seq,
+                             cfg.default_max_tokens, cfg.max_choices, cfg.max_tokens_cap,
+                             max_sequences=executor.max_sequences,
+                             max_prompt=context.max_prompt)
         share = default_client_limit(executor.config.max_sequences)
         self.books = ClientBooks(cfg.max_client_streams or share,
                                  cfg.max_client_waiting or share)

@@ -16,18 +16,22 @@ list of strings, a list of token ids or a list of such lists) or ``messages`` (r
 ``max_completion_tokens``; at most the server's cap and what the context leaves after
 the prompt, else a 400 naming the field; without it, the server's default clipped to what
 the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
-(0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``, ``stream``,
-``stream_options.include_usage``, ``user``, logprobs: completions' ``logprobs``
-(an integer, 0..20: the chosen token's log-probability and that many alternatives) and
-chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with ``logprobs``
-true), and ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
+(0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n`` (choices,
+prompts times ``n``: at most ``max_choices`` and at most the sequences the executor opens
+at once), ``stream``, ``stream_options.include_usage``, ``user``, logprobs: completions'
+``logprobs`` (an integer, 0..20: the chosen token's log-probability and that many
+alternatives) and chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with
+``logprobs`` true), and ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
 :mod:`calfsm.request`, default 0: *higher* is admitted first, as the library's
 ``Request.priority`` — vLLM's field of the same name is lower-first). Choice ``i`` of a
 request (prompt-major, then ``n``) draws from ``seed + i``.
 Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``, penalties,
 ``logit_bias``, tools) are refused unless they carry their default; unknown fields are
-refused too, so a typo is never silently ignored. A message that quotes a client's
-value quotes it through :func:`~calfsm.serve.httperrors.clip` (bounded).
+refused too, so a typo is never silently ignored. The prompt's ids and length, ``n`` and
+``max_tokens`` are judged by the library's own rules (:mod:`calfsm.arguments`, what
+``executor.generate`` applies): the server refuses what the library refuses. A message
+that quotes a client's value quotes it through :func:`~calfsm.serve.httperrors.clip`
+(bounded).
 """
 
 from __future__ import annotations
@@ -38,7 +42,15 @@ from typing import Any
 
 import attrs
 
-from calfsm.errors import CalfsmError
+from calfsm.arguments import (
+    MAX_N,
+    ContextLimits,
+    check_max_tokens,
+    check_n,
+    check_token_ids,
+    context_left,
+)
+from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
@@ -67,7 +79,9 @@ _CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_
 class Limits:
     """What the server allows: the model's name, vocabulary and context (``max_seq``:
     prompt and generated tokens together), tokens per choice by default and at most
-    (``max_tokens_cap``), and choices per request."""
+    (``max_tokens_cap``), choices per request, the sequences the executor opens at once
+    (``max_sequences``) and the prompt tokens one prefill carries (``max_prompt``, None:
+    ``max_seq``)."""
 
     model: str
     vocab: int
@@ -75,6 +89,14 @@ class Limits:
     default_max_tokens: int = 16
     max_choices: int = 16
     max_tokens_cap: int = 4096
+    max_sequences: int = MAX_N
+    max_prompt: int | None = None
+
+    @property
+    def context(self) -> ContextLimits:
+        """The model's limits, as the library judges a generation by them."""
+        return ContextLimits(self.vocab, self.max_seq,
+                             self.max_seq if self.max_prompt is None else self.max_prompt)
 
 
 @attrs.frozen
@@ -94,6 +116,15 @@ class GenerationPlan:
 
 def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, code="invalid_argument", param=param)
+
+
+def _judged(param: str, check: Any, *args: Any, **kw: Any) -> Any:
+    """``check(*args, **kw)``, one of the library's rules (:mod:`calfsm.arguments`): its
+    refusal as a 400 naming ``param``."""
+    try:
+        return check(*args, **kw)
+    except InvalidArgument as e:
+        raise _bad(e.message, param) from None
 
 
 def _int(body: Mapping[str, Any], key: str, low: int, default: int | None) -> int | None:
@@ -148,9 +179,10 @@ def _check_fields(body: Any, allowed: frozenset[str], limits: Limits) -> None:
 
 def _ids(value: list[Any], param: str, vocab: int) -> tuple[int, ...]:
     for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
+        if isinstance(t, bool) or not isinstance(t, int):
             raise _bad(f"{param}[{i}] must be a token id in [0, {vocab}), got {clip(t)}",
                        param)
+    _judged(param, check_token_ids, value, vocab, field=param)
     return tuple(value)
 
 
@@ -267,12 +299,10 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     if len(prompts) * n > limits.max_choices:
         raise _bad(f"{len(prompts) * n} choices asked for; at most {limits.max_choices} "
                    "per request", "n")
+    _judged("n", check_n, len(prompts) * n, limits.max_sequences,
+            field="n" if len(prompts) == 1 else "the choices (prompts times n)")
     for p in prompts:
-        if not p:
-            raise _bad("a prompt must hold at least one token", "prompt")
-        if len(p) >= limits.max_seq:
-            raise _bad(f"a prompt of {len(p)} tokens leaves no room to generate "
-                       f"(the model holds {limits.max_seq})", "prompt")
+        _judged("prompt", context_left, len(p), limits.context, field="prompt")
     max_tokens, max_field = _int(body, max_key, 1, None), max_key
     if max_tokens is None:
         max_tokens, max_field = _int(body, "max_tokens", 1, None), "max_tokens"
@@ -318,10 +348,7 @@ def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits
     if value > limits.max_tokens_cap:
         raise _bad(f"{field} must be <= {limits.max_tokens_cap} (this server's cap), got "
                    f"{clip(value)}", field)
-    if prompt_tokens + value > limits.max_seq:
-        raise _bad(f"this model's context holds {limits.max_seq} tokens: a prompt of "
-                   f"{prompt_tokens} leaves room for {limits.max_seq - prompt_tokens}, but "
-                   f"{field} asks for {value}", field)
+    _judged(field, check_max_tokens, value, prompt_tokens, limits.context, field=field)
 
 
 def parse_completion(body: Any, limits: Limits, tok: Tokenizer, *,
