@@ -23,6 +23,7 @@ from collections.abc import Callable
 from typing import Any
 
 from calfsm.drivers.base import Driver, EngineSlot
+from calfsm.errors import Unavailable
 from calfsm.job import JobContext
 from calfsm.lifecycle import Lifecycle
 from calfsm.machines.job import JobState
@@ -33,6 +34,9 @@ from calfsm.service import ServiceModel
 __all__ = ["READY", "Core", "Hooks", "PipelineTimeouts", "job_ctx"]
 
 READY = LifecycleState.READY
+#: out of Ready on the way back to it (a drain began): a retry later may succeed
+_RECOVERING_STATES = frozenset({LifecycleState.DRAINING, LifecycleState.RECOVERING,
+                                LifecycleState.CONFIGURING, LifecycleState.WARMING})
 
 
 class Hooks:
@@ -124,8 +128,16 @@ class Core:
             and not job.cancel_requested and not job.ended and self.broken is None
 
     def decide(self, err: Any) -> None:
-        """Show ``err`` to the fault policy now and carry out its decision."""
+        """Show ``err`` to the fault policy now and carry out its decision.
+
+        A 503 that took the generation out (a device fault met before submit) gets the
+        lifecycle's retry-after hint: its caller may try again on the next generation,
+        and a stream resumes there, instead of reading a bare 503 as final."""
         self.apply(self.faults.decide(err, self.clock.now()))
+        life = self.life
+        if isinstance(err, Unavailable) and err.retry_after_s is None \
+                and life.state in _RECOVERING_STATES and not life.closing:
+            err.retry_after_s = life.retry_after_s
 
 
 def job_ctx(job: JobContext, stage: str | None) -> dict[str, Any]:
