@@ -28,15 +28,14 @@ from calfsm.job import JobContext
 from calfsm.lifecycle import Lifecycle
 from calfsm.machines.job import JobState
 from calfsm.machines.lifecycle import LifecycleState
-from calfsm.recovery import FaultPolicy, Verdict
+from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.service import ServiceModel
 
 __all__ = ["READY", "Core", "Hooks", "PipelineTimeouts", "job_ctx"]
 
 READY = LifecycleState.READY
-#: out of Ready on the way back to it (a drain began): a retry later may succeed
-_RECOVERING_STATES = frozenset({LifecycleState.DRAINING, LifecycleState.RECOVERING,
-                                LifecycleState.CONFIGURING, LifecycleState.WARMING})
+#: the decisions that take the generation out and bring up the next one
+_TAKES_OUT = frozenset({Decision.DRAIN_AND_RESET, Decision.ROLL_BACK})
 
 
 class Hooks:
@@ -133,10 +132,14 @@ class Core:
         A 503 that took the generation out (a device fault met before submit) gets the
         lifecycle's retry-after hint: its caller may try again on the next generation,
         and a stream resumes there, instead of reading a bare 503 as final."""
-        self.apply(self.faults.decide(err, self.clock.now()))
+        verdict = self.faults.decide(err, self.clock.now())
+        self.apply(verdict)
         life = self.life
+        # judged by the decision, not by the state now: a threaded recovery may be
+        # over already (Ready again), and the next generation is what the hint is for
         if isinstance(err, Unavailable) and err.retry_after_s is None \
-                and life.state in _RECOVERING_STATES and not life.closing:
+                and verdict.decision in _TAKES_OUT and not life.closing \
+                and life.state != LifecycleState.FAILED:
             err.retry_after_s = life.retry_after_s
 
 
