@@ -38,7 +38,6 @@ from calfsm.errors import (
     Internal,
     Unavailable,
     category_of,
-    csr_refused,
 )
 from calfsm.executor import DeviceExecutor
 from calfsm.observe import JobEnded, Observer
@@ -275,6 +274,8 @@ def test_a_refused_csr_write_is_classified_by_whether_the_device_declared_the_cs
     """The one place the rule lives: NOT_FOUND for a CSR the device declared is a device
     error (503); for a name nothing declared it keeps the table's row (a manifest
     difference); any other code keeps its row wherever the CSR came from."""
+    from calfsm.errors import csr_refused  # here: the other tests run on main too
+
     err = csr_refused(NOT_FOUND, "cur_seq", declared=True, job_id=4, seq_id=9)
     assert isinstance(err, Unavailable) and err.category is ErrorCategory.DEVICE
     assert (err.calrt_code, err.stage, err.job_id, err.seq_id) == (3, "csr", 4, 9)
