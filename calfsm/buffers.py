@@ -72,6 +72,7 @@ from calfsm.errors import (
     Unsupported,
     check,
     code_name,
+    csr_refused,
     from_calrt,
 )
 from calfsm.lazy import bf16_dtype
@@ -413,9 +414,11 @@ class BufferLease:
         if job_id is not None:
             ctx["job_id"] = job_id
         check(driver.set_kv_seq(inp, int(seq_id), row=row), "kv_seq", **ctx)
-        check(driver.set_csr(inp, c.csr_cur_seq, int(n), row=row), "csr", **ctx)
-        check(driver.set_csr(inp, c.csr_total_seq, int(src.positions[n - 1]) + 1,
-                             row=row), "csr", **ctx)
+        for name, value in ((c.csr_cur_seq, int(n)),
+                            (c.csr_total_seq, int(src.positions[n - 1]) + 1)):
+            code = driver.set_csr(inp, name, value, row=row)
+            if code:
+                raise csr_refused(code, name, declared=True, **ctx)
 
     def set_rows(self, rows: int) -> None:
         """How many rows the next job of this batch graph's slot carries (said only when
@@ -457,7 +460,9 @@ class BufferLease:
                                   stage="csr", **self._ctx(core))
         code = core.pool.driver.set_csr(core.slot.inp, name, int(value))
         if code:
-            raise from_calrt(code, "csr", **self._ctx(core))
+            c = core.slot.contract
+            raise csr_refused(code, name, declared=name in (c.csr_cur_seq, c.csr_total_seq),
+                              **self._ctx(core))
 
     def set_kv_seq(self, seq_id: int) -> None:
         """Bind the input buffer to a KV sequence (``0 <= seq_id < 2**31`` locally)."""

@@ -23,16 +23,19 @@ from collections.abc import Callable
 from typing import Any
 
 from calfsm.drivers.base import Driver, EngineSlot
+from calfsm.errors import Unavailable
 from calfsm.job import JobContext
 from calfsm.lifecycle import Lifecycle
 from calfsm.machines.job import JobState
 from calfsm.machines.lifecycle import LifecycleState
-from calfsm.recovery import FaultPolicy, Verdict
+from calfsm.recovery import Decision, FaultPolicy, Verdict
 from calfsm.service import ServiceModel
 
 __all__ = ["READY", "Core", "Hooks", "PipelineTimeouts", "job_ctx"]
 
 READY = LifecycleState.READY
+#: the decisions that take the generation out and bring up the next one
+_TAKES_OUT = frozenset({Decision.DRAIN_AND_RESET, Decision.ROLL_BACK})
 
 
 class Hooks:
@@ -124,8 +127,20 @@ class Core:
             and not job.cancel_requested and not job.ended and self.broken is None
 
     def decide(self, err: Any) -> None:
-        """Show ``err`` to the fault policy now and carry out its decision."""
-        self.apply(self.faults.decide(err, self.clock.now()))
+        """Show ``err`` to the fault policy now and carry out its decision.
+
+        A 503 that took the generation out (a device fault met before submit) gets the
+        lifecycle's retry-after hint: its caller may try again on the next generation,
+        and a stream resumes there, instead of reading a bare 503 as final."""
+        verdict = self.faults.decide(err, self.clock.now())
+        self.apply(verdict)
+        life = self.life
+        # judged by the decision, not by the state now: a threaded recovery may be
+        # over already (Ready again), and the next generation is what the hint is for
+        if isinstance(err, Unavailable) and err.retry_after_s is None \
+                and verdict.decision in _TAKES_OUT and not life.closing \
+                and life.state != LifecycleState.FAILED:
+            err.retry_after_s = life.retry_after_s
 
 
 def job_ctx(job: JobContext, stage: str | None) -> dict[str, Any]:

@@ -13,7 +13,8 @@ the spec's section 8 line by line, and tests iterate over them.
 Codes 3, 6 and 26 are not named by the spec's table. calfsm names them for the
 conditions its drivers must report and the spec leaves unnumbered: 3 ``NOT_FOUND`` (a
 tensor, CSR or model name the device does not know: a manifest difference, so it joins
-the request/artifact row of 14/21/22), 6 ``INVALID_STATE`` (an API used out of order,
+the request/artifact row of 14/21/22; but see :func:`csr_refused` for a CSR the configured
+device itself declared), 6 ``INVALID_STATE`` (an API used out of order,
 e.g. ``Wait`` on a buffer never submitted: a programming error) and 26
 ``HARD_RESET_FAILED`` (a device row, like 25). Any integer outside the enum is still
 handled: category UNKNOWN, never a crash.
@@ -53,6 +54,7 @@ __all__ = [
     "category_of",
     "check",
     "code_name",
+    "csr_refused",
     "from_calrt",
     "output_fault",
 ]
@@ -461,6 +463,28 @@ def from_calrt(code: int, stage: str, message: str | None = None,
     category, cls = CODE_TABLE.get(code, _UNCLASSIFIED)  # type: ignore[call-overload]
     text = message or f"CalRT returned {code_name(code)} at {stage}"
     return cls(text, category=category, calrt_code=code, stage=stage, **context)
+
+
+def csr_refused(code: int, name: str, *, declared: bool, **context: Any) -> CalfsmError:
+    """The error of a CSR write the device refused with ``code`` (stage ``csr``).
+
+    ``declared``: ``name`` is a CSR of the job's graph as the configured device listed it
+    (every manifest CSR is checked against the device's own model list at bring-up, so
+    a name that could not exist fails start-up: FI01/FI02). NOT_FOUND for such a name
+    says the device lost part of the configuration it reported for this generation —
+    the device is wrong, not the request and not calfsm: category DEVICE (admission
+    stops at once, the generation is drained and reset), raised as
+    :class:`Unavailable` (503). Counting it as a request error let a device that
+    refuses every CSR write fail each job with a 500 while it called itself ready.
+    Every other code, and a name nothing declared, takes its row of
+    :data:`CODE_TABLE`."""
+    code = int(code)
+    if declared and code == CalrtCode.NOT_FOUND:
+        return Unavailable(
+            f"CSR {name!r}, declared by the configured device, is now NOT_FOUND: the "
+            "device lost its configuration", category=ErrorCategory.DEVICE,
+            calrt_code=code, stage="csr", **context)
+    return from_calrt(code, "csr", **context)
 
 
 def output_fault(message: str, *, calrt_code: int | None = None,

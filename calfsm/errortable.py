@@ -10,7 +10,9 @@ Two Markdown tables are derived, never written by hand:
   new admission, automatic action) and the :class:`~calfsm.recovery.Decision` that
   :meth:`FaultPolicy.decide <calfsm.recovery.FaultPolicy.decide>` actually returns for
   it — asked three times, with a fresh budget, with a requeue allowed and with the error
-  budget spent, so the budgeted exceptions of the transient row show up too;
+  budget spent, so the budgeted exceptions of the transient row show up too; a code
+  classified by where it is met (NOT_FOUND from a CSR the device declared:
+  :func:`~calfsm.errors.csr_refused`) is listed in the row it lands in;
 - *what the caller sees*: every :class:`~calfsm.errors.CalfsmError` class, its default
   category, HTTP status, gRPC code, the codes raised as it, and its docstring's summary.
 
@@ -63,6 +65,14 @@ def _decisions(category: ErrorCategory) -> str:
     return "; ".join(cell)
 
 
+def _in_context() -> list[tuple[CalfsmError, str]]:
+    """Codes classified by where they are met, not by :data:`~calfsm.errors.CODE_TABLE`
+    alone: (the error the code gives there, how the table names the case)."""
+    return [(errors.csr_refused(CalrtCode.NOT_FOUND, "table", declared=True),
+             f"{int(CalrtCode.NOT_FOUND)} `NOT_FOUND` from a CSR the configured device "
+             "declared (`csr_refused`)")]
+
+
 def _codes_by_category() -> dict[ErrorCategory, list[str]]:
     by: dict[ErrorCategory, list[str]] = {c: [] for c in ErrorCategory}
     for code in CalrtCode:
@@ -70,6 +80,8 @@ def _codes_by_category() -> dict[ErrorCategory, list[str]]:
             by[errors.from_calrt(code, "table").category].append(f"{int(code)} `{code.name}`")
     beyond = max(CalrtCode) + 1           # any integer CalRT 0.7.6 does not define
     by[errors.from_calrt(beyond, "table").category].append("any other code")
+    for err, case in _in_context():
+        by[err.category].append(case)
     return by
 
 
@@ -105,6 +117,8 @@ def render() -> str:
         if code is not CalrtCode.SUCCESS:
             raised_as.setdefault(type(errors.from_calrt(code, "table")), []).append(
                 str(int(code)))
+    for err, _case in _in_context():
+        raised_as.setdefault(type(err), []).append(f"{err.calrt_code} (declared CSR)")
     lines += [
         "",
         "| exception | is a | default category | HTTP | gRPC | CalRT codes raised as it | "

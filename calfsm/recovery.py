@@ -25,8 +25,10 @@ compatibility  stop / operator fix                    ``STOP``: admission stops 
 =============  =====================================  ===================================
 
 A generation that fails every job is not serving, whatever each error's row says: a
-device that rejects every CSR write answers each job with a request code (``continue``),
-and without more the executor would fail every request while calling itself Ready.
+device that answers every job with a shape or dtype mismatch answers each with a request
+code (``continue``), and without more the executor would fail every request while
+calling itself Ready. (A refused CSR write needs no streak: NOT_FOUND for a CSR the
+device declared is a device error, :func:`calfsm.errors.csr_refused`, drained at once.)
 So the policy also counts the jobs that failed *in a row* with a code from the device
 (any category but the transient ones, which the budget above handles, and but KV
 exhaustion, which is capacity, not a fault); after ``RecoveryPolicy.failure_streak`` of

@@ -81,10 +81,11 @@ def test_draining_and_recovering_are_live_but_not_ready():
 
 
 def test_a_device_that_rejects_every_csr_write_ends_failed_not_500_forever(mode):
-    """From the first job on, every set_csr is refused NOT_FOUND (a request code: each
-    job alone would just fail). Eight such jobs in a row drain the generation; the next
-    one's warm-up is refused too, and the executor ends Failed: not live, not ready,
-    and requests are refused with a 503 without Retry-After (restart the process)."""
+    """From the first job on, every set_csr is refused NOT_FOUND, for CSRs the device
+    declared: a device fault (not a request error). The first such job drains the
+    generation (issue 34: not eight 500s first); the next one's warm-up is refused too,
+    and the executor ends Failed: not live, not ready, and requests are refused with a
+    503 without Retry-After (restart the process)."""
     plan = FaultPlan.of(FaultRule("set_csr", "code", nth=5, every=1,
                                   code=int(CalrtCode.NOT_FOUND)))
     with make_executor(mode, faults=plan) as ex:
@@ -98,7 +99,8 @@ def test_a_device_that_rejects_every_csr_write_ends_failed_not_500_forever(mode)
             drive(ex, h.done)
             errors.append(h.exception(0))
         drive(ex, lambda: ex.lifecycle_state == "Failed", timeout=30)
-        assert all(isinstance(e, Internal) for e in errors[:8]), errors[:8]
+        assert len(errors) == 2 and not isinstance(errors[0], Internal), errors
+        assert errors[0].http_status == 503 and errors[0].calrt_code == CalrtCode.NOT_FOUND
         health = ex.health()
         assert not health.live and not health.ready and health.state == "Failed"
         with pytest.raises(Unavailable) as info:
