@@ -475,12 +475,12 @@ class DeviceLifecycle:
             log.warning("rolling back to the last known-good model after an artifact "
                         "error", extra={"generation": old.generation, "stage": "rollback"})
         try:
-            if not self.bring_up(*model, kind, lost=lost):
+            if not self.bring_up(*model, kind, lost=lost,
+                                 on_ready=lambda: self.pipeline.count("recoveries")):
                 return False
         except _ShuttingDown:
             log.warning("recovery stopped: the executor is shutting down")
             return False
-        self.pipeline.count("recoveries")
         _limited.warning("recovered", "recovered: generation %s ready", life.generation,
                          extra={"generation": life.generation, "stage": "recovery"})
         return True
@@ -492,14 +492,16 @@ class DeviceLifecycle:
 
     def bring_up(self, manifest: Manifest, calbin: Calbin, kind: ResetKind, *,
                  lost: tuple[list[int], str] | None = None,
-                 attempts: int | None = None, configure: bool = False) -> bool:
+                 attempts: int | None = None, configure: bool = False,
+                 on_ready: Callable[[], None] | None = None) -> bool:
         """From Recovering: reset, configure a new generation, run the warm-up golden.
 
         A failure for a device reason goes back to Recovering (``retry``) for another
         reset, at most ``attempts`` (default ``policy.max_attempts``) times in all; an
         artifact or compatibility error, a failed reset or the last attempt end Failed.
         ``configure``: configure even after a CCU reset (which keeps a configuration,
-        if there ever was one: not so when start-up failed to configure).
+        if there ever was one: not so when start-up failed to configure). ``on_ready``:
+        see :meth:`configure_and_warm`.
         """
         life = self.life
         attempts = self.policy.max_attempts if attempts is None else attempts
@@ -517,7 +519,8 @@ class DeviceLifecycle:
                 self._step("reconfigure")
                 err = self.configure_and_warm(
                     manifest, calbin, generation,
-                    configure=configure or kind is not ResetKind.CCU, lost=lost)
+                    configure=configure or kind is not ResetKind.CCU, lost=lost,
+                    on_ready=on_ready)
             if err is None:
                 return True
             if life.closing:
@@ -546,12 +549,18 @@ class DeviceLifecycle:
 
     def configure_and_warm(self, manifest: Manifest, calbin: Calbin, generation: int, *,
                            configure: bool = True,
-                           lost: tuple[list[int], str] | None = None
+                           lost: tuple[list[int], str] | None = None,
+                           on_ready: Callable[[], None] | None = None
                            ) -> CalfsmError | None:
         """Configuring -> Warming -> Ready with a new epoch: the one bring-up used by
         start-up, recovery, model switch and rollback. Returns the error if it did not
         come up. ``lost``: sequences whose KV the device no longer holds, and why; the
-        new generation refuses them until reset."""
+        new generation refuses them until reset. ``on_ready()`` books the bring-up
+        (a recovery counts itself) just before Ready is announced.
+
+        The books move before the state does: whoever sees the new generation Ready (a
+        waiter, a listener, a reader of ``stats()``) finds it counted and the old
+        generation's error budget and back-off gone."""
         life = self.life
         try:
             epoch = self._build(manifest, calbin, generation, configure=configure)
@@ -569,11 +578,13 @@ class DeviceLifecycle:
             epoch.kv.on_full = self.pipeline.kv_full
         except CalfsmError as e:
             return e
+        self.faults.reset()
         with life.locked():
             if life.closing:
                 raise _ShuttingDown
+            if on_ready is not None:
+                on_ready()
             life.warmed(manifest, calbin)
-        self.faults.reset()
         return None
 
     def _enable_parallel(self) -> None:

@@ -4,7 +4,9 @@ the pool (which grant now or refuse, and never sleep). It is admitted first come
 served, as soon as what it needs comes back (a finished job, a sequence reset), gives up
 at its admission deadline (also on a virtual clock nobody advances), and close() returns
 it. FI04's bounded wait without busy CPU is
-tests/test_executor.py::test_fi04_kv_never_allocatable_waits_until_deadline_without_cpu.
+tests/test_executor.py::test_fi04_kv_never_allocatable_waits_until_deadline_without_cpu
+(the CPU it burns) and test_a_blocked_enqueue_sleeps_until_it_is_woken here (that it
+does not poll, however politely).
 
 Threaded mode on real time with zero device latency; a job is held on the device with
 :class:`GatedDriver`, never with a sleep.
@@ -12,6 +14,7 @@ Threaded mode on real time with zero device latency; a job is held on the device
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 
@@ -61,6 +64,26 @@ class Caller(threading.Thread):
         assert self.error is None, self.error
         assert self.handle is not None
         return self.handle
+
+
+class CountingCaller(Caller):
+    """A :class:`Caller` that counts the Python events its own thread runs inside
+    ``enqueue`` (``sys.setprofile``: every call and return, of Python and of C
+    functions, a lock's acquire or a sleep included). A thread blocked in one wait runs
+    nothing until it is woken; a thread that polls runs its loop at every tick."""
+
+    def __init__(self, ex: DeviceExecutor, request: Request) -> None:
+        self.events = 0
+        super().__init__(ex, request)
+
+    def run(self) -> None:
+        def count(frame: object, event: str, arg: object) -> None:
+            self.events += 1
+        sys.setprofile(count)
+        try:
+            super().run()
+        finally:
+            sys.setprofile(None)
 
 
 def _queue_callers(ex: DeviceExecutor, requests: list[Request]) -> list[Caller]:
@@ -118,6 +141,33 @@ def test_a_blocked_enqueue_gives_up_at_its_admission_deadline():
         assert (err.seq_id, err.http_status) == (1, 504)
         gated.gate.set()
         held.result(10)
+
+
+def _events_of_a_blocked_enqueue(admission_s: float) -> int:
+    """What a caller's thread runs in an ``enqueue`` that waits ``admission_s`` for KV
+    that never comes (FI04) and then gives up."""
+    with make_executor("threaded", faults=always("kv_can_allocate", "refuse"),
+                       admission_timeout_s=admission_s) as ex:
+        caller = CountingCaller(ex, _prefill(1))
+        err = caller.returned(30).exception(5)
+        assert isinstance(err, DeadlineExceeded) and err.stage == "admission", err
+        return caller.events
+
+
+def test_a_blocked_enqueue_sleeps_until_it_is_woken():
+    """FI04 without busy CPU, counted rather than timed: a caller blocked in ``enqueue``
+    waits on its job and is woken once, when the job leaves the admission queue. What
+    its thread runs is then the same for a 0.1 s wait as for a 1.1 s one; a poll (a
+    loop of short sleeps or timed waits, which a CPU-time bound lets through) runs its
+    loop at every tick, tens of events each. Counting Python events is exact under any
+    load (a thread that waits runs none, however long the machine keeps it off a
+    core); the margin covers one-off work such as a first isinstance filling an ABC
+    cache."""
+    short = _events_of_a_blocked_enqueue(0.1)
+    long = _events_of_a_blocked_enqueue(1.1)
+    assert long - short < 40, (
+        f"a caller blocked 1 s longer ran {long - short} more Python events "
+        f"({short} in 0.1 s, {long} in 1.1 s): it polls instead of waiting")
 
 
 def test_close_returns_every_blocked_enqueue():

@@ -142,6 +142,29 @@ def test_fi10_non_finite_logits_isolate_generation_and_rerun_golden(mode, effect
         assert _warmups(ex) == warm_before + 2           # the golden ran again
 
 
+def test_a_new_generation_is_booked_before_anyone_sees_it_ready(mode):
+    """Whoever sees generation 2 Ready (a lifecycle listener, a caller woken by the
+    state change) finds its recovery counted and the error budget of generation 1
+    gone: the books move before the state is announced. The FI10 test above read
+    ``stats().recoveries`` right after it saw Ready and ran a job, and on a loaded
+    machine, where the recovery thread lost the CPU between announcing Ready and
+    counting, found 0."""
+    busy = FaultPlan.of(FaultRule("infer", "code", seq_id=SEQ, nth=1, every=1,
+                                  code=int(CalrtCode.DEVICE_BUSY)))
+    policy = RecoveryPolicy(error_budget=1, budget_refill_per_s=0.0, grace_period_s=0.01)
+    seen = []
+    with make_executor(mode, faults=busy, recovery=policy) as ex:
+        def told() -> None:
+            if ex.lifecycle_state == "Ready" and ex.generation == 2:
+                seen.append((ex.stats().recoveries, ex.faults.backoff_until))
+        ex.lifecycle.on_change(told)
+        outcome(ex, ex.enqueue(_job()))
+        assert ex.faults.backoff_until > 0               # generation 1 backs off
+        outcome(ex, ex.enqueue(_job()))                  # the budget is gone: recover
+        settle(ex, lambda: ex.generation == 2)
+        assert seen and all(got == (1, 0.0) for got in seen), seen
+
+
 def test_fi14_stale_completion_after_reset_touches_nothing_new(mode):
     plan = FaultPlan.of(FaultRule("infer", "stale", seq_id=SEQ))
     inner = make_sim(mode, faults=plan)

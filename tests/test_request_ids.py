@@ -39,18 +39,26 @@ PROMPT = [5, 9, 100, 7, 3]
 
 
 class Seen(Observer):
-    """The request ids observers are told of."""
+    """The request ids observers are told of. The ends of announced jobs (``ended``)
+    pair one to one with the job_accepted events; a stream's step prepared ahead that
+    was never released ends unannounced (``unannounced``, with its outcome): whether a
+    staging loses the race to the step it was prepared behind (the step completed and
+    its successor went the ordinary way) is up to the threads' timing."""
 
     def __init__(self) -> None:
         self.accepted: list[str | None] = []
         self.ended: list[str | None] = []
+        self.unannounced: list[tuple[str | None, str]] = []
         self.streams: list[str] = []
 
     def job_accepted(self, event) -> None:
         self.accepted.append(event.request_id)
 
     def job_ended(self, event) -> None:
-        self.ended.append(event.request_id)
+        if event.announced:
+            self.ended.append(event.request_id)
+        else:
+            self.unannounced.append((event.request_id, event.outcome))
 
     def stream_ended(self, stream, result) -> None:
         self.streams.append(stream.request_id)
@@ -88,6 +96,9 @@ def test_every_stream_and_job_has_an_id_in_its_events(mode):
         assert set(seen.accepted) == {"chat-1", b.request_id, job.request_id}
         assert sorted(seen.accepted) == sorted(seen.ended)
         assert seen.accepted.count("chat-1") == 4        # the prefill and 3 decodes
+        # a step prepared ahead and not needed (0 or more: timing) is the stream's too
+        assert {o for _, o in seen.unannounced} <= {"discarded"}, seen.unannounced
+        assert {r for r, _ in seen.unannounced} <= {"chat-1", b.request_id}
         assert sorted(seen.streams) == sorted(["chat-1", b.request_id])
         assert ex.requests() == []
 
