@@ -46,10 +46,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from calfsm.admission import Admission  # noqa: E402
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
-from calfsm.epoch import WARMUP_SEQ  # noqa: E402
+from calfsm.engine.admission import Admission  # noqa: E402
+from calfsm.engine.epoch import WARMUP_SEQ  # noqa: E402
 from calfsm.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
 from calfsm.manifest import builtin_manifest  # noqa: E402
 from calfsm.request import Request  # noqa: E402

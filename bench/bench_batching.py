@@ -49,11 +49,11 @@ sys.path.insert(0, str(ROOT))
 from runs import print_summary, repeat  # noqa: E402
 
 from calfsm.clock import RealClock  # noqa: E402
-from calfsm.direct import DirectRunner  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
 from calfsm.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
+from calfsm.generate.sampling import SamplingParams  # noqa: E402
 from calfsm.manifest import builtin_manifest  # noqa: E402
-from calfsm.sampling import SamplingParams  # noqa: E402
+from calfsm.tools.direct import DirectRunner  # noqa: E402
 
 DECODE_S = 0.010
 SHARE = 0.05

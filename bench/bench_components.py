@@ -44,10 +44,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import numpy as np
 
 from calfsm import _native
-from calfsm.buffers import BufferPool
 from calfsm.drivers.sim import SimDriver
-from calfsm.kv import KvCoordinator
-from calfsm.logits import (
+from calfsm.engine.buffers import BufferPool
+from calfsm.engine.kv import KvCoordinator
+from calfsm.engine.logits import (
     convert_bf16_range,
     extract_logits,
     native_kernel_in_use,

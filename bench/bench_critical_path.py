@@ -40,11 +40,11 @@ from pathlib import Path
 from typing import Any
 
 from calfsm.clock import RealClock
-from calfsm.direct import DirectRunner
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import builtin_manifest
-from calfsm.sampling import SamplingParams
+from calfsm.tools.direct import DirectRunner
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from cpuload import add_load_option, cpu_load
@@ -92,9 +92,9 @@ class Hops:
     POINTS = ("wait", "checked", "sampled", "queued", "infer")
 
     def __init__(self, probe: GapProbe) -> None:
-        import calfsm.completion as completion
-        from calfsm.sampling import Sampler
-        from calfsm.submission import Submission
+        import calfsm.engine.completion as completion
+        from calfsm.engine.submission import Submission
+        from calfsm.generate.sampling import Sampler
 
         self._undo: list[tuple[Any, str, Any]] = []
         for owner, name, label in ((completion, "check_output", "checked"),

@@ -38,7 +38,7 @@ SMOKE_SERVE = ["--manifest", "tiny", "--max-sequences", "4", "--header-timeout",
 
 def start(keys: list[str], extra: list[str]) -> tuple[subprocess.Popen, str, int]:
     args = [a for k in keys for a in ("--api-key", k)]
-    proc = subprocess.Popen([sys.executable, "-m", "calfsm.cli", "serve", "--port", "0",
+    proc = subprocess.Popen([sys.executable, "-m", "calfsm.tools.cli", "serve", "--port", "0",
                              *args, *extra], stderr=subprocess.PIPE, text=True)
     assert proc.stderr is not None
     for line in proc.stderr:

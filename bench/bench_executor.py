@@ -60,14 +60,14 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calfsm.clock import RealClock
-from calfsm.direct import DirectRunner
-from calfsm.doorbell import Doorbell
 from calfsm.drivers.sim import LatencyModel, SimDriver
+from calfsm.engine.job import Request
 from calfsm.errors import check
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.job import Request
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.scheduler import StepScheduler
+from calfsm.runtime.doorbell import Doorbell
+from calfsm.runtime.stepper import StepScheduler
+from calfsm.tools.direct import DirectRunner
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
 

@@ -13,7 +13,7 @@ median over the blocks of process CPU time per job:
 
 ``none``      no observer (the default): what the observer plumbing costs when unused
 ``no-op``     an observer whose ``job_ended`` does nothing: the JobEnded record + call
-``metrics``   :class:`calfsm.metrics.ExecutorMetrics` attached
+``metrics``   :class:`calfsm.telemetry.metrics.ExecutorMetrics` attached
 ``+dump``     metrics and a dump sink that selects nothing the run produces
 
 (a) per-job path: one decode job per step (``enqueue`` + drive + greedy), the path of
@@ -34,14 +34,14 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calfsm.drivers.sim import LatencyModel, SimDriver
-from calfsm.dump import DumpConfig, DumpSink
+from calfsm.engine.job import Request
+from calfsm.engine.observe import JobEnded, Observer
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.job import Request
+from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import builtin_manifest
-from calfsm.metrics import ExecutorMetrics
-from calfsm.observe import JobEnded, Observer
-from calfsm.sampling import SamplingParams
-from calfsm.scheduler import StepScheduler
+from calfsm.runtime.stepper import StepScheduler
+from calfsm.telemetry.dump import DumpConfig, DumpSink
+from calfsm.telemetry.metrics import ExecutorMetrics
 
 PROMPT = [11, 22, 33, 44, 55, 66, 77, 88]
 

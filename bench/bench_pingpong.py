@@ -43,11 +43,11 @@ from pathlib import Path
 import numpy as np
 
 from calfsm.clock import RealClock
-from calfsm.direct import DirectRunner
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import builtin_manifest
-from calfsm.sampling import SamplingParams
+from calfsm.tools.direct import DirectRunner
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = builtin_manifest("tiny")

@@ -11,7 +11,7 @@ Run from the repository root::
 
 The server is ``calfsm serve`` (its defaults: qwen3-b1 on the simulated device in real
 time, 10 ms per decode, 64 sequences, 60 s request timeout; ``--serve-args`` adds
-options) in a subprocess on 127.0.0.1. The clients (``tests/serve_load.py``) run in a
+options) in a subprocess on 127.0.0.1. The clients (``tests/helpers/serve_load.py``) run in a
 second subprocess, so their work never delays the prober: each of N clients loops over
 streaming ``POST /v1/completions`` (8 prompt tokens, ``--tokens`` of output) on a fresh
 connection each time, reading each answer to its end; after a 429 or 503 it pauses for
@@ -41,7 +41,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.serve_load import Prober, answers, pct, start_load, start_serve
+from tests.helpers.serve_load import Prober, answers, pct, start_load, start_serve
 
 
 def measure(prober: Prober, port: int, clients: int, args: argparse.Namespace

@@ -57,9 +57,9 @@ from runs import print_summary, repeat  # noqa: E402
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
 from calfsm.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
+from calfsm.generate.promptcache import PromptCacheConfig  # noqa: E402
+from calfsm.generate.sampling import SamplingParams  # noqa: E402
 from calfsm.manifest import TaskKind, builtin_manifest  # noqa: E402
-from calfsm.promptcache import PromptCacheConfig  # noqa: E402
-from calfsm.sampling import SamplingParams  # noqa: E402
 
 MANIFEST = builtin_manifest("tiny-b8")
 VOCAB = MANIFEST.submodel(TaskKind.DECODE).vocab

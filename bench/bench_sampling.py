@@ -37,8 +37,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import ml_dtypes
 import numpy as np
 
-from calfsm import refmodel
-from calfsm.sampling import SamplingParams, native_sampling_available
+from calfsm.drivers import refmodel
+from calfsm.generate.sampling import SamplingParams, native_sampling_available
 
 MODES = {
     "greedy": SamplingParams(),

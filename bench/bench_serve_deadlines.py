@@ -18,7 +18,7 @@ streaming, ``connection: close``) on raw sockets, so what is timed is the server
 HTTP client library: from sending a request to its status line, and to its last byte.
 It reports how many completed with all their tokens, how many were refused and how
 fast, anything else by status, and the last completion. The same run, scaled down ten
-times in time, is a test: ``tests/test_serve_deadlines.py``.
+times in time, is a test: ``tests/serve/test_serve_deadlines.py``.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.serve_load import pct, start_serve
+from tests.helpers.serve_load import pct, start_serve
 
 CLIENTS, TOKENS = 64, 100
 #: --smoke: 8 clients x 10 tokens against 4 sequences at 2 ms a decode

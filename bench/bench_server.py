@@ -53,8 +53,8 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.sampling import SamplingParams
 from calfsm.serve import ByteTokenizer, realtime_sim
 
 MANIFEST = "qwen3-b1"
@@ -132,7 +132,7 @@ def start_server(decode_ms: float, max_sequences: int, *, manifest: str = "qwen3
     if evidence is not None:
         extra += ["--evidence-dir", evidence]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "calfsm.cli", "serve", "--manifest", manifest, "--port",
+        [sys.executable, "-m", "calfsm.tools.cli", "serve", "--manifest", manifest, "--port",
          str(port), "--decode-ms", str(decode_ms), "--max-sequences", str(max_sequences),
          *extra,
          # every client is 127.0.0.1, one client to the server: lift its per-client limits

@@ -29,10 +29,10 @@ import tracemalloc
 
 import numpy as np
 
-from calfsm import refmodel
-from calfsm.direct import DirectRunner
+from calfsm.drivers import refmodel
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import TaskKind, builtin_manifest
+from calfsm.tools.direct import DirectRunner
 
 
 def cpu_per_step(fn, steps: int) -> float:

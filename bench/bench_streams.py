@@ -55,9 +55,9 @@ from bench_executor import PROMPT, DirectPath, ExecutorPath, _pct, _sim, interle
 from cpuload import add_load_option, cpu_load
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate.sampling import SamplingParams
+from calfsm.generate.streams import FinishReason, Stream
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.sampling import SamplingParams
-from calfsm.streams import FinishReason, Stream
 
 TIMEOUT_S = 120.0
 

@@ -10,7 +10,9 @@ plots load where they are used): ``import calfsm`` stays light for an embedder.
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from calfsm.dump import DumpConfig
+from calfsm.engine.job import InferenceResult, JobHandle, JobTimings
+from calfsm.engine.observe import JobAccepted, JobEnded, Observer
+from calfsm.engine.recovery import RecoveryPolicy
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -32,7 +34,16 @@ from calfsm.errors import (
     from_calrt,
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Health
-from calfsm.job import InferenceResult, JobHandle, JobTimings
+from calfsm.generate.promptcache import PromptCacheConfig, PromptCacheStats
+from calfsm.generate.sampling import SamplingParams
+from calfsm.generate.streams import (
+    FinishReason,
+    GenerationResult,
+    Sequence,
+    Stream,
+    TokenEvent,
+    Usage,
+)
 from calfsm.manifest import (
     DType,
     Manifest,
@@ -42,13 +53,9 @@ from calfsm.manifest import (
     TensorContract,
     builtin_manifest,
 )
-from calfsm.observe import JobAccepted, JobEnded, Observer
-from calfsm.promptcache import PromptCacheConfig, PromptCacheStats
-from calfsm.recovery import RecoveryPolicy
 from calfsm.request import Request
-from calfsm.sampling import SamplingParams
-from calfsm.scheduler import StepScheduler
-from calfsm.streams import FinishReason, GenerationResult, Sequence, Stream, TokenEvent, Usage
+from calfsm.runtime.stepper import StepScheduler
+from calfsm.telemetry.dump import DumpConfig
 
 if TYPE_CHECKING:
     from calfsm.drivers.calrt import CalrtDriver

@@ -10,10 +10,10 @@ from typing import Any
 
 import attrs
 
-from calfsm.dump import DumpConfig
+from calfsm.engine.recovery import RecoveryPolicy
 from calfsm.errors import InvalidArgument
-from calfsm.promptcache import PromptCacheConfig
-from calfsm.recovery import RecoveryPolicy
+from calfsm.generate.promptcache import PromptCacheConfig
+from calfsm.telemetry.dump import DumpConfig
 
 __all__ = ["ExecutorConfig", "ExecutorStats", "Health"]
 
@@ -65,7 +65,7 @@ class ExecutorConfig:
     queue_timeout_s: float = attrs.field(default=10.0, validator=_positive)
     #: how long ``wait`` may take before a job is given up as hung (FI07) and the device
     #: drained; None: ten times the step's expected time, at least 1 s (the manifest's
-    #: ``timing``, raised to what the warm-up measured: calfsm/service.py)
+    #: ``timing``, raised to what the warm-up measured: calfsm/engine/stepcost.py)
     execution_timeout_s: float | None = attrs.field(
         default=None, validator=attrs.validators.optional(_positive))
     default_deadline_s: float = attrs.field(default=60.0, validator=_positive)
@@ -79,7 +79,7 @@ class ExecutorConfig:
     #: drain's grace) means the device stopped making progress: ``health().live`` False
     hang_after_s: float = attrs.field(default=5.0, validator=_positive)
     #: refuse a new stream (429 with Retry-After) that, or that would make another
-    #: stream, miss its deadline by the measured service rate (calfsm/capacity.py)
+    #: stream, miss its deadline by the measured service rate (calfsm/generate/livestreams.py)
     admission_estimate: bool = True
     #: the estimate's safety factor on the modelled finishing times
     admission_slack: float = attrs.field(default=1.2, validator=_positive)
@@ -92,14 +92,14 @@ class ExecutorConfig:
     #: sequence ids open_sequence() hands out: 0 .. max_sequences-1
     max_sequences: int = attrs.field(default=256, validator=_at_least_one)
     #: where the vendor runners' evidence files are (None: the one rule every command
-    #: follows, calfsm.capabilities.evidence_dir: ``$CALFSM_EVIDENCE_DIR``, else
+    #: follows, calfsm.plan.capabilities.evidence_dir: ``$CALFSM_EVIDENCE_DIR``, else
     #: ``./evidence``); ``max_inflight=2`` runs two only when they prove it (inflight.py)
     evidence_dir: str | None = None
     #: the dump sink (spec S12): off (None) unless a DumpConfig names its directory
     dump: DumpConfig | None = attrs.field(default=None, validator=_dump_config)
     #: rows per device job on a batch calbin (continuous batching): None as many as the
     #: manifest's decode graph and the batch runner's evidence allow, 1 off. Batching
-    #: runs only when the evidence proves it (calfsm/batching.py)
+    #: runs only when the evidence proves it (calfsm/plan/batching.py)
     max_batch: int | None = attrs.field(
         default=None, validator=attrs.validators.optional(_at_least_one))
     #: how long the submitter may hold a partial batch for rows a batch being completed
@@ -112,7 +112,7 @@ class ExecutorConfig:
     #: (docs/architecture.md, Admission)
     priority_aging_s: float = attrs.field(default=1.0, validator=_positive_finite)
     #: keep a one-shot stream's sequence warm when it ends, for the next prompt that
-    #: begins the same way (calfsm/promptcache.py): off (None) unless a budget is given
+    #: begins the same way (calfsm/generate/promptcache.py): off (None) unless a budget is given
     prompt_cache: PromptCacheConfig | None = attrs.field(default=None,
                                                          validator=_prompt_cache_config)
 

@@ -2,15 +2,15 @@
 
 The executor wires four parts, each the one owner of its state:
 
-- :class:`~calfsm.lifecycle.Lifecycle` — the lifecycle record, its lock and the
-  admission gate; :class:`~calfsm.lifecycle.DeviceLifecycle` runs start-up, recovery,
+- :class:`~calfsm.engine.lifecycle.Lifecycle` — the lifecycle record, its lock and the
+  admission gate; :class:`~calfsm.engine.lifecycle.DeviceLifecycle` runs start-up, recovery,
   model switch and rollback;
-- :class:`~calfsm.pipeline.Pipeline` — the sans-thread core: queues, in-flight
+- :class:`~calfsm.engine.pipeline.Pipeline` — the sans-thread core: queues, in-flight
   accounting and the admit / prepare / submit / complete steps;
-- :class:`~calfsm.recovery.FaultPolicy` — an error in, a decision out, from the one
+- :class:`~calfsm.engine.recovery.FaultPolicy` — an error in, a decision out, from the one
   error table;
-- a runtime (:mod:`calfsm.runtime`) — worker threads, or nothing at all in step mode
-  (``ExecutorConfig(threaded=False)``), where :class:`~calfsm.scheduler.StepScheduler`
+- a runtime (:mod:`calfsm.runtime.drive`) — worker threads, or nothing at all in step mode
+  (``ExecutorConfig(threaded=False)``), where :class:`~calfsm.runtime.stepper.StepScheduler`
   drives the same steps through :attr:`DeviceExecutor.steps`.
 
 The data flow, invariants, lock order and the machines are described in
@@ -26,13 +26,16 @@ from typing import Any
 
 import attrs
 
-from calfsm.arguments import check_n
-from calfsm.batching import plan_batching
-from calfsm.capacity import LiveStreams
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver
-from calfsm.dump import DumpSink
-from calfsm.epoch import WARMUP_SEQ, Epoch
+from calfsm.engine.epoch import WARMUP_SEQ, Epoch
+from calfsm.engine.job import InferenceResult, JobContext, JobHandle, Request
+from calfsm.engine.kv import SeqState
+from calfsm.engine.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
+from calfsm.engine.observe import Observers, rejection_reason
+from calfsm.engine.pipeline import COUNTERS, Pipeline, PipelineTimeouts
+from calfsm.engine.recovery import FaultPolicy
+from calfsm.engine.stepcost import ServiceModel
 from calfsm.errors import (
     CalfsmError,
     Cancelled,
@@ -40,29 +43,26 @@ from calfsm.errors import (
     ResourceExhausted,
     Unavailable,
 )
-from calfsm.inflight import plan_inflight
-from calfsm.job import InferenceResult, JobContext, JobHandle, Request
-from calfsm.kv import SeqState
-from calfsm.lazy import asyncio_module
-from calfsm.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
-from calfsm.liverequests import LiveRequests, RequestInfo
-from calfsm.manifest import Manifest, TaskKind
-from calfsm.observe import Observers, rejection_reason
-from calfsm.pipeline import COUNTERS, Pipeline, PipelineTimeouts
-from calfsm.promptcache import PromptCache, PromptCacheStats
-from calfsm.recovery import FaultPolicy
-from calfsm.runtime import StepRuntime, Steps, ThreadRuntime
-from calfsm.sampling import SamplingParams
-from calfsm.scheduler import StepScheduler
-from calfsm.service import ServiceModel
-from calfsm.streams import (
+from calfsm.generate.arguments import check_n
+from calfsm.generate.liverequests import LiveRequests, RequestInfo
+from calfsm.generate.livestreams import LiveStreams
+from calfsm.generate.promptcache import PromptCache, PromptCacheStats
+from calfsm.generate.sampling import SamplingParams
+from calfsm.generate.streams import (
     Sequence,
     SequenceAllocator,
     Stream,
     judge_stream,
     max_new_tokens,
 )
-from calfsm.tokenizer import Tokenizer, check_tokenizer, encode_prompt
+from calfsm.generate.tokenizer import Tokenizer, check_tokenizer, encode_prompt
+from calfsm.manifest import Manifest, TaskKind
+from calfsm.plan.batching import plan_batching
+from calfsm.plan.inflight import plan_inflight
+from calfsm.runtime.drive import StepRuntime, Steps, ThreadRuntime
+from calfsm.runtime.stepper import StepScheduler
+from calfsm.telemetry.dump import DumpSink
+from calfsm.util.lazy import asyncio_module
 
 __all__ = ["DeviceExecutor", "ExecutorConfig", "ExecutorStats", "Health"]
 
@@ -76,8 +76,8 @@ class DeviceExecutor:
     in threaded mode, :meth:`enqueue` (it waits for admission). From asyncio, run them
     in a worker thread (``asyncio.to_thread``); ``await handle`` never blocks the loop.
 
-    ``tokenizer`` (a :class:`~calfsm.tokenizer.Tokenizer`, e.g.
-    :class:`~calfsm.tokenizer.ByteTokenizer` or :class:`~calfsm.tokenizer.HFTokenizer`):
+    ``tokenizer`` (a :class:`~calfsm.generate.tokenizer.Tokenizer`, e.g.
+    :class:`~calfsm.generate.tokenizer.ByteTokenizer` or :class:`~calfsm.generate.tokenizer.HFTokenizer`):
     streams then take text prompts and stop strings, and their events carry text.
     """
 
@@ -100,7 +100,7 @@ class DeviceExecutor:
         if batching.proof:
             log.info("continuous batching, %d rows per step: %s", batching.max_rows,
                      batching.proof, extra={"stage": "config"})
-        #: rows one device step carries at most (1: no batching; calfsm/batching.py)
+        #: rows one device step carries at most (1: no batching; calfsm/plan/batching.py)
         self.max_batch = batching.max_rows
         engines = plan.engines
         self._life = life = Lifecycle(self.clock)
@@ -294,8 +294,8 @@ class DeviceExecutor:
         waits; :attr:`calfsm.request.Request.priority`).
 
         What can be judged against the model alone is judged first, before anything is
-        taken (:mod:`calfsm.arguments`): ``n`` against ``max_sequences`` and
-        :data:`~calfsm.arguments.MAX_N`, the prompt's ids against the vocabulary and its
+        taken (:mod:`calfsm.generate.arguments`): ``n`` against ``max_sequences`` and
+        :data:`~calfsm.generate.arguments.MAX_N`, the prompt's ids against the vocabulary and its
         length against the context, ``params.max_tokens`` against the context left after
         the prompt (``params`` None: the default ``max_tokens`` clipped to it). Such a
         refusal is an :class:`InvalidArgument` raised here, never a retryable 429."""
@@ -520,9 +520,9 @@ class DeviceExecutor:
 
     # ---- observation ---------------------------------------------------------------
     def add_observer(self, observer: Any) -> None:
-        """Tell ``observer`` (a :class:`calfsm.observe.Observer`) of every job's and
-        stream's end, and of requests refused at once; see :mod:`calfsm.observe`.
-        :class:`calfsm.metrics.ExecutorMetrics` is one."""
+        """Tell ``observer`` (a :class:`calfsm.engine.observe.Observer`) of every job's and
+        stream's end, and of requests refused at once; see :mod:`calfsm.engine.observe`.
+        :class:`calfsm.telemetry.metrics.ExecutorMetrics` is one."""
         self._pipeline.observers.add(observer)
 
     def remove_observer(self, observer: Any) -> bool:
@@ -656,7 +656,7 @@ def _shutdown_cancel(job: JobContext, retry_after_s: float) -> Cancelled:
 
 
 class StreamSteps:
-    """The overlap plumbing a sequence's streams use (:class:`~calfsm.streams.StepPort`),
+    """The overlap plumbing a sequence's streams use (:class:`~calfsm.generate.streams.StepPort`),
     kept off the facade: the executor hands it only to the sequences it opens, so a
     caller's request reaches the device only through the validated entries."""
 

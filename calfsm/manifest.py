@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from calfsm.boundedio import MAX_DEPTH, check_depth, load_json, read_or_raise
 from calfsm.errors import Incompatible, InvalidArgument, ManifestError
+from calfsm.util.boundedio import MAX_DEPTH, check_depth, load_json, read_or_raise
 
 if TYPE_CHECKING:
     import cattrs
@@ -229,7 +229,7 @@ class ModelGeneration:
 class StepTiming:
     """What the vendor expects a step to take on the device: one decode step, and each
     prefilled token on top of that. The executor sizes its hang detection (the execution
-    timeout) and its first admission estimates from it (:mod:`calfsm.service`)."""
+    timeout) and its first admission estimates from it (:mod:`calfsm.engine.stepcost`)."""
 
     decode_ms: float
     prefill_token_us: float
@@ -244,7 +244,7 @@ class Manifest:
     submodels: tuple[SubmodelContract, ...]
     name: str = ""
     #: the vendor's expected step times (optional; without them the executor assumes
-    #: slow ones, :data:`calfsm.service.DEFAULT_TIMING`)
+    #: slow ones, :data:`calfsm.engine.stepcost.DEFAULT_TIMING`)
     timing: StepTiming | None = None
 
     # ---- loading -------------------------------------------------------------------
@@ -277,7 +277,7 @@ class Manifest:
     @classmethod
     def load(cls, path: str | Path) -> Manifest:
         """Read a ``.json`` or ``.toml`` manifest file: a regular file of at most
-        :data:`MAX_FILE_BYTES`, nested at most :data:`~calfsm.boundedio.MAX_DEPTH` deep
+        :data:`MAX_FILE_BYTES`, nested at most :data:`~calfsm.util.boundedio.MAX_DEPTH` deep
         (anything else, a FIFO included, is a :class:`ManifestError` at once)."""
         path = Path(path)
         raw = read_or_raise(path, max_bytes=MAX_FILE_BYTES, error=lambda why: ManifestError(

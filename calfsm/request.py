@@ -31,8 +31,8 @@ import numpy as np
 
 from calfsm.drivers.base import EngineSlot
 from calfsm.errors import InvalidArgument
-from calfsm.lazy import bf16_dtype
 from calfsm.manifest import DType, SubmodelContract, TaskKind
+from calfsm.util.lazy import bf16_dtype
 
 __all__ = ["EMBED_DTYPES", "MAX_REQUEST_ID", "PRIORITY_MAX", "PRIORITY_MIN", "Request",
            "check_embeds", "check_request", "check_request_id", "check_token"]

@@ -22,7 +22,7 @@ import sys
 
 from calfsm import DeviceExecutor, ExecutorConfig, SimDriver, builtin_manifest
 from calfsm.errors import CalfsmError
-from calfsm.sampling import SamplingParams
+from calfsm.generate.sampling import SamplingParams
 
 
 async def handle(executor: DeviceExecutor, slots: asyncio.Semaphore, tokens: int,

@@ -28,9 +28,9 @@ from starlette.routing import Route
 
 from calfsm import DeviceExecutor, ExecutorConfig, SamplingParams, TaskKind, builtin_manifest
 from calfsm.errors import CalfsmError
-from calfsm.promptcache import PromptCacheConfig
+from calfsm.generate.promptcache import PromptCacheConfig
+from calfsm.generate.tokenizer import ByteTokenizer
 from calfsm.serve import realtime_sim
-from calfsm.tokenizer import ByteTokenizer
 
 MANIFEST = builtin_manifest("tiny")
 

@@ -4,7 +4,7 @@ It runs every runner of ``examples/vendor/`` against one driver (``--driver sim`
 default; ``--driver calrt`` with ``CALFSM_CALRT_LIB`` naming a vendor shim asks a real
 device), each writing its evidence into ``--out`` (by default the directory every calfsm
 command reads), then asks
-:class:`calfsm.capabilities.EvidenceStore` what is proven on this device — the same
+:class:`calfsm.plan.capabilities.EvidenceStore` what is proven on this device — the same
 answer the executor and ``calfsm capabilities --evidence-dir OUT`` give — and prints
 whether two jobs in flight and continuous batching may be enabled.
 
@@ -18,9 +18,9 @@ import importlib.util
 import sys
 from pathlib import Path
 
-from calfsm.capabilities import DIR_RULE, EvidenceStore, Level, device_identity, evidence_dir
 from calfsm.drivers import load_driver
 from calfsm.manifest import builtin_manifest
+from calfsm.plan.capabilities import DIR_RULE, EvidenceStore, Level, device_identity, evidence_dir
 
 RUNNERS = ("parallel_mode", "overlap", "cancel_after_timeout", "kv_after_failed_wait",
            "reset_semantics", "batch_semantics")

@@ -1,5 +1,5 @@
 /* Host-side numeric kernels of calfsm, compiled into libcalrt_emu.so next to the emulator
- * and loaded by calfsm.logits with cffi (ABI mode). Not part of the CalRT ABI of
+ * and loaded by calfsm.engine.logits with cffi (ABI mode). Not part of the CalRT ABI of
  * calrt_c.h: a vendor shim does not implement them, and calfsm falls back to numpy when
  * the bundled library is absent or lacks them. */
 #ifndef CALFSM_KERNELS_H

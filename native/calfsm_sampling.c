@@ -1,6 +1,6 @@
 /* calfsm's sampling kernel (calfsm_sampling.h).
  *
- * What is computed is specified op by op in calfsm/sampling.py (its numpy fallback is
+ * What is computed is specified op by op in calfsm/generate/sampling.py (its numpy fallback is
  * the same arithmetic), so this file only says how it is made fast. Every floating-point
  * step is one IEEE-rounded operation in a fixed order, with no contraction into FMA (the
  * pragmas below; GCC's -std=c11 default too) and no excess precision (FLT_EVAL_METHOD 0;
@@ -51,7 +51,7 @@
 #define Q_ONE 40        /* mass = trunc(weight * 2^Q_ONE) */
 #define P_ONE (1ull << 32)
 
-/* float32 constants of the exp below, bit-exact as calfsm/sampling.py writes them */
+/* float32 constants of the exp below, bit-exact as calfsm/generate/sampling.py writes them */
 #define LOG2E 0x1.715476p+0f
 #define MAGIC 0x1.8p23f   /* adding it rounds |v| < 2^22 to an integer */
 #define LN2_HI 0x1.63p-1f

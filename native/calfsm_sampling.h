@@ -1,7 +1,7 @@
 /* Token sampling of calfsm (temperature, top-k, top-p, one seeded draw) on a float32
  * logits row, in place. Compiled into libcalrt_emu.so next to the emulator and loaded by
- * calfsm.sampling with cffi (ABI mode); not part of the CalRT ABI of calrt_c.h. The
- * arithmetic is specified in calfsm/sampling.py, whose numpy fallback computes the same
+ * calfsm.generate.sampling with cffi (ABI mode); not part of the CalRT ABI of calrt_c.h. The
+ * arithmetic is specified in calfsm/generate/sampling.py, whose numpy fallback computes the same
  * token and the same consumed row bit for bit. */
 #ifndef CALFSM_SAMPLING_H
 #define CALFSM_SAMPLING_H

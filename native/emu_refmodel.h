@@ -1,5 +1,5 @@
 /* The reference model (docs/reference-model.md) in C: hash chain, logits, tile layout.
- * Pure functions, no state, no allocation; bit-identical to calfsm/refmodel.py. */
+ * Pure functions, no state, no allocation; bit-identical to calfsm/drivers/refmodel.py. */
 #ifndef EMU_REFMODEL_H
 #define EMU_REFMODEL_H
 

@@ -18,8 +18,8 @@ import threading
 import pytest
 from hypothesis import HealthCheck, settings
 
-from calfsm import lograte
-from tests.executor_helpers import MODES
+from calfsm.util import lograte
+from tests.helpers.executor import MODES
 
 # Both are built on hypothesis's own "default" profile, not on the current one:
 # hypothesis itself loads its "ci" profile when it sees CI (set to anything) or another

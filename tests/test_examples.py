@@ -9,10 +9,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-from calfsm.capabilities import CAPABILITIES
-from calfsm.direct import DirectRunner
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
+from calfsm.plan.capabilities import CAPABILITIES
+from calfsm.tools.direct import DirectRunner
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 

@@ -58,7 +58,7 @@ def test_the_core_path_reads_in_one_sitting(module: str) -> None:
 @pytest.mark.parametrize("module", ["kv", "buffers"])
 def test_the_books_never_wait_and_read_no_clock(module: str) -> None:
     """Issue 21, item 4: the KV books and the pool grant now or refuse. Who waits, and
-    until when, is the admission queue's (calfsm/admission.py): these modules import no
+    until when, is the admission queue's (calfsm/engine/admission.py): these modules import no
     clock and construct no condition variable, event or timed wait."""
     import ast
 

@@ -9,7 +9,7 @@ source under ``native/`` is newer than the library. Set ``CALFSM_NO_AUTOBUILD=1`
 forbid that (a missing library is then reported, with the command that builds it).
 
 The same library also exports calfsm's host-side kernels (``native/calfsm_kernels.h``,
-not part of the CalRT ABI): :func:`load_kernels` opens them for :mod:`calfsm.logits`.
+not part of the CalRT ABI): :func:`load_kernels` opens them for :mod:`calfsm.engine.logits`.
 """
 
 from __future__ import annotations

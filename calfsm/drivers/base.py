@@ -12,7 +12,7 @@ code* that CalRT could not even express (a handle of another driver, a closed dr
 The memory model is CalRT's: a host numpy array mapped into a buffer (``MapBuf``) is
 read by the device *when the job runs*, not when it is submitted, and written back when
 the job completes. The caller must keep the array alive, unmoved and unresized until
-``wait`` reported completion; calfsm's :class:`~calfsm.buffers.BufferPool` guarantees it.
+``wait`` reported completion; calfsm's :class:`~calfsm.engine.buffers.BufferPool` guarantees it.
 
 A driver declares its :class:`Capabilities`; callers ask, never assume (a driver without
 ``ResetKind.FULL`` cannot recover a wedged device in-process; one without
@@ -64,10 +64,10 @@ from typing import Any, ClassVar, Protocol, Self, runtime_checkable
 import attrs
 import numpy as np
 
-from calfsm.boundedio import load_json, read_or_raise
 from calfsm.clock import Clock
 from calfsm.errors import CalrtCode, ManifestError
 from calfsm.manifest import MAX_FILE_BYTES, DType, Manifest, ModelInfo, TaskKind, TensorInfo
+from calfsm.util.boundedio import load_json, read_or_raise
 
 __all__ = [
     "MAX_WAIT_S",

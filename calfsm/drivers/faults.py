@@ -77,9 +77,9 @@ from typing import Any
 
 import attrs
 
-from calfsm.boundedio import load_json, read_or_raise
 from calfsm.drivers.base import SEQ_LIMIT
 from calfsm.errors import CalrtCode, InvalidArgument
+from calfsm.util.boundedio import load_json, read_or_raise
 
 __all__ = [
     "BATCH_SWARM_KINDS",
@@ -386,7 +386,7 @@ class FaultPlan:
     @classmethod
     def from_json(cls, text: str | bytes) -> FaultPlan:
         """A plan from its JSON text, nested at most
-        :data:`~calfsm.boundedio.MAX_DEPTH` deep (a plan needs 3)."""
+        :data:`~calfsm.util.boundedio.MAX_DEPTH` deep (a plan needs 3)."""
         try:
             data = load_json(text)
         except ValueError as e:     # malformed, not UTF-8, or nested too deep

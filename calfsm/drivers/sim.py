@@ -12,7 +12,7 @@ every job whose time has come (:meth:`SimDriver._pump`), in submission order. Ex
 reads the mapped token and position arrays *at that moment*, checks CSRs, slices and the
 KV allocation like the device would, and ends ``DONE_CCU_EXCEPTION`` (writing nothing)
 when they disagree; otherwise it runs the hash chain against the sequence's KV words and
-writes the whole output array (:mod:`calfsm.refmodel`).
+writes the whole output array (:mod:`calfsm.drivers.refmodel`).
 In real time a fault-free job is computed a little before its finish time (by what
 computing its graph and rows has cost this host, with a margin) and ends at that time:
 the latency model is what the device costs, and a device computes during its step, so
@@ -67,8 +67,8 @@ from typing import Any, TypeVar
 import attrs
 import numpy as np
 
-from calfsm import refmodel
 from calfsm.clock import Clock, VirtualClock
+from calfsm.drivers import refmodel
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
 from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import (

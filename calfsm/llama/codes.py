@@ -86,7 +86,7 @@ def return_code(err: CalfsmError) -> int:
     for rule in RETURN_CODES:
         if rule.matches(err):
             return rule.code
-    # the category rows cover every category (tests/test_llama.py checks it)
+    # the category rows cover every category (tests/llama/test_llama.py checks it)
     raise AssertionError(f"no return-code rule for {err!r}")
 
 

@@ -47,20 +47,20 @@ from typing import TYPE_CHECKING
 import attrs
 import numpy as np
 
-from calfsm.arguments import check_n
-from calfsm.epoch import WARMUP_SEQ
+from calfsm.engine.epoch import WARMUP_SEQ
+from calfsm.engine.job import InferenceResult, JobHandle
 from calfsm.errors import CalfsmError, Cancelled, InvalidArgument, Unavailable
-from calfsm.job import InferenceResult, JobHandle
+from calfsm.generate.arguments import check_n
 from calfsm.llama import codes
 from calfsm.llama.batch import BatchPlan, LlamaBatch, SeqPart, Ubatch, plan_batch
 from calfsm.llama.memory import LlamaMemory
 from calfsm.manifest import TaskKind
 from calfsm.request import Request, check_request
-from calfsm.scheduler import StepScheduler
+from calfsm.runtime.stepper import StepScheduler
 
 if TYPE_CHECKING:
     from calfsm.executor import DeviceExecutor
-    from calfsm.streams import Sequence
+    from calfsm.generate.streams import Sequence
 
 __all__ = ["DecodeResult", "LlamaContext", "decode", "decode_sync"]
 

@@ -7,12 +7,12 @@ for success. Here every operation either does its work or raises
 features off before it calls them.
 
 What a sequence holds is the executor's KV coordinator's committed length
-(:meth:`~calfsm.kv.KvCoordinator.sequence_length`), the one record of it: positions
+(:meth:`~calfsm.engine.kv.KvCoordinator.sequence_length`), the one record of it: positions
 ``0 .. n-1``. Removing a tail (``seq_rm(s, p0, -1)``) releases the device KV from
-``p0`` on (:meth:`~calfsm.kv.KvCoordinator.truncate_sequence`); the next batch goes on at
+``p0`` on (:meth:`~calfsm.engine.kv.KvCoordinator.truncate_sequence`); the next batch goes on at
 ``p0`` and its prefill writes those positions again, reading only position ``p0 - 1``,
 which is kept — on every driver, so the result equals a fresh run of the shorter
-prompt (``tests/test_llama.py`` checks it against the reference model on the simulated
+prompt (``tests/llama/test_llama.py`` checks it against the reference model on the simulated
 device and the native emulator). Clearing releases everything (``kv_release(seq, 0)``).
 
 A sequence whose KV calfsm cannot vouch for (lost in a device reset, or a job whose
@@ -30,8 +30,8 @@ import threading
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, NoReturn
 
+from calfsm.engine.kv import KvCoordinator, SeqState
 from calfsm.errors import InvalidArgument, Unavailable, Unsupported
-from calfsm.kv import KvCoordinator, SeqState
 
 if TYPE_CHECKING:
     from calfsm.executor import DeviceExecutor

@@ -5,10 +5,10 @@ llama.cpp builds a chain (``llama_sampler_chain_init``, then ``llama_sampler_cha
 of ``llama_sampler_init_logit_bias``, ``..._top_k``, ``..._top_p``, ``..._temp`` and
 last ``..._greedy`` or ``..._dist(seed)``) and calls ``llama_sampler_sample(chain, ctx,
 i)`` on batch token ``i``'s logits. :class:`SamplerChain` is that chain over one
-:class:`~calfsm.sampling.SamplingParams`: its ``logits_processors`` (such as
-:func:`calfsm.processors.logit_bias` and :func:`calfsm.processors.ban_tokens`) run in
+:class:`~calfsm.generate.sampling.SamplingParams`: its ``logits_processors`` (such as
+:func:`calfsm.generate.processors.logit_bias` and :func:`calfsm.generate.processors.ban_tokens`) run in
 order, then ``temperature`` 0 is greedy and anything else the seeded draw with
-``top_k``/``top_p`` (:mod:`calfsm.sampling`), which consumes one random output per
+``top_k``/``top_p`` (:mod:`calfsm.generate.sampling`), which consumes one random output per
 token as ``dist`` does.
 
 One difference, on purpose: llama.cpp copies the row into a candidates array of the
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from calfsm.errors import InvalidArgument
+from calfsm.generate.processors import TokenHistory
+from calfsm.generate.sampling import Sampler, SamplingParams
 from calfsm.llama.context import LlamaContext
-from calfsm.processors import TokenHistory
-from calfsm.sampling import Sampler, SamplingParams
 
 __all__ = ["SamplerChain"]
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A stream's flow (:class:`calfsm.flow.Flow`) is ``Prefilling`` while its prompt's prefill
+A stream's flow (:class:`calfsm.generate.flow.Flow`) is ``Prefilling`` while its prompt's prefill
 (or, after a reset, the replay of prompt and tokens) is the step in flight, and
 ``Decoding`` while a decode is. While a step runs, the flow may prepare its successor
 ahead (a slot leased, inputs written, the token a placeholder): ``Staged``. When the step's

@@ -11,7 +11,7 @@ Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (SSE with
 requests at once, are answered by the app's first layer (:mod:`calfsm.serve.front`)
 before any routing. Requests are checked by
 :mod:`calfsm.serve.protocol`, text goes through the executor's tokenizer
-(:mod:`calfsm.tokenizer`; without one, the byte-level one), each choice is a library
+(:mod:`calfsm.generate.tokenizer`; without one, the byte-level one), each choice is a library
 stream (:mod:`calfsm.serve.generation`) and every failure is
 answered by :mod:`calfsm.serve.httperrors`.
 
@@ -69,12 +69,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from calfsm.arguments import ContextLimits
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
-from calfsm.lograte import RateLimitedLog
+from calfsm.generate.arguments import ContextLimits
+from calfsm.generate.streams import Stream
+from calfsm.generate.tokenizer import Tokenizer
 from calfsm.manifest import TaskKind
-from calfsm.metrics import ExecutorMetrics
 from calfsm.request import check_request_id
 from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
@@ -87,8 +87,8 @@ from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of,
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
-from calfsm.streams import Stream
-from calfsm.tokenizer import Tokenizer
+from calfsm.telemetry.metrics import ExecutorMetrics
+from calfsm.util.lograte import RateLimitedLog
 
 __all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
 
@@ -527,7 +527,7 @@ def create_app(executor: DeviceExecutor | ExecutorFactory,
     """The ASGI app serving ``executor``: a running :class:`DeviceExecutor` (the caller
     owns it), or an async factory of one (``lambda: DeviceExecutor.create(...)``; the
     app starts it in its lifespan and closes it on shutdown). The executor's metrics
-    (:class:`~calfsm.metrics.ExecutorMetrics`) go to ``registry`` (default: one of the
+    (:class:`~calfsm.telemetry.metrics.ExecutorMetrics`) go to ``registry`` (default: one of the
     app's own) and ``GET /metrics`` serves that registry."""
     config = config or ServerConfig()
     server = _Server(config, registry)

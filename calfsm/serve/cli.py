@@ -1,6 +1,6 @@
 """``calfsm serve``: the reference server under uvicorn, on the real-time simulated device.
 
-``calfsm.cli`` adds this subcommand with :func:`add_parser` and runs it with :func:`run`;
+``calfsm.tools.cli`` adds this subcommand with :func:`add_parser` and runs it with :func:`run`;
 nothing here imports the server's dependencies until it runs, so ``calfsm --help`` works
 without the ``server`` extra. The executor is built inside the app's lifespan: the port
 answers at once, ``/health`` and ``/ready`` say 503 while the device warms up (what a
@@ -35,6 +35,8 @@ import attrs
 from calfsm.drivers import driver_names, load_driver
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate.promptcache import PromptCacheConfig
+from calfsm.generate.tokenizer import ByteTokenizer
 from calfsm.manifest import (
     Manifest,
     StepTiming,
@@ -42,8 +44,6 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
-from calfsm.promptcache import PromptCacheConfig
-from calfsm.tokenizer import ByteTokenizer
 
 __all__ = ["add_parser", "configs", "run", "warn_if_open"]
 

@@ -15,7 +15,7 @@ client's own streams ends, which the server cannot foresee. A request that asks 
 more choices than ``max_streams`` could ever hold is a 400 naming ``n`` instead.
 
 The streams are counted from the executor's own events, so no path can leave a count
-behind: the books are an :class:`~calfsm.observe.Observer`, and a stream that the
+behind: the books are an :class:`~calfsm.engine.observe.Observer`, and a stream that the
 server opens inside :meth:`ClientBooks.opening` is booked to that client in
 ``stream_started`` (called synchronously inside ``generate``, before any of the stream's
 steps can end it) and unbooked in ``stream_ended``, which the executor calls exactly
@@ -33,11 +33,11 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from calfsm.observe import Observer
+from calfsm.engine.observe import Observer
 from calfsm.serve.httperrors import ApiError
 
 if TYPE_CHECKING:
-    from calfsm.streams import GenerationResult, Stream
+    from calfsm.generate.streams import GenerationResult, Stream
 
 __all__ = ["RETRY_AFTER_S", "ClientBooks", "ClientUsage", "default_client_limit"]
 

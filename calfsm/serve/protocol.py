@@ -3,7 +3,7 @@
 One function per endpoint (:func:`parse_completion`, :func:`parse_chat`) reads the JSON
 body and returns what to run: the prompts as token ids (text through the server's
 tokenizer: the executor's, else the byte-level one; or ids as given), the
-:class:`~calfsm.sampling.SamplingParams` of each choice (``stop`` strings go in as its
+:class:`~calfsm.generate.sampling.SamplingParams` of each choice (``stop`` strings go in as its
 ``stop`` strings when the executor has a tokenizer, else as ``stop_sequences`` of
 token ids: either way the library matches them), and the streaming options. Every bad
 value is an :class:`~calfsm.serve.httperrors.ApiError` 400 naming the field
@@ -28,7 +28,7 @@ request (prompt-major, then ``n``) draws from ``seed + i``.
 Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``, penalties,
 ``logit_bias``, tools) are refused unless they carry their default; unknown fields are
 refused too, so a typo is never silently ignored. The prompt's ids and length, ``n`` and
-``max_tokens`` are judged by the library's own rules (:mod:`calfsm.arguments`, what
+``max_tokens`` are judged by the library's own rules (:mod:`calfsm.generate.arguments`, what
 ``executor.generate`` applies): the server refuses what the library refuses. A message
 that quotes a client's value quotes it through :func:`~calfsm.serve.httperrors.clip`
 (bounded).
@@ -42,7 +42,8 @@ from typing import Any
 
 import attrs
 
-from calfsm.arguments import (
+from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.generate.arguments import (
     MAX_N,
     ContextLimits,
     check_max_tokens,
@@ -50,12 +51,11 @@ from calfsm.arguments import (
     check_token_ids,
     context_left,
 )
-from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.generate.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENGTH, SamplingParams
+from calfsm.generate.tokenizer import Tokenizer, encode_prompt
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
-from calfsm.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENGTH, SamplingParams
 from calfsm.serve.httperrors import ApiError, clip
 from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
-from calfsm.tokenizer import Tokenizer, encode_prompt
 
 __all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
 
@@ -119,7 +119,7 @@ def _bad(message: str, param: str | None) -> ApiError:
 
 
 def _judged(param: str, check: Any, *args: Any, **kw: Any) -> Any:
-    """``check(*args, **kw)``, one of the library's rules (:mod:`calfsm.arguments`): its
+    """``check(*args, **kw)``, one of the library's rules (:mod:`calfsm.generate.arguments`): its
     refusal as a 400 naming ``param``."""
     try:
         return check(*args, **kw)

@@ -1,9 +1,9 @@
 """The reference server's text: the byte-level tokenizer and the chat template.
 
-:class:`ByteTokenizer` lives in :mod:`calfsm.tokenizer` (the executor decodes its
+:class:`ByteTokenizer` lives in :mod:`calfsm.generate.tokenizer` (the executor decodes its
 streams' text with it); it is re-exported here, where the server has always found it.
-``IncrementalDecoder`` here is its decoder, :class:`calfsm.tokenizer.ByteDecoder` (the
-name it had here), not the protocol :class:`calfsm.tokenizer.IncrementalDecoder`.
+``IncrementalDecoder`` here is its decoder, :class:`calfsm.generate.tokenizer.ByteDecoder` (the
+name it had here), not the protocol :class:`calfsm.generate.tokenizer.IncrementalDecoder`.
 
 One token on its own (what logprobs name it by, :func:`token_bytes` and
 :func:`token_label`): its bytes are byte ``b`` for an id below 256, else the UTF-8 of
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from calfsm.tokenizer import BYTE_IDS, ByteDecoder, ByteTokenizer, escaped_token
+from calfsm.generate.tokenizer import BYTE_IDS, ByteDecoder, ByteTokenizer, escaped_token
 
 __all__ = ["BYTE_IDS", "ByteTokenizer", "IncrementalDecoder", "chat_prompt", "token_bytes",
            "token_label"]

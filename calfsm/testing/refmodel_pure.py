@@ -1,6 +1,6 @@
 """An independent pure-Python reference model, written from the spec text alone.
 
-Plain ints, no numpy: the oracle the numpy model (:mod:`calfsm.refmodel`) and every
+Plain ints, no numpy: the oracle the numpy model (:mod:`calfsm.drivers.refmodel`) and every
 driver are checked against. Deliberately straightforward and slow; keep V small.
 """
 

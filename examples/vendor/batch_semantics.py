@@ -10,7 +10,7 @@ evidence about this device's batch graphs. With raw protocol calls only it obser
 1. the real maximum rows: ``set_batch_rows`` with 0 .. B+1 (0 and B+1 must be refused),
    then a decode job of the most rows accepted, each row its own sequence; ``max_rows``
    is the most rows whose job is correct (fewer are tried when it is not) — the figure
-   the executor reads (:func:`calfsm.batching.plan_batching`);
+   the executor reads (:func:`calfsm.plan.batching.plan_batching`);
 2. row independence: for several row counts up to ``max_rows``, a prefill of a different
    prompt per row (different lengths, so different positions), then ``--steps`` decode
    steps with the rows rotated between the job's row slots each step; each batch job
@@ -46,13 +46,12 @@ from typing import Any
 import attrs
 import numpy as np
 
-from calfsm import refmodel
-from calfsm.capabilities import Verdict
-from calfsm.drivers import Driver
+from calfsm.drivers import Driver, refmodel
 from calfsm.drivers.base import OutputStatus, ResetKind
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind, manifest_from_option
-from calfsm.vendor_runner import Bench, Outcome, RunContext, Slot, run_runner
+from calfsm.plan.capabilities import Verdict
+from calfsm.tools.vendor_runner import Bench, Outcome, RunContext, Slot, run_runner
 
 NAME = "batch_semantics"
 #: the batch-8 form of the runners' default ``qwen3-b1``
@@ -137,7 +136,7 @@ class Job:
 
 
 class Rows:
-    """A batch graph's buffers (a :class:`~calfsm.vendor_runner.Slot`), programmed row by
+    """A batch graph's buffers (a :class:`~calfsm.tools.vendor_runner.Slot`), programmed row by
     row: row ``r`` of each tensor is ``[r, ...]`` (``docs/driver-protocol.md``, Batches)."""
 
     def __init__(self, bench: Bench, kind: TaskKind) -> None:
@@ -239,7 +238,7 @@ def probe(dec: Rows, seq: int, pos: int, candidates: dict[str, int]
           ) -> tuple[str, np.ndarray | None]:
     """Which candidate the KV word of ``seq`` at ``pos`` is, read by a 1-row decode at
     ``pos + 1`` (which writes ``pos + 1``: probe top down), and the logits it read (None
-    when the probe job failed); as :meth:`~calfsm.vendor_runner.Bench.probe_word`."""
+    when the probe job failed); as :meth:`~calfsm.tools.vendor_runner.Bench.probe_word`."""
     job = run(dec, [Row(seq, [PROBE_TOKEN], pos + 1)], record=False)
     if not job.ran:
         return job.obs["code"], None

@@ -21,12 +21,12 @@ import argparse
 import sys
 from typing import Any
 
-from calfsm.capabilities import Verdict
 from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, OutputStatus, ResetKind
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
-from calfsm.vendor_runner import Bench, Outcome, RunContext, golden, run_runner
+from calfsm.plan.capabilities import Verdict
+from calfsm.tools.vendor_runner import Bench, Outcome, RunContext, golden, run_runner
 
 NAME = "cancel_after_timeout"
 CANDIDATES = ("destroy_buffers", *(f"reset_{k.value}" for k in ResetKind))

@@ -22,12 +22,12 @@ import argparse
 import sys
 from typing import Any
 
-from calfsm.capabilities import Verdict
 from calfsm.drivers import Driver
 from calfsm.drivers.base import ResetKind
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
-from calfsm.vendor_runner import Bench, Outcome, RunContext, run_runner
+from calfsm.plan.capabilities import Verdict
+from calfsm.tools.vendor_runner import Bench, Outcome, RunContext, run_runner
 
 NAME = "kv_after_failed_wait"
 PROMPT, CONTINUATION = 5, 4

@@ -26,12 +26,12 @@ import statistics
 import sys
 from typing import Any
 
-from calfsm.capabilities import Verdict
 from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, JobTag, OutputStatus
 from calfsm.errors import code_name
 from calfsm.manifest import TaskKind
-from calfsm.vendor_runner import Outcome, RunContext, Slot, run_runner
+from calfsm.plan.capabilities import Verdict
+from calfsm.tools.vendor_runner import Outcome, RunContext, Slot, run_runner
 
 NAME = "overlap"
 _SEQS = {EngineSlot.PING: 40, EngineSlot.PONG: 41}

@@ -24,12 +24,12 @@ import threading
 import time
 from typing import Any
 
-from calfsm.capabilities import Verdict
 from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, OutputStatus
 from calfsm.errors import CalrtCode, code_name
 from calfsm.manifest import TaskKind
-from calfsm.vendor_runner import Chain, Outcome, RunContext, Slot, run_runner
+from calfsm.plan.capabilities import Verdict
+from calfsm.tools.vendor_runner import Chain, Outcome, RunContext, Slot, run_runner
 
 NAME = "parallel_mode"
 _BUSY = int(CalrtCode.DEVICE_BUSY)

@@ -22,12 +22,12 @@ from typing import Any
 
 import numpy as np
 
-from calfsm.capabilities import Verdict
 from calfsm.drivers import Driver
 from calfsm.drivers.base import EngineSlot, OutputStatus, ResetKind
 from calfsm.errors import CalrtCode, code_name
 from calfsm.manifest import TaskKind
-from calfsm.vendor_runner import Bench, Outcome, RunContext, Slot, golden, run_runner
+from calfsm.plan.capabilities import Verdict
+from calfsm.tools.vendor_runner import Bench, Outcome, RunContext, Slot, golden, run_runner
 
 NAME = "reset_semantics"
 

@@ -1,8 +1,8 @@
 """CalrtDriver (native emulator, real time) against SimDriver, bit for bit.
 
-For the 100 golden prompts (:func:`calfsm.direct.golden_prompts`, V = 1024 on the tiny
+For the 100 golden prompts (:func:`calfsm.tools.direct.golden_prompts`, V = 1024 on the tiny
 manifest) the prefill logits (the BF16 bits of the row the host reads), four decode steps'
-logits and the greedy tokens through :class:`~calfsm.direct.DirectRunner` are the same
+logits and the greedy tokens through :class:`~calfsm.tools.direct.DirectRunner` are the same
 on both drivers.
 """
 
@@ -11,11 +11,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from calfsm import refmodel
-from calfsm.direct import DirectRunner, golden_prompts
+from calfsm.drivers import refmodel
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
+from calfsm.tools.direct import DirectRunner, golden_prompts
 
 DECODE_STEPS = 4
 

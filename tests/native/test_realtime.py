@@ -23,8 +23,8 @@ from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalrtCode as C
 from calfsm.manifest import TaskKind
-from tests import refmodel_pure as pure
 from tests.drivers.util import prepare, run, setup, small_calbin
+from tests.helpers import refmodel_pure as pure
 
 CB = small_calbin(vocab=64, max_seq=64)
 SLOW = LatencyModel.fixed(decode_s=0.3)

@@ -1,0 +1,1296 @@
+"""Sequences and generation streams: the library owns a request's whole life.
+
+Theory of operation
+-------------------
+:class:`Sequence` is a KV sequence id handed out by ``executor.open_sequence()`` from the
+executor's allocator. It knows its position (how many tokens its KV holds), runs one job
+at a time (a second one is refused), and follows the sequence machine
+(:mod:`calfsm.machines.sequence`): Open, Busy, Lost (a reset lost its KV), Closing,
+Released. Closing waits for its last job to end — one cancelled after submit included —
+then releases the KV and gives the id back.
+
+:class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
+per token, each sampled (:mod:`calfsm.generate.sampling`: the logits processors, and logprobs
+into the token's event, when the params ask for them) from the float32 row of the job
+before. It is driven by job completions: each step's job carries the stream's continuation,
+which the completion side runs once the output is checked and the KV committed, before
+the job resolves: it samples, records the token, and hands the next decode (prepared
+ahead by the stream's :class:`~calfsm.generate.flow.Flow`) to the submitter. The job's
+done-callback (holding no lock) then wakes the consumer, or ends the stream, or enqueues
+a next decode that was not prepared without blocking (``enqueue_nowait``: a job that must
+wait for KV or a buffer is parked, holding no thread). The consumer reads events as a sync
+iterator, an async iterator, or waits for the final :class:`GenerationResult`;
+``cancel()`` stops it (a step on the device runs to its end and its token is dropped).
+
+Finish reasons: ``length`` (``max_tokens``, which must fit the context:
+:mod:`calfsm.generate.arguments`), ``stop`` (a stop token, a stop sequence or a stop string; none
+is delivered), ``cancelled``, ``deadline`` (the stream's deadline, checked after every
+step, and each step's own deadline), ``error`` (any other error; ``result().error`` has
+it, with ``retryable`` saying whether sending it again may help).
+
+Text: on an executor with a tokenizer (:mod:`calfsm.generate.tokenizer`), a stream decodes its
+tokens one at a time: each event carries the ``text`` it delivers and the result all of
+it. Stop strings (``SamplingParams.stop``) are matched on that text
+(:mod:`calfsm.generate.stopstrings`); the tokens whose text may begin one are held back, as the
+tokens that may begin a stop sequence are. Without a tokenizer and without stop
+sequences, a token is delivered at once, at the cost of one branch, as before.
+
+Resume: when a reset loses the sequence's KV mid-stream, a stream with ``resume=True``
+(the default) waits for the executor to be Ready again, resets the sequence and
+re-prefills the prompt plus the tokens generated so far on the new generation, then
+continues; under greedy sampling it checks that the replay reproduces the last delivered
+token. Replays are bounded per stream (``max_resumes``) and start only once the device
+is Ready, so a recovery storm is not amplified. Without resume the stream ends ``error``
+with a retryable :class:`~calfsm.errors.Unavailable`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import math
+import threading
+from collections import deque
+from collections.abc import Callable
+from collections.abc import Sequence as Seq
+from typing import TYPE_CHECKING, Any, Protocol
+
+import attrs
+import numpy as np
+
+from calfsm.engine.job import JobContext, JobHandle, Successor, drop_tracebacks
+from calfsm.engine.kv import SeqState
+from calfsm.engine.lifecycle import Lifecycle
+from calfsm.engine.results import FinishReason, GenerationResult, TokenEvent, Usage
+from calfsm.errors import (
+    CalfsmError,
+    Cancelled,
+    DeadlineExceeded,
+    ErrorCategory,
+    FailedPrecondition,
+    Internal,
+    InvalidArgument,
+    ResourceExhausted,
+    Unavailable,
+)
+from calfsm.generate.arguments import (
+    ContextLimits,
+    check_max_tokens,
+    check_prompt,
+    default_params,
+)
+from calfsm.generate.flow import Flow
+from calfsm.generate.livestreams import stream_work_s
+from calfsm.generate.processors import TokenHistory
+from calfsm.generate.sampling import Sampler, SamplingParams
+from calfsm.generate.stopstrings import StopStrings
+from calfsm.generate.tokenizer import IncrementalDecoder, encode_prompt, incremental_decoder
+from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
+from calfsm.manifest import TaskKind
+from calfsm.request import Request
+from calfsm.util.lazy import asyncio_module
+from calfsm.util.lograte import RateLimitedLog
+
+if TYPE_CHECKING:
+    import asyncio
+
+__all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
+           "TokenEvent", "Usage"]
+
+log = logging.getLogger("calfsm.streams")
+#: the warnings a fault storm repeats, a burst per minute each (calfsm/util/lograte.py)
+_limited = RateLimitedLog(log)
+
+_fire = SEQUENCE_MACHINE.fire
+_fire_if = SEQUENCE_MACHINE.fire_if_declared
+
+
+class ExecutorFace(Protocol):
+    """What a sequence and its streams use of their executor
+    (:class:`~calfsm.executor.DeviceExecutor` is one; the executor sits above this
+    module, so it is named by what it offers, not imported)."""
+
+    clock: Any
+    live_streams: Any                   # calfsm.generate.livestreams.LiveStreams
+    live_requests: Any                  # calfsm.generate.liverequests.LiveRequests
+    observers: Any                      # calfsm.engine.observe.Observers
+    tokenizer: Any                      # a calfsm.generate.tokenizer.Tokenizer, or None
+
+    @property
+    def epoch(self) -> Any: ...
+
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+
+    def enqueue_nowait(self, request: Request, *, continuing: bool = False
+                       ) -> JobHandle: ...
+
+    def reset_sequence(self, seq_id: int) -> None: ...
+
+
+class StepPort(Protocol):
+    """The core's overlap plumbing: a step prepared ahead, run with its real request, or
+    handed back, and work deferred to the admission side. The executor hands it to the
+    sequences it opens, and to nobody else: a caller's requests reach the device only
+    through the validated entries (``enqueue``, ``Sequence.run``)."""
+
+    def stage(self, request: Request) -> JobHandle | None: ...
+
+    def release(self, handle: JobHandle, request: Request) -> bool: ...
+
+    def discard(self, handle: JobHandle) -> None: ...
+
+    def defer(self, fn: Callable[[], None]) -> None: ...
+
+
+class Keeper(Protocol):
+    """Who takes a one-shot stream's sequence when the stream ends, instead of its being
+    released (:class:`~calfsm.generate.promptcache.PromptCache` is one): handed the sequence once
+    no job of it is left running, and the stream's prompt and drawn tokens, of which its
+    KV holds the first ``sequence.position``. It keeps the sequence or releases it."""
+
+    def keep(self, sequence: Sequence, tokens: tuple[int, ...]) -> None: ...
+
+
+class SequenceAllocator:
+    """Sequence ids ``0 .. limit-1``, lowest free first; thread-safe."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise InvalidArgument(f"max_sequences must be >= 1, got {limit}",
+                                  stage="config")
+        self.limit = limit
+        self._free = list(range(limit - 1, -1, -1))     # a stack, lowest id on top
+        self._lock = threading.Lock()
+
+    def take(self) -> int:
+        with self._lock:
+            if not self._free:
+                raise ResourceExhausted(f"all {self.limit} sequence ids are open",
+                                        stage="open_sequence", retry_after_s=0.1)
+            return self._free.pop()
+
+    def give_back(self, seq_id: int) -> None:
+        with self._lock:
+            self._free.append(seq_id)
+            self._free.sort(reverse=True)
+
+    @property
+    def in_use(self) -> int:
+        with self._lock:
+            return self.limit - len(self._free)
+
+
+class Sequence:
+    """One KV sequence of an executor: position, one job at a time, release on close.
+
+    Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
+
+    def __init__(self, executor: ExecutorFace, seq_id: int,
+                 allocator: SequenceAllocator, steps: StepPort) -> None:
+        self.executor = executor
+        self.seq_id = seq_id
+        self._steps = steps
+        self.state: str = SequenceState.OPEN.value
+        self._allocator = allocator
+        self._lock = threading.Condition(threading.Lock())
+        self._position = 0
+        self._last: JobHandle | None = None
+        #: the job ``_last`` was booked to follow (:meth:`follow`) until it has ended: a
+        #: step that fails as it is released ends before the step it follows
+        self._prev: JobHandle | None = None
+        #: a job is being started (Busy, not yet in ``_last``): close() waits for it
+        self._starting = False
+        self._settled: JobHandle | None = None      # the last job already booked
+
+    @property
+    def position(self) -> int:
+        """Tokens the sequence's KV holds: the next token goes at this position."""
+        return self._position
+
+    @property
+    def last_job(self) -> JobHandle | None:
+        """The handle of the sequence's most recent job (None before the first)."""
+        return self._last
+
+    # ---- jobs ----------------------------------------------------------------------
+    def prefill(self, tokens: Seq[int], **kw: Any) -> JobHandle:
+        """A prefill of ``tokens`` after what the sequence holds."""
+        return self.run(Request.prefill(self.seq_id, tokens, past_len=self._position, **kw))
+
+    def decode(self, token: int, **kw: Any) -> JobHandle:
+        """One decode step of ``token`` at the sequence's position."""
+        return self.run(Request.decode(self.seq_id, token, self._position, **kw))
+
+    def run(self, request: Request, *, continuing: bool = False) -> JobHandle:
+        """Enqueue ``request`` (of this sequence) without blocking; refused while busy,
+        lost or closed. ``continuing``: the next step of a running stream (never refused
+        by ``max_waiting``, still admitted during a graceful shutdown)."""
+        if request.seq_id != self.seq_id:
+            raise InvalidArgument(f"request for sequence {request.seq_id} run on sequence "
+                                  f"{self.seq_id}", stage="sequence", seq_id=self.seq_id)
+        with self._lock:
+            self._settle_finished_locked()
+            self._check_lost_locked()
+            state = self.state
+            if state != SequenceState.OPEN:
+                cls = FailedPrecondition
+                raise cls(f"sequence {self.seq_id} is {state}"
+                          + (": one job at a time" if state == SequenceState.BUSY else ""),
+                          stage="sequence", seq_id=self.seq_id)
+            _fire(self, "start_job")
+            self._starting = True
+        try:
+            handle = self.executor.enqueue_nowait(request, continuing=continuing)
+        except BaseException:
+            with self._lock:
+                _fire_if(self, "job_ended")
+                self._started_locked(None)
+            raise
+        with self._lock:
+            self._started_locked(handle)
+        handle.add_done_callback(self._job_done)
+        return handle
+
+    def _started_locked(self, handle: JobHandle | None) -> None:
+        """The job being started is ``_last`` now (or none was): a close() waiting to
+        know which job to wait for may go on."""
+        if handle is not None:
+            self._last = handle
+        self._starting = False
+        self._lock.notify_all()
+
+    def stage(self, request: Request) -> JobHandle | None:
+        """Prepare this sequence's next step while its current one runs (overlap
+        scheduling); None if it cannot be prepared now."""
+        if request.seq_id != self.seq_id or self.state == SequenceState.LOST:
+            return None
+        return self._steps.stage(request)
+
+    def discard(self, staged: JobHandle) -> None:
+        """A step prepared by :meth:`stage` that will not run: its slot comes back."""
+        self._steps.discard(staged)
+
+    def defer(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` soon on the executor's admission side, outside every lock."""
+        self._steps.defer(fn)
+
+    def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
+        """Run a staged step with its real request; None (nothing run) if the sequence
+        cannot take it now or the step is gone — the caller then runs it the ordinary
+        way."""
+        with self._lock:
+            ok = not self._kv_lost() and self.state == SequenceState.OPEN
+            if ok:
+                _fire(self, "start_job")
+                self._starting = True
+        if not ok:
+            self._steps.discard(staged)
+            return None
+        if not self._steps.release(staged, request):
+            with self._lock:
+                _fire_if(self, "job_ended")
+                self._started_locked(None)
+            return None
+        with self._lock:
+            self._started_locked(staged)
+        staged.add_done_callback(self._job_done)
+        return staged
+
+    def follow(self, staged: JobHandle, *, after: JobHandle) -> bool:
+        """Book ``staged`` (a step prepared by :meth:`stage`) as the sequence's job right
+        after ``after``, its running job, whose output is checked and whose handle has
+        not resolved yet: the sequence stays Busy, with no Open in between. The core
+        runs the step (a stream's continuation returns it). False, the step handed
+        back, if the sequence cannot take it (its KV is lost, or ``after`` is not its
+        running job)."""
+        with self._lock:
+            ok = not self._kv_lost() and self.state == SequenceState.BUSY \
+                and self._last is after
+            if ok:
+                self._prev = after
+                self._started_locked(staged)
+        if not ok:
+            self._steps.discard(staged)
+            return False
+        staged.add_done_callback(self._job_done)
+        return True
+
+    def _check_lost_locked(self) -> None:
+        """A reset lost this sequence's KV while it was idle: say so before a job fails."""
+        if self.state == SequenceState.OPEN and self._kv_lost():
+            _fire(self, "lose")
+        if self.state == SequenceState.LOST:
+            raise Unavailable(f"the KV of sequence {self.seq_id} was lost (a device reset, "
+                              "or a failed step the device may have run); reset() the "
+                              "sequence and send the prompt again",
+                              stage="sequence", seq_id=self.seq_id,
+                              retry_after_s=self.executor.lifecycle.retry_after_s)
+
+    def _kv_lost(self) -> bool:
+        epoch = self.executor.epoch
+        return epoch is not None and epoch.kv.sequence_state(self.seq_id) is SeqState.UNKNOWN
+
+    def _job_done(self, handle: JobHandle) -> None:
+        with self._lock:
+            self._settle_locked(handle)
+
+    def _settle_finished_locked(self) -> None:
+        """Book the jobs that have ended but whose done-callbacks have not run yet (a
+        caller whose ``result()`` has returned may go on before them), the one a step
+        followed first."""
+        if self.state == SequenceState.BUSY:
+            for job in (self._prev, self._last):
+                if job is not None and job.done():
+                    self._settle_locked(job)
+
+    def _running_locked(self) -> JobHandle | None:
+        """A job of the sequence still running (the device may write its KV), if any."""
+        return next((job for job in (self._prev, self._last)
+                     if job is not None and not job.done()), None)
+
+    def idle(self) -> bool:
+        """No job of the sequence is running, and the ended ones are booked."""
+        with self._lock:
+            self._settle_finished_locked()
+            return self._running_locked() is None
+
+    def when_idle(self, fn: Callable[[], None]) -> None:
+        """Run ``fn()`` once no job of the sequence is left running: now if none is,
+        else from the done-callback of the one running (holding no lock)."""
+        with self._lock:
+            running = self._running_locked()
+        if running is None:
+            fn()
+        else:
+            running.add_done_callback(lambda _handle: self.when_idle(fn))
+
+    def _settle_locked(self, handle: JobHandle) -> None:
+        """Book a finished job once: its position, a lost KV, Busy -> Open. Run by its
+        done-callback, or earlier by the next ``run`` (a caller whose ``result()`` has
+        returned may go on before the callbacks have run)."""
+        if self._settled is handle:
+            return
+        self._settled = handle
+        err = handle.exception(0)
+        if err is None:
+            job = handle.context
+            self._position = job.past_len + job.token_count
+        elif self._kv_lost():
+            _fire_if(self, "lose")
+        if handle is self._prev:        # the step that followed it may have ended first
+            self._prev = None
+            ended = self._last is not None and self._last.done()
+        else:                           # else a step chained after it runs: still Busy
+            ended = handle is self._last and self._prev is None
+        if ended:
+            _fire_if(self, "job_ended")
+
+    def forget_ended_jobs(self) -> None:
+        """Let go of the ended jobs the sequence remembers (their results hold a stream's
+        logits rows) while it is kept idle for later (the prompt cache). No-op while a
+        job runs."""
+        with self._lock:
+            self._settle_finished_locked()
+            if self._running_locked() is None and not self._starting:
+                self._last = self._prev = self._settled = None
+
+    def truncate(self, keep_len: int) -> None:
+        """Drop the KV from position ``keep_len`` on (llama.cpp's ``seq_rm`` of a tail):
+        the next job goes on at ``keep_len``, and a prefill from there equals a fresh
+        run of the shorter history. Nothing changes at or past the position. Refused
+        (FailedPrecondition) while a job runs, and once the KV is lost or the sequence
+        closed."""
+        if isinstance(keep_len, bool) or not isinstance(keep_len, int) or keep_len < 0:
+            raise InvalidArgument(f"keep_len must be an integer >= 0, got {keep_len!r}",
+                                  stage="sequence", seq_id=self.seq_id)
+        with self._lock:
+            self._settle_finished_locked()
+            self._check_lost_locked()
+            if self.state != SequenceState.OPEN or self._running_locked() is not None:
+                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
+                                         stage="sequence", seq_id=self.seq_id)
+            if keep_len < self._position:
+                self.executor.epoch.kv.truncate_sequence(self.seq_id, keep_len)
+                self._position = keep_len
+
+    def reset(self) -> None:
+        """Forget the KV (after it was lost, or to start over): position 0, Open."""
+        with self._lock:
+            self._settle_finished_locked()
+            if self.state not in (SequenceState.OPEN, SequenceState.LOST):
+                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
+                                         stage="sequence", seq_id=self.seq_id)
+            self.executor.reset_sequence(self.seq_id)
+            self._position = 0
+            _fire_if(self, "reset")
+
+    # ---- generation ----------------------------------------------------------------
+    def generate(self, prompt: Seq[int] | str, params: SamplingParams | None = None, *,
+                 deadline_s: float | None = None, resume: bool = True,
+                 max_resumes: int = 2, request_id: str | None = None,
+                 priority: int = 0) -> Stream:
+        """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
+        tokenizer) after what the sequence holds, then sample and decode until a finish
+        reason. ``priority``: every step's (see :class:`Stream`). A prompt or a
+        ``max_tokens`` the context cannot hold after the sequence's position is refused
+        here, at once (InvalidArgument, :mod:`calfsm.generate.arguments`); ``params`` None: the
+        default ``max_tokens`` clipped to the room left."""
+        return Stream(self, prompt, params, deadline_s=deadline_s,
+                      resume=resume, max_resumes=max_resumes, request_id=request_id,
+                      priority=priority)
+
+    # ---- closing -------------------------------------------------------------------
+    def close(self, timeout: float | None = 30.0) -> None:
+        """Wait for the last job to end, release the KV, give the id back. Idempotent."""
+        self._close(timeout, wait=True)
+
+    def close_when_done(self) -> None:
+        """Close without waiting: the KV and the id come back now if the last job has
+        ended, else the moment it ends (a one-shot stream's sequence, at its end)."""
+        self._close(None, wait=False)
+
+    def _close(self, timeout: float | None, *, wait: bool) -> None:
+        with self._lock:
+            if self.state in (SequenceState.CLOSING, SequenceState.RELEASED):
+                return
+            _fire(self, "close")
+            # a job being started now is the one to wait for, not the one before it
+            # (its starter never blocks: this wait is short)
+            self._lock.wait_for(lambda: not self._starting, timeout)
+            jobs = (self._prev, self._last)
+        for job in jobs:
+            if wait and job is not None and not job.done():
+                try:
+                    # exception(), not result(): the job's own error must not be raised
+                    # here, or its traceback would hold this frame (and the sequence)
+                    job.exception(timeout)
+                except CalfsmError:
+                    pass                # a timeout; its outcome is its caller's
+        # the device may still write this sequence's KV until its last job has ended
+        self.when_idle(self._release)
+
+    def _release(self) -> None:
+        """Release the KV and give the id back (the sequence's last job has ended)."""
+        try:
+            # a sequence that ran no job holds no KV: nothing to ask the device
+            if (self._last is not None or self._position) \
+                    and self.executor.epoch is not None \
+                    and not self.executor.lifecycle.closing:
+                self.executor.reset_sequence(self.seq_id)
+        except CalfsmError as e:
+            # the text, not the error: a handler that keeps records (pytest's does) would
+            # keep the error's frames, and with them this sequence and its last job
+            log.warning("releasing the KV of sequence %s failed: %s", self.seq_id, str(e),
+                        extra=e.context())
+        finally:
+            with self._lock:
+                _fire(self, "released")
+            self._allocator.give_back(self.seq_id)
+
+    async def aclose(self) -> None:
+        await asyncio_module().to_thread(self.close)
+
+    def __enter__(self) -> Sequence:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    async def __aenter__(self) -> Sequence:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
+
+
+class Stream:
+    """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
+    ``cancel()``, and ``result()`` / ``await stream.final()``. ``request_id`` names it
+    in the executor (given, else generated): its steps, errors, log lines and observer
+    events carry it, and ``executor.abort(request_id)`` cancels it.
+
+    ``close_sequence``: the sequence is the stream's own (a one-shot ``generate``):
+    released when the stream ends, or handed to ``keeper`` (the prompt cache).
+    ``cached``: the sequence's KV already ends with the first ``cached`` prompt tokens (a
+    prompt cache hit): only the rest is prefilled, and the stream's history still begins
+    where that prefix does (a resume replays all of it).
+
+    ``priority`` (:attr:`calfsm.request.Request.priority`) is every step's: the prefill,
+    each decode and a replay wait for admission at the stream's priority, each aged from
+    its own acceptance (docs/architecture.md, Admission)."""
+
+    def __init__(self, sequence: Sequence, prompt: Seq[int] | str,
+                 params: SamplingParams | None, *,
+                 deadline_s: float | None = None, resume: bool = True,
+                 max_resumes: int = 2, close_sequence: bool = False,
+                 admitted: bool = False, request_id: str | None = None,
+                 parent: str | None = None, priority: int = 0,
+                 keeper: Keeper | None = None, cached: int = 0) -> None:
+        ex, seq_id = sequence.executor, sequence.seq_id
+        epoch = ex.epoch
+        if epoch is None:
+            raise Unavailable("executor has no configured model", stage="generate")
+        contract = epoch.contract(TaskKind.DECODE)
+        tokenizer = ex.tokenizer
+        self.sequence = sequence
+        checked, params = judge_stream(prompt, params, tokenizer, priority, epoch.model,
+                                       position=sequence.position - cached, seq_id=seq_id)
+        self.prompt = tuple(int(t) for t in checked.tokens)
+        #: every step's admission priority (checked with the prompt)
+        self.priority: int = checked.priority
+        _check_options(deadline_s, max_resumes, cached,
+                       min(sequence.position, len(self.prompt) - 1), sequence.seq_id)
+        #: prompt tokens whose KV the sequence already held (a prompt cache hit)
+        self.cached = cached
+        self.params = params
+        self._sampler: Sampler = params.sampler_for(contract.vocab)
+        self._max_seq = contract.max_seq
+        self._clock = ex.clock
+        now = self._clock.now()
+        self._deadline = now + deadline_s if deadline_s is not None else math.inf
+        #: where the stream's own history (its prompt, then its tokens) begins
+        self._start = sequence.position - cached
+        self._max_new = max_new_tokens(params, self._max_seq, self._start, len(self.prompt))
+        if not admitted:    # refused now (429) if it, or one it would slow, cannot end in time
+            ex.live_streams.admit(prompt_tokens=len(self.prompt) - cached,
+                                  max_new=self._max_new, deadline=self._deadline,
+                                  seq_id=sequence.seq_id)
+        self._close_sequence = close_sequence
+        self._keeper = keeper if close_sequence else None
+        self._t0 = now
+        self._lock = threading.Condition(threading.Lock())
+        #: the next step: in flight, prepared ahead, rows, replay and resume budget
+        self._flow = Flow(sequence, self._lock, seq_id=sequence.seq_id,
+                          vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
+        self._new_books()
+        #: the text of the tokens (None without a tokenizer)
+        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop,
+                                                                sequence.seq_id)
+        #: a token is delivered at once, with no text: the one branch of the hot path
+        self._plain = tokenizer is None and not params.holds_back
+        #: this stream's id in the executor (calfsm/generate/liverequests.py)
+        self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
+        self.parent_id = parent             #: the id grouping it with others (n > 1), or None
+        first = Request.prefill(sequence.seq_id, self.prompt[cached:],
+                                past_len=sequence.position, target=self._flow.row(),
+                                deadline_s=self._left(), request_id=self.request_id,
+                                priority=self.priority)
+        ex.live_streams.add(self)
+        ex.observers.stream_started(self)
+        self._submit(first, continuing=False)
+
+    def _new_books(self) -> None:
+        """What the stream records from its first token to its end, empty."""
+        self._tokens: list[int] = []
+        self._times: list[float] = []
+        self._events: deque[TokenEvent] = deque()
+        #: events held back: their tokens, or their text, may begin a stop sequence or a
+        #: stop string (not yet delivered)
+        self._held: list[TokenEvent] = []
+        self._delivered = 0             # tokens given to the consumer (queued events too)
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = []
+        self._result: GenerationResult | None = None
+        self._cancelled = False
+        self._listening = False
+        #: what the continuation of the step in flight decided: (its job id, outcome)
+        self._decided: tuple[int, _Outcome] | None = None
+        self._ending = False            # _finish has begun: nothing more is recorded
+
+    @property
+    def flow_state(self) -> str:
+        """The state of the stream's flow (:class:`~calfsm.machines.flow.FlowState`)."""
+        return self._flow.state
+
+    def describe(self) -> tuple[str, int]:
+        """Its state (the flow's; the step in flight's too, as ``flow/job``) and the
+        tokens it has made so far, for ``executor.requests()``."""
+        handle = self._flow.inflight
+        state = self._flow.state if handle is None or handle.done() \
+            else f"{self._flow.state}/{handle.state}"
+        return state, len(self._tokens)
+
+    @property
+    def started(self) -> float:
+        """When the stream was created (the driver's clock); ``ttft_s`` counts from here."""
+        return self._t0
+
+    # ---- consumer side -------------------------------------------------------------
+    def cancel(self) -> bool:
+        """Stop generating: nothing more is delivered; a step on the device runs to its
+        end. False if the stream had already finished."""
+        with self._lock:
+            if self._ending:
+                return False
+            self._cancelled = True
+            handle = self._flow.inflight
+            waiting = self._listening or handle is None or handle.done()
+        if handle is not None:
+            handle.cancel()
+        if waiting:                 # no step runs (it waits to resume): end it now
+            self._finish(FinishReason.CANCELLED)
+        return True
+
+    def abort(self, error: CalfsmError) -> bool:
+        """End the stream now with finish reason ``error`` and ``error`` (what a
+        shutdown does to the streams it has to cut); otherwise as :meth:`cancel`:
+        nothing more is delivered, a step on the device runs to its end. False if the
+        stream had already finished."""
+        with self._lock:
+            if self._ending:
+                return False
+            cancelled = self._cancelled     # the consumer's cancel came first: it stands
+            self._cancelled = True
+            handle = self._flow.inflight
+        # ended first, then the step cancelled: the step's own end (cancelled before
+        # submit) must not become the stream's reason
+        if cancelled:
+            self._finish(FinishReason.CANCELLED)
+        else:
+            self._finish(FinishReason.ERROR, error)
+        if handle is not None:
+            handle.cancel()
+        return True
+
+    def remaining_work(self, service: Any) -> tuple[float, float]:
+        """(device seconds this stream still needs at most, its deadline as clock time),
+        costed with ``service`` (a :class:`~calfsm.engine.stepcost.ServiceModel`): what the
+        admission estimate of a new stream weighs it by."""
+        done = len(self._tokens)
+        return stream_work_s(service, prompt_tokens=len(self.prompt) - self.cached,
+                             left=max(0, self._max_new - done), prefilled=done > 0), \
+            self._deadline
+
+    def done(self) -> bool:
+        return self._result is not None
+
+    def result(self, timeout: float | None = None) -> GenerationResult:
+        """Block until the stream ends; its result (never raises for a failed stream:
+        ``result().error`` holds the error)."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: self._result is not None, timeout):
+                raise DeadlineExceeded(f"stream not finished within {timeout} s",
+                                       seq_id=self.sequence.seq_id, stage="result")
+            return self._result
+
+    async def final(self) -> GenerationResult:
+        """The result, awaited without blocking the event loop."""
+        while True:
+            with self._lock:
+                if self._result is not None:
+                    return self._result
+                fut = self._park()
+            await self._await(fut)
+
+    def __iter__(self) -> Stream:
+        return self
+
+    def __next__(self) -> TokenEvent:
+        with self._lock:
+            self._lock.wait_for(lambda: self._events or self._result is not None)
+            if self._events:
+                return self._events.popleft()
+            raise StopIteration
+
+    def __aiter__(self) -> Stream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        while True:
+            with self._lock:
+                if self._events:
+                    return self._events.popleft()
+                if self._result is not None:
+                    raise StopAsyncIteration
+                fut = self._park()
+            await self._await(fut)
+
+    def _park(self) -> asyncio.Future:
+        loop = asyncio_module().get_running_loop()
+        fut = loop.create_future()
+        self._waiters.append((loop, fut))
+        return fut
+
+    async def _await(self, fut: asyncio.Future) -> None:
+        try:
+            await fut
+        except asyncio_module().CancelledError:
+            self.cancel()               # the consumer went away: so does the stream
+            raise
+
+    # ---- producer side (job completions) -------------------------------------------
+    def _left(self) -> float | None:
+        if math.isinf(self._deadline):
+            return None
+        return max(1e-9, self._deadline - self._clock.now())
+
+    def _submit(self, request: Request, staged: JobHandle | None = None, *,
+                continuing: bool = True) -> None:
+        """Run the next step: the staged one with its real request if there is one, else
+        the ordinary way; then prepare the step after it (deferred, off this thread).
+        ``continuing``: every step but the stream's first is the stream's own going on
+        (not new work for ``max_waiting`` or a graceful shutdown)."""
+        handle = None
+        if staged is not None:
+            handle = self.sequence.release(staged, request)
+        if handle is None:
+            try:
+                handle = self.sequence.run(request, continuing=continuing)
+            except CalfsmError as e:
+                self._on_error(e)
+                return
+        self._started(handle, request)
+
+    def _started(self, handle: JobHandle, request: Request) -> None:
+        """``handle`` runs ``request``, the stream's step in flight now: it carries the
+        stream's continuation, and the step after it is prepared (deferred)."""
+        if self._track(handle, request):
+            self.sequence.defer(self._stage_next)
+
+    def _track(self, handle: JobHandle, request: Request) -> bool:
+        """Make ``handle`` (running ``request``) the step in flight: it carries the
+        stream's continuation and its end is the stream's. Whether the step after it
+        is worth preparing ahead."""
+        handle.context.continuation = self._continue
+        with self._lock:
+            self._flow.handed_on(handle, request)
+            cancelled = self._cancelled
+        if cancelled:
+            handle.cancel()
+        handle.add_done_callback(self._step_done)
+        # worth it if another decode may follow the step in flight
+        return not cancelled and len(self._tokens) + 1 < self.params.max_tokens \
+            and self._flow.next_pos < self._max_seq
+
+    def _stage_next(self) -> None:
+        """Prepare the decode that will carry the in-flight step's token."""
+        seq_id, left, priority = self.sequence.seq_id, self._left(), self.priority
+        rid = self.request_id
+        self._flow.stage_next(
+            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
+                                            priority=priority, request_id=rid),
+            lambda: self._ending or self._cancelled)
+
+    # ---- a step's end: decide (on the completion side), then deliver ---------------
+    def _continue(self, job: JobContext, logits: np.ndarray) -> Successor | None:
+        """The job's continuation (see :class:`~calfsm.engine.job.JobContext`): its output is
+        checked (its KV commits right after) and its handle not yet resolved. Decide
+        what follows; when the next decode was prepared ahead, return it with its token
+        for the core to run now, before the job's callbacks. It calls nothing of the
+        executor: what is left (waking the consumer, an ending, a next step that must
+        go the ordinary way) happens in :meth:`_step_done`."""
+        successor = None
+        try:
+            outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
+                                   chain=job.handle)
+        except Exception as e:          # a bug: the stream ends, nobody is left waiting
+            outcome = (FinishReason.ERROR, self._bug(e), None)
+        if isinstance(outcome[2], Successor):
+            successor, outcome = outcome[2], _GOES_ON
+        with self._lock:
+            self._decided = (job.job_id, outcome)
+        return successor
+
+    def _step_done(self, handle: JobHandle) -> None:
+        # the job holds the stream through its continuation: let go, however it ended
+        # (a sequence keeps its last job; the stream must not live on through it). The
+        # continuation is set once the job exists, so only this callback, which runs for
+        # every end, even one before the continuation was set, can clear it every time
+        handle.context.continuation = None
+        try:
+            with self._lock:
+                # only this job's own decision: a step that ended first (its successor,
+                # failed at submit before this job resolved) must not take it
+                decided = self._decided
+                outcome = None
+                if decided is not None and decided[0] == handle.job_id:
+                    self._decided, outcome = None, decided[1]
+            err = handle.exception(0)
+            if err is not None:
+                self._on_error(err)
+                return
+            if outcome is None:         # no continuation ran: decide here
+                job = handle.context
+                outcome = self._decide(handle.result(0).logits, job.timings,
+                                       job.past_len + job.token_count, chain=None)
+            self._deliver(outcome)
+        except Exception as e:          # a bug must not leave the consumer waiting
+            self._finish(FinishReason.ERROR, self._bug(e))
+
+    def _bug(self, e: Exception) -> CalfsmError:
+        """An unexpected exception in a step of this stream, logged; what the stream ends
+        with (a CalfsmError as it is, anything else as Internal)."""
+        log.exception("stream step of sequence %s failed", self.sequence.seq_id)
+        return e if isinstance(e, CalfsmError) else Internal(
+            f"unexpected {type(e).__name__} in a stream step: {e}",
+            seq_id=self.sequence.seq_id, stage="stream")
+
+    def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
+                chain: JobHandle | None) -> _Outcome:
+        """A step's logits are in: sample, record the token (not yet woken), and decide
+        how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
+        to run the ordinary way (its request and the step prepared for it). ``chain``:
+        the step's handle when this runs as its continuation; a prepared next decode is
+        then booked after it and ``next`` is a :class:`~calfsm.engine.job.Successor` for the
+        core to run."""
+        if self._cancelled:
+            return FinishReason.CANCELLED, None, None
+        flow = self._flow
+        want, flow.replay_check = flow.replay_check, None
+        scored = None
+        try:
+            # a replay after a resume draws nothing: the seeded sequence of draws goes
+            # on as if no fault had happened; greedy checks the replay instead
+            if want is not None and not self.params.greedy:
+                token = want
+            elif self._sampler.plain:         # no processors, no logprobs: the hot path
+                token = self._sampler.sample(logits)
+            else:
+                token, scored = self._sample_rich(logits, replay=want is not None)
+        except CalfsmError as e:
+            return FinishReason.ERROR, e, None
+        if want is not None and token != want:
+            return FinishReason.ERROR, Internal(
+                f"the replay after a reset gave token {token}, not {want}",
+                seq_id=self.sequence.seq_id, stage="resume"), None
+        if want is None and self.params.is_stop(token):
+            return FinishReason.STOP, None, None
+        # ``position``: where ``token`` goes. The token is the stream's from here (a next
+        # step that fails at once ends the stream with it), but the consumer is woken
+        # only after the next step went to the submitter
+        recorded = want is not None or self._record(token, timings, position, scored)
+        if not recorded:
+            return FinishReason.CANCELLED, None, None
+        if recorded == "stop":              # a stop sequence is complete: not delivered
+            return FinishReason.STOP, None, None
+        if len(self._tokens) >= self.params.max_tokens or position >= self._max_seq:
+            return FinishReason.LENGTH, None, None
+        if self._cancelled:
+            return FinishReason.CANCELLED, None, None
+        if self._clock.now() >= self._deadline:
+            return FinishReason.DEADLINE, DeadlineExceeded(
+                "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"), None
+        staged = flow.take(position)
+        if chain is not None and staged is not None:
+            # the core runs it with its token, right after this continuation returns
+            if self.sequence.follow(staged, after=chain):
+                then = self._stage_next if self._track(
+                    staged, staged.context.request) else None
+                return None, None, Successor(staged, token, then)
+            staged = None
+        request = Request.decode(self.sequence.seq_id, token, position,
+                                 target=flow.staged_row(staged), deadline_s=self._left(),
+                                 priority=self.priority, request_id=self.request_id)
+        # nothing prepared (or it is gone): the ordinary way, once the step has resolved
+        return None, None, (request, staged)
+
+    def _sample_rich(self, logits: np.ndarray, *, replay: bool
+                     ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """Sample with logits processors or logprobs: the processors see the prompt and
+        the tokens before this one (a replay checks the last delivered token, so it is
+        not theirs); logprobs (``(logprob, top)``) only for a new token, not a replay's
+        (its event was delivered already)."""
+        sampler = self._sampler
+        tokens: Seq[int] = ()
+        if sampler.uses_tokens:
+            tokens = TokenHistory(self.prompt, self._tokens,
+                                  len(self.prompt) + len(self._tokens) - replay)
+        if replay or self.params.logprobs is None:
+            return sampler.sample(logits, tokens), None
+        token, logprob, top = sampler.sample_logprobs(logits, tokens)
+        return token, (logprob, top)
+
+    def _deliver(self, outcome: _Outcome) -> None:
+        """Run what :meth:`_decide` left (the next step the ordinary way), then wake the
+        consumer, then end the stream if it ends here."""
+        reason, error, pending = outcome
+        if pending is not None:
+            self._submit(*pending)
+        with self._lock:
+            self._wake_locked()
+        if reason is not None:
+            self._finish(reason, error)
+
+    def _record(self, token: int, timings: Any, position: int,
+                scored: tuple[float, tuple[tuple[int, float], ...]] | None = None
+                ) -> bool | str:
+        """Make ``token`` the stream's (not yet woken), with its logprobs if ``scored``;
+        False if a cancel or the end of the stream came first: then nothing is
+        delivered. With stop sequences or stop strings, the tokens that may begin one
+        are held back; ``"stop"`` when one is complete (what it holds is dropped, what
+        was held before it delivered)."""
+        now = self._clock.now()
+        with self._lock:
+            if self._cancelled or self._ending:
+                return False
+            tokens = self._tokens
+            if self._plain:
+                tokens.append(token)
+                self._times.append(now)
+                self._events.append(TokenEvent(token, position, len(tokens) - 1, timings,
+                                               None, *(scored or (None, ()))))
+                self._delivered += 1
+                return True
+            return self._record_held_locked(token, timings, position, now, scored)
+
+    def _record_held_locked(self, token: int, timings: Any, position: int, now: float,
+                            scored: tuple[float, tuple[tuple[int, float], ...]] | None
+                            ) -> bool | str:
+        """:meth:`_record` with text or stop sequences: decode the token's text, then
+        deliver what can no longer begin a stop sequence or a stop string."""
+        text = None if self._text is None else self._text.push(token)
+        tokens = self._tokens
+        tokens.append(token)
+        self._times.append(now)
+        held = self._held
+        held.append(TokenEvent(token, position, len(tokens) - 1, timings, text,
+                               *(scored or (None, ()))))
+        params = self.params
+        whole, part, stopped = len(held), None, False
+        if params.holds_back:
+            matched = params.stop_match(tokens)
+            whole = len(held) - (matched or params.stop_prefix(tokens))
+            stopped = bool(matched)
+        stops = None if self._text is None else self._text.stops
+        if stops is not None:
+            w, p, s = stops.split([e.text for e in held])
+            if s and (not stopped or w < whole):    # the stop that begins first wins
+                whole, part, stopped = w, p, True
+            elif not stopped:
+                whole = min(whole, w)
+        self._release_locked(whole, part)
+        if stopped:
+            self._held = []
+            if self._text is not None:  # what its decoder holds is the stop's: never given
+                self._text.drop()
+            return "stop"
+        return True
+
+    def _release_locked(self, whole: int, part: int | None) -> None:
+        """Deliver the first ``whole`` held events, and the next one with only the first
+        ``part`` characters of its text when ``part`` is not None; the rest stay held."""
+        held = self._held
+        out = held[:whole]
+        if part is not None:
+            cut = held[whole]
+            out.append(attrs.evolve(cut, text=cut.text[:part]))
+        self._events.extend(out)
+        self._delivered += len(out)
+        if self._text is not None:
+            self._text.delivered.extend(e.text for e in out)
+        self._held = held[len(out):]
+
+    def _release_end_locked(self, reason: FinishReason, error: CalfsmError | None
+                            ) -> tuple[FinishReason, CalfsmError | None]:
+        """The stream ends (not cancelled): what was held is delivered after all (no stop
+        came), then what the decoder still holds, unless a stop string completes in it
+        (then the stream ends ``stop`` instead of ``length``). The reason and error the
+        stream ends with."""
+        held, text = self._held, self._text
+        tail = ""
+        if text is not None:
+            try:
+                tail = text.flush()
+            except CalfsmError as e:
+                if reason is not FinishReason.ERROR:
+                    reason, error = FinishReason.ERROR, e
+            if text.stops is not None and tail:
+                whole, part, stopped = text.stops.split([*(e.text for e in held), tail])
+                if stopped:
+                    self._release_locked(whole, part if whole < len(held) else None)
+                    if whole == len(held) and part is not None:
+                        text.delivered.append(tail[:part])
+                    return (FinishReason.STOP if reason is FinishReason.LENGTH
+                            else reason), error
+        self._release_locked(len(held), None)
+        if tail:
+            text.delivered.append(tail)
+        return reason, error
+
+    def _on_error(self, err: CalfsmError) -> None:
+        if isinstance(err, Cancelled) or self._cancelled:
+            self._finish(FinishReason.CANCELLED, err if isinstance(err, Cancelled) else None)
+        elif isinstance(err, DeadlineExceeded) and self._clock.now() >= self._deadline:
+            self._finish(FinishReason.DEADLINE, err)
+        elif self._flow.resumable(self._lost(), err):
+            self._flow.lose()
+            self._wait_for_ready()
+        else:
+            if self._lost():
+                # a device reset, or this row's own failure: the sequence alone is lost
+                err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost "
+                                  f"({err.message})",
+                                  seq_id=self.sequence.seq_id, stage="stream",
+                                  retry_after_s=self.sequence.executor.lifecycle.retry_after_s)
+            self._finish(FinishReason.ERROR, err)
+
+    def _lost(self) -> bool:
+        """The step failed because the sequence's KV is gone: a structured fact of the
+        sequence (Lost, booked from the KV coordinator before this callback runs), never
+        read from an error's text."""
+        return self.sequence.state == SequenceState.LOST
+
+    # ---- resume --------------------------------------------------------------------
+    def _wait_for_ready(self) -> None:
+        """Replay once the executor is Ready again (a lifecycle listener; the replay
+        itself is deferred to the executor's admission step, outside every lock)."""
+        ex = self.sequence.executor
+        life = ex.lifecycle
+        with self._lock:
+            if not self._listening:
+                self._listening = True
+                life.on_change(self._lifecycle_changed)
+        self._lifecycle_changed()           # it may be Ready, Failed or closing already
+
+    def _lifecycle_changed(self) -> None:
+        ex = self.sequence.executor
+        life = ex.lifecycle
+        if not self._listening:
+            return
+        if life.ready or life.closing or life.state == "Failed" or self._cancelled:
+            with self._lock:
+                if not self._listening:
+                    return
+                self._listening = False
+            life.remove_listener(self._lifecycle_changed)
+            if self._cancelled:
+                self._finish(FinishReason.CANCELLED)
+            elif life.ready:
+                self.sequence.defer(self._replay)
+            else:
+                self._finish(FinishReason.ERROR, Unavailable(
+                    f"device {life.state} while the stream waited to resume",
+                    seq_id=self.sequence.seq_id, stage="resume"))
+
+    def _replay(self) -> None:
+        if self._cancelled:
+            self._finish(FinishReason.CANCELLED)
+            return
+        if not self.sequence.executor.lifecycle.ready:
+            self._wait_for_ready()          # it left Ready again: this costs no resume
+            return
+        seq = self.sequence
+        if not seq.idle():
+            # the step this one followed is still on its way back (this one failed
+            # first): its KV is not the sequence's to reset before it has ended
+            seq.when_idle(lambda: seq.defer(self._replay))
+            return
+        if self._start:
+            self._finish(FinishReason.ERROR, Unavailable(
+                "cannot resume a stream that started after earlier KV of its sequence: "
+                "reset() the sequence and send the whole prompt again",
+                seq_id=seq.seq_id, stage="resume", retry_after_s=0.0))
+            return
+        try:
+            seq.reset()
+        except CalfsmError as e:
+            self._finish(FinishReason.ERROR, e)
+            return
+        if not self._flow.begin_replay(self._tokens):
+            return                  # ended meanwhile (a shutdown's abort): nothing to do
+        history = list(self.prompt) + self._tokens[:-1]
+        seq.executor.observers.stream_resumed(self)
+        _limited.warning("resume", "stream on sequence %s resumes after a reset: "
+                         "replaying %s tokens", seq.seq_id, len(history),
+                         extra={"seq_id": seq.seq_id, "stage": "resume",
+                                "request_id": self.request_id})
+        self._submit(Request.prefill(seq.seq_id, history, target=self._flow.row(),
+                                     deadline_s=self._left(), priority=self.priority,
+                                     request_id=self.request_id))
+
+    # ---- ending --------------------------------------------------------------------
+    def _finish(self, reason: FinishReason, error: CalfsmError | None = None) -> None:
+        with self._lock:
+            if self._ending:
+                return
+            self._ending = True
+            if error is not None:
+                # raised in this stream's own steps, its traceback would hold them (and
+                # the stream) alive in a cycle with the result
+                drop_tracebacks(error)
+                error.with_context(request_id=self.request_id)
+            if reason is not FinishReason.CANCELLED and (self._held or self._text is not None):
+                # no stop came: what was held back is output after all (a cancel
+                # delivers nothing more)
+                reason, error = self._release_end_locked(reason, error)
+            self._held = []
+            delivered = self._delivered
+            times = self._times[:delivered]
+            ttft = times[0] - self._t0 if times else None
+            itl = tuple(b - a for a, b in itertools.pairwise(times))
+            result = GenerationResult(
+                tuple(self._tokens[:delivered]), reason,
+                Usage(len(self.prompt), delivered, self.cached), ttft, itl, error,
+                self._flow.resumes, None if self._text is None else "".join(self._text.delivered))
+        ex = self.sequence.executor
+        ex.live_streams.remove(self)
+        ex.live_requests.discard(self.request_id, self)
+        # observers first (holding no lock), so a consumer that has the result finds
+        # the stream counted
+        ex.observers.stream_ended(self, result)
+        # what the stream held is handed back before its consumer is woken, so a
+        # consumer that has the result and waits for the executor to be idle sees the
+        # prepared step discarded and the one-shot sequence's release pending
+        self._flow.end()
+        if self._listening:
+            self._listening = False
+            self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
+        if self._keeper is not None:
+            # kept warm (or released) before the consumer wakes: a caller that has this
+            # result and sends the next turn finds it (unless the last step is still on
+            # the device: then the moment it ends). Its KV holds the prompt and the drawn
+            # tokens (every step carried the stream's own), unless it began later than
+            # the sequence's start: earlier KV is not the stream's to name
+            history = (*self.prompt, *self._tokens)
+            self.sequence.when_idle(
+                self.sequence.close_when_done if self._start else
+                lambda: self._keeper.keep(self.sequence, history))
+        elif self._close_sequence:
+            # the id is back before the consumer wakes: a caller that has this result
+            # may open the next stream at once (unless the last step is still on the
+            # device: then the moment it ends)
+            self.sequence.close_when_done()
+        with self._lock:
+            self._result = result
+            self._wake_locked()
+
+    def _wake_locked(self) -> None:
+        self._lock.notify_all()
+        waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            loop.call_soon_threadsafe(_settle, fut)
+
+    def __repr__(self) -> str:
+        state = self._result.finish_reason.value if self._result else "running"
+        return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+class StreamText:
+    """A stream's text, on an executor with a tokenizer: its incremental decoder (None
+    once the stream ended, or a stop ended it: what the decoder still holds is then the
+    stop's), its stop strings (None without), and the texts delivered so far."""
+
+    __slots__ = ("decoder", "delivered", "seq_id", "stops")
+
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...], seq_id: int) -> None:
+        self.decoder: IncrementalDecoder | None = incremental_decoder(tokenizer)
+        self.stops = StopStrings(stop) if stop else None
+        self.delivered: list[str] = []
+        self.seq_id = seq_id
+
+    def push(self, token: int) -> str:
+        """The text ``token`` completes; a decoder's own failure (not a CalfsmError) is
+        Internal (category programming): the stream ends ``error``."""
+        try:
+            return self.decoder.push(token)
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise self._bug(f"on token {token}", e) from e
+
+    def flush(self) -> str:
+        """What the decoder still holds (once: the decoder is dropped)."""
+        decoder, self.decoder = self.decoder, None
+        if decoder is None:
+            return ""
+        try:
+            return decoder.flush()
+        except CalfsmError:
+            raise
+        except Exception as e:
+            raise self._bug("on flush", e) from None
+
+    def drop(self) -> None:
+        """A stop ended the stream: what the decoder holds is never given."""
+        self.decoder = None
+
+    def _bug(self, where: str, e: Exception) -> Internal:
+        return Internal(f"the tokenizer's decoder raised {type(e).__name__} {where}: {e}",
+                        category=ErrorCategory.PROGRAMMING, stage="tokenizer",
+                        seq_id=self.seq_id)
+
+
+def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: int,
+                   seq_id: int) -> None:
+    """A stream's options, each refused with an InvalidArgument naming it."""
+    if deadline_s is not None and not (isinstance(deadline_s, int | float)
+                                       and deadline_s > 0):
+        raise InvalidArgument(f"deadline_s must be > 0, got {deadline_s!r}",
+                              stage="request")
+    if isinstance(max_resumes, bool) or not isinstance(max_resumes, int) \
+            or max_resumes < 0:
+        raise InvalidArgument(f"max_resumes must be an integer >= 0, got "
+                              f"{max_resumes!r}", stage="request")
+    if isinstance(cached, bool) or not isinstance(cached, int) \
+            or not 0 <= cached <= most_cached:
+        raise InvalidArgument(f"cached must be an integer in 0..{most_cached} (at least "
+                              f"one prompt token is prefilled), got {cached!r}",
+                              stage="request", seq_id=seq_id)
+
+
+def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenizer: Any,
+                 priority: Any, model: Any, *, position: int = 0,
+                 seq_id: int | None = None) -> tuple[Request, SamplingParams]:
+    """A stream's arguments judged before anything is taken for it
+    (:mod:`calfsm.generate.arguments`): the prompt (text through ``tokenizer``) as the prefill
+    request that types it and the priority, its length and ids against the limits of
+    ``model`` (the configured model) at ``position``, and ``max_tokens`` against the room
+    left; ``params`` None becomes the default clipped to that room. Raises
+    InvalidArgument."""
+    if params is not None and not isinstance(params, SamplingParams):
+        raise InvalidArgument("params must be SamplingParams", stage="request")
+    checked = _checked_prompt(seq_id, prompt, params, tokenizer, priority)
+    n, limits = len(checked.tokens), ContextLimits.of(model)
+    try:
+        room = check_prompt(checked.tokens, limits, position=position)
+        if params is None:
+            params = default_params(room)
+        else:
+            check_max_tokens(params.max_tokens, n, limits, position=position,
+                             field="SamplingParams.max_tokens")
+    except InvalidArgument as e:
+        raise e.with_context(seq_id=seq_id) from None
+    return checked, params
+
+
+def _checked_prompt(seq_id: int | None, prompt: Seq[int] | str,
+                    params: SamplingParams | None, tokenizer: Any,
+                    priority: Any) -> Request:
+    """A stream's prompt as the prefill request that checks it and the priority (text
+    needs the executor's tokenizer, and so do stop strings)."""
+    if params is not None and params.stop and tokenizer is None:
+        raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
+                              "stream's text, which needs the executor's tokenizer "
+                              "(DeviceExecutor(..., tokenizer=...))", stage="request",
+                              seq_id=seq_id)
+    if isinstance(prompt, str):
+        prompt = encode_prompt(tokenizer, prompt)
+    checked = Request.prefill(0 if seq_id is None else seq_id, prompt, priority=priority)
+    if not len(checked.tokens):
+        raise InvalidArgument("a stream needs a prompt of at least one token",
+                              stage="request", seq_id=seq_id)
+    return checked
+
+
+def max_new_tokens(params: SamplingParams, max_seq: int, position: int,
+                   prompt_tokens: int) -> int:
+    """Tokens a stream can give at most: ``max_tokens``, bounded by the context left
+    after ``position`` and the prompt (at least one: the prefill's)."""
+    return max(1, min(params.max_tokens, max_seq - position - prompt_tokens + 1))
+
+
+#: what a step's end decided: (finish reason or None, its error, the next decode still to
+#: run: the ordinary way, (request, the step prepared for it), or by the core, a
+#: Successor (only from a continuation), or None)
+_Outcome = tuple[FinishReason | None, CalfsmError | None,
+                 tuple[Request, JobHandle | None] | Successor | None]
+#: the stream goes on, its next step already running: nothing left to do but wake
+_GOES_ON: _Outcome = (None, None, None)
+
+
+def _settle(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -1,0 +1,1 @@
+"""Start-up decisions taken from vendor evidence: capabilities, jobs in flight, batching."""

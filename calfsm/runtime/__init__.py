@@ -1,0 +1,3 @@
+"""Who drives the engine: worker threads, or a test's step scheduler on a virtual clock.
+
+The blocking waits and the cross-thread wake-ups live here, not in the engine."""

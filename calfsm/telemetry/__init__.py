@@ -1,0 +1,1 @@
+"""What the executor tells operators: Prometheus metrics and the dump sink."""
