@@ -10,6 +10,8 @@ plots load where they are used): ``import calfsm`` stays light for an embedder.
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from calfsm import _moved
+from calfsm.config import DumpConfig
 from calfsm.engine.job import InferenceResult, JobHandle, JobTimings
 from calfsm.engine.observe import JobAccepted, JobEnded, Observer
 from calfsm.engine.recovery import RecoveryPolicy
@@ -55,7 +57,8 @@ from calfsm.manifest import (
 )
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
-from calfsm.telemetry.dump import DumpConfig
+
+_moved.install()     # the module paths of calfsm before its folders drew the layers
 
 if TYPE_CHECKING:
     from calfsm.drivers.calrt import CalrtDriver

@@ -1,21 +1,24 @@
 """The records of one executor: its configuration, its counters and its health.
 
 Kept apart from :mod:`calfsm.executor` so the façade holds only the wiring; all three are
-re-exported there and from :mod:`calfsm`.
+re-exported there and from :mod:`calfsm`. The dump sink's configuration is here too, so the
+records sit below the telemetry that reads them (:mod:`calfsm.telemetry.dump` re-exports it).
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import attrs
 
 from calfsm.engine.recovery import RecoveryPolicy
-from calfsm.errors import InvalidArgument
+from calfsm.errors import ErrorCategory, InvalidArgument
 from calfsm.generate.promptcache import PromptCacheConfig
-from calfsm.telemetry.dump import DumpConfig
 
-__all__ = ["ExecutorConfig", "ExecutorStats", "Health"]
+__all__ = ["DumpConfig", "ExecutorConfig", "ExecutorStats", "Health"]
 
 
 def _positive(inst: object, attr: attrs.Attribute, value: Any) -> None:
@@ -41,6 +44,79 @@ def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise InvalidArgument(f"ExecutorConfig.{attr.name} must be an integer >= 1, got "
                               f"{value!r}", stage="config")
+
+
+# ---- the dump sink's configuration (spec S12; the sink is calfsm.telemetry.dump) ----
+
+def _bad_dump(msg: str) -> InvalidArgument:
+    return InvalidArgument(msg, stage="config")
+
+
+_CATEGORIES = frozenset(c.value for c in ErrorCategory)
+
+
+def _directory(value: Any) -> Path:
+    if value is None or (isinstance(value, str) and not value.strip()):
+        raise _bad_dump("DumpConfig.directory is required: calfsm has no default dump "
+                   "directory (and never writes into a home directory by itself)")
+    if not isinstance(value, str | os.PathLike):
+        raise _bad_dump(f"DumpConfig.directory must be a path, got {value!r}")
+    path = Path(value)
+    if str(path).startswith("~"):
+        raise _bad_dump(f"DumpConfig.directory {str(path)!r}: '~' is not expanded; give the "
+                   "directory itself")
+    return path
+
+
+def _members(value: Any, field: str, what: str) -> list[Any]:
+    """The members of the set-valued option ``field``: None, a string or anything that
+    is not a collection is a configuration error, never a TypeError."""
+    if isinstance(value, str | bytes):
+        raise _bad_dump(f"DumpConfig.{field} is a set of {what}, got the string {value!r}")
+    if not isinstance(value, Iterable):
+        raise _bad_dump(f"DumpConfig.{field} is a set of {what}, got {value!r}")
+    return list(value)
+
+
+def dump_job_ids(value: Iterable[int]) -> frozenset[int]:
+    """Job ids as the dump sink keeps them (integers >= 1), or InvalidArgument."""
+    ids = _members(value, "job_ids", "job ids")
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
+            raise _bad_dump(f"DumpConfig.job_ids holds {i!r}: job ids are integers >= 1")
+    return frozenset(ids)
+
+
+def _categories(value: Iterable[str | ErrorCategory]) -> frozenset[str]:
+    items = _members(value, "categories", "categories")
+    for c in items:
+        if not isinstance(c, str | ErrorCategory):
+            raise _bad_dump(f"DumpConfig.categories holds {c!r}: a category is an "
+                       f"ErrorCategory or its name, one of {sorted(_CATEGORIES)}")
+    cats = frozenset(c.value if isinstance(c, ErrorCategory) else c for c in items)
+    unknown = sorted(map(str, cats - _CATEGORIES))
+    if unknown:
+        raise _bad_dump(f"DumpConfig.categories: unknown {unknown}; the categories are "
+                   f"{sorted(_CATEGORIES)}")
+    return cats
+
+
+def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise _bad_dump(f"DumpConfig.{attr.name} must be an integer >= 1, got {value!r}")
+
+
+@attrs.frozen
+class DumpConfig:
+    """Where and what the dump sink writes. ``directory`` is required (there is no
+    default); a job is dumped when its id is in ``job_ids`` or it failed with an error
+    whose category is in ``categories``."""
+
+    directory: Path = attrs.field(default=None, converter=_directory)
+    job_ids: frozenset[int] = attrs.field(default=frozenset(), converter=dump_job_ids)
+    categories: frozenset[str] = attrs.field(default=frozenset(), converter=_categories)
+    max_files: int = attrs.field(default=100, validator=_at_least_one)
+    max_bytes: int = attrs.field(default=256 * 2**20, validator=_at_least_one)
 
 
 def _dump_config(inst: object, attr: attrs.Attribute, value: Any) -> None:

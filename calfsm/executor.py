@@ -77,7 +77,8 @@ class DeviceExecutor:
     in a worker thread (``asyncio.to_thread``); ``await handle`` never blocks the loop.
 
     ``tokenizer`` (a :class:`~calfsm.generate.tokenizer.Tokenizer`, e.g.
-    :class:`~calfsm.generate.tokenizer.ByteTokenizer` or :class:`~calfsm.generate.tokenizer.HFTokenizer`):
+    :class:`~calfsm.generate.tokenizer.ByteTokenizer` or
+    :class:`~calfsm.generate.tokenizer.HFTokenizer`):
     streams then take text prompts and stop strings, and their events carry text.
     """
 

@@ -30,8 +30,10 @@ def test_type_only_imports_count_too() -> None:
 
 
 #: the modules a job passes through between ``enqueue`` and its result
-CORE_PATH = ("core", "admission", "overlap", "submission", "completion", "outcomes",
-             "pipeline", "flow", "streams", "runtime", "kv", "buffers", "staging", "job")
+CORE_PATH = ("engine/parts", "engine/admission", "engine/overlap", "engine/submission",
+             "engine/completion", "engine/outcomes", "engine/pipeline", "generate/flow",
+             "generate/streams", "runtime/drive", "engine/kv", "engine/buffers",
+             "engine/readback", "engine/job")
 
 
 @pytest.mark.parametrize("module", CORE_PATH)
@@ -55,7 +57,7 @@ def test_the_core_path_reads_in_one_sitting(module: str) -> None:
     assert not too_big, too_big
 
 
-@pytest.mark.parametrize("module", ["kv", "buffers"])
+@pytest.mark.parametrize("module", ["engine/kv", "engine/buffers"])
 def test_the_books_never_wait_and_read_no_clock(module: str) -> None:
     """Issue 21, item 4: the KV books and the pool grant now or refuse. Who waits, and
     until when, is the admission queue's (calfsm/engine/admission.py): these modules import no

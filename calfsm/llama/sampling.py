@@ -6,8 +6,9 @@ of ``llama_sampler_init_logit_bias``, ``..._top_k``, ``..._top_p``, ``..._temp``
 last ``..._greedy`` or ``..._dist(seed)``) and calls ``llama_sampler_sample(chain, ctx,
 i)`` on batch token ``i``'s logits. :class:`SamplerChain` is that chain over one
 :class:`~calfsm.generate.sampling.SamplingParams`: its ``logits_processors`` (such as
-:func:`calfsm.generate.processors.logit_bias` and :func:`calfsm.generate.processors.ban_tokens`) run in
-order, then ``temperature`` 0 is greedy and anything else the seeded draw with
+:func:`calfsm.generate.processors.logit_bias` and
+:func:`calfsm.generate.processors.ban_tokens`) run in order, then ``temperature`` 0 is
+greedy and anything else the seeded draw with
 ``top_k``/``top_p`` (:mod:`calfsm.generate.sampling`), which consumes one random output per
 token as ``dist`` does.
 

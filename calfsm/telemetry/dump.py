@@ -35,22 +35,19 @@ import logging
 import os
 import re
 import threading
-from collections.abc import Iterable
-from pathlib import Path
-from typing import Any
 
 import attrs
 import numpy as np
 
+from calfsm.config import DumpConfig, dump_job_ids
 from calfsm.engine.observe import JobEnded, Observer
-from calfsm.errors import ErrorCategory, InvalidArgument
+from calfsm.errors import InvalidArgument
 
 __all__ = ["DumpConfig", "DumpSink", "DumpStats", "dump_name"]
 
 log = logging.getLogger("calfsm.dump")
 
 _NAME = re.compile(r"job-(\d+)-gen-(\d+)\.npz")
-_CATEGORIES = frozenset(c.value for c in ErrorCategory)
 
 
 def dump_name(job_id: int, generation: int) -> str:
@@ -60,69 +57,6 @@ def dump_name(job_id: int, generation: int) -> str:
 
 def _bad(msg: str) -> InvalidArgument:
     return InvalidArgument(msg, stage="config")
-
-
-def _directory(value: Any) -> Path:
-    if value is None or (isinstance(value, str) and not value.strip()):
-        raise _bad("DumpConfig.directory is required: calfsm has no default dump "
-                   "directory (and never writes into a home directory by itself)")
-    if not isinstance(value, str | os.PathLike):
-        raise _bad(f"DumpConfig.directory must be a path, got {value!r}")
-    path = Path(value)
-    if str(path).startswith("~"):
-        raise _bad(f"DumpConfig.directory {str(path)!r}: '~' is not expanded; give the "
-                   "directory itself")
-    return path
-
-
-def _members(value: Any, field: str, what: str) -> list[Any]:
-    """The members of the set-valued option ``field``: None, a string or anything that
-    is not a collection is a configuration error, never a TypeError."""
-    if isinstance(value, str | bytes):
-        raise _bad(f"DumpConfig.{field} is a set of {what}, got the string {value!r}")
-    if not isinstance(value, Iterable):
-        raise _bad(f"DumpConfig.{field} is a set of {what}, got {value!r}")
-    return list(value)
-
-
-def _job_ids(value: Iterable[int]) -> frozenset[int]:
-    ids = _members(value, "job_ids", "job ids")
-    for i in ids:
-        if isinstance(i, bool) or not isinstance(i, int) or i < 1:
-            raise _bad(f"DumpConfig.job_ids holds {i!r}: job ids are integers >= 1")
-    return frozenset(ids)
-
-
-def _categories(value: Iterable[str | ErrorCategory]) -> frozenset[str]:
-    items = _members(value, "categories", "categories")
-    for c in items:
-        if not isinstance(c, str | ErrorCategory):
-            raise _bad(f"DumpConfig.categories holds {c!r}: a category is an "
-                       f"ErrorCategory or its name, one of {sorted(_CATEGORIES)}")
-    cats = frozenset(c.value if isinstance(c, ErrorCategory) else c for c in items)
-    unknown = sorted(map(str, cats - _CATEGORIES))
-    if unknown:
-        raise _bad(f"DumpConfig.categories: unknown {unknown}; the categories are "
-                   f"{sorted(_CATEGORIES)}")
-    return cats
-
-
-def _at_least_one(inst: object, attr: attrs.Attribute, value: Any) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise _bad(f"DumpConfig.{attr.name} must be an integer >= 1, got {value!r}")
-
-
-@attrs.frozen
-class DumpConfig:
-    """Where and what the dump sink writes. ``directory`` is required (there is no
-    default); a job is dumped when its id is in ``job_ids`` or it failed with an error
-    whose category is in ``categories``."""
-
-    directory: Path = attrs.field(default=None, converter=_directory)
-    job_ids: frozenset[int] = attrs.field(default=frozenset(), converter=_job_ids)
-    categories: frozenset[str] = attrs.field(default=frozenset(), converter=_categories)
-    max_files: int = attrs.field(default=100, validator=_at_least_one)
-    max_bytes: int = attrs.field(default=256 * 2**20, validator=_at_least_one)
 
 
 @attrs.frozen
@@ -168,7 +102,7 @@ class DumpSink(Observer):
 
     def watch(self, job_id: int) -> None:
         """Dump job ``job_id`` too when it ends (e.g. ``sink.watch(handle.job_id)``)."""
-        (job_id,) = _job_ids((job_id,))
+        (job_id,) = dump_job_ids((job_id,))
         with self._lock:
             self._watch.add(job_id)
 

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 try:
     from prometheus_client import CollectorRegistry, Counter, Histogram
@@ -45,7 +45,10 @@ from calfsm.generate.streams import FinishReason
 from calfsm.machines.lifecycle import LifecycleState
 
 if TYPE_CHECKING:
-    from calfsm.executor import DeviceExecutor
+    from calfsm.clock import Clock
+    from calfsm.config import ExecutorStats, Health
+    from calfsm.engine.epoch import Epoch
+    from calfsm.engine.lifecycle import Lifecycle
     from calfsm.generate.streams import GenerationResult, Stream
 
 __all__ = ["DEVICE_BUCKETS", "E2E_BUCKETS", "REJECTIONS", "TPOT_BUCKETS", "TTFT_BUCKETS",
@@ -71,16 +74,36 @@ BATCH_BUCKETS = (1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64)
 REJECTIONS = (*REJECTION_REASONS, "kv_budget")
 
 
+class Observed(Protocol):
+    """What the metrics read of the executor they observe (a
+    :class:`~calfsm.executor.DeviceExecutor`): telemetry sits below the façade, so it
+    names the façade by what it offers instead of importing it."""
+
+    clock: Clock
+
+    @property
+    def epoch(self) -> Epoch | None: ...
+    @property
+    def lifecycle(self) -> Lifecycle: ...
+    @property
+    def lifecycle_state(self) -> str: ...
+    def prompt_cache_stats(self) -> PromptCacheStats | None: ...
+    def stats(self) -> ExecutorStats: ...
+    def health(self) -> Health: ...
+    def add_observer(self, observer: Any) -> None: ...
+    def remove_observer(self, observer: Any) -> bool: ...
+
+
 class ExecutorMetrics(Observer):
     """The metrics of ``executor`` in ``registry`` (a new ``CollectorRegistry`` when
     None). Attaching is an ``executor.add_observer``; :meth:`close` undoes it and takes
     the metrics out of the registry, so another executor's metrics may take the names."""
 
-    def __init__(self, executor: DeviceExecutor, registry: CollectorRegistry | None = None,
+    def __init__(self, executor: Observed, registry: CollectorRegistry | None = None,
                  namespace: str = "calfsm") -> None:
         self.registry = CollectorRegistry() if registry is None else registry
         self.namespace = namespace
-        self._executor: DeviceExecutor | None = executor
+        self._executor: Observed | None = executor
         self._clock = executor.clock
         self._lock = threading.Lock()
         self._running: set[int] = set()     # ids of the streams seen starting
@@ -155,7 +178,7 @@ class ExecutorMetrics(Observer):
             raise
 
     @property
-    def executor(self) -> DeviceExecutor | None:
+    def executor(self) -> Observed | None:
         """The executor observed (None after :meth:`close`)."""
         return self._executor
 
@@ -275,7 +298,7 @@ class _BooksCollector:
             return iter(())
         return self._families(ex)
 
-    def _families(self, ex: DeviceExecutor | None) -> Iterator[Metric]:
+    def _families(self, ex: Observed | None) -> Iterator[Metric]:
         ns = self._owner.namespace + "_"
         stats = ex.stats() if ex is not None else None
         epoch = ex.epoch if ex is not None else None

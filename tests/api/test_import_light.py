@@ -18,7 +18,7 @@ from calfsm import DeviceExecutor, ExecutorConfig, Request, SimDriver, StepSched
 from calfsm.manifest import builtin_manifest
 from tests.helpers.embeds import EMBEDS_GOLDEN_TOKENS
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 #: what ``import calfsm`` must not load: the server, metrics, plots, the cffi driver,
 #: ml_dtypes (~0.6 s alone), rich, the testing helpers and what they pull in

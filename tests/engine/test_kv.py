@@ -1,5 +1,6 @@
 """KvCoordinator: validation before the runtime, reservations granted now or refused (the
-books never wait: who waits is the executor's admission queue, tests/engine/test_admission_queue.py),
+books never wait: who waits is the executor's admission queue,
+tests/engine/test_admission_queue.py),
 ``on_freed`` after whatever gives capacity back, and the reserve -> submit -> commit /
 rollback / Unknown transactions."""
 

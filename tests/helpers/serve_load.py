@@ -31,7 +31,7 @@ from pathlib import Path
 
 __all__ = ["Prober", "answers", "free_port", "pct", "probe_once", "start_load", "start_serve"]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -68,7 +68,7 @@ from tests.helpers.executor import (
     reference_stream,
 )
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1024
 PROMPT = [5, 9, 100, 7, 3, 811, 42, 17, 256, 1]
 

@@ -18,7 +18,7 @@ from calfsm.manifest import builtin_manifest
 from calfsm.plan.capabilities import DEFAULT_DIR, ENV_DIR, EvidenceStore, evidence_dir
 from calfsm.tools import cli
 
-VENDOR = Path(__file__).resolve().parent.parent / "examples" / "vendor"
+VENDOR = Path(__file__).resolve().parents[2] / "examples" / "vendor"
 SMALL = ("run", "--manifest", "tiny", "--prompts", "2", "--sequences", "1", "--tokens",
          "2", "--max-prompt", "4", "--quiet")
 

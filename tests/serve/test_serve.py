@@ -552,7 +552,7 @@ def test_a_server_that_is_starting_answers_503_with_retry_after():
 
 def _doc_example() -> dict[str, Any]:
     from pathlib import Path
-    text = (Path(__file__).resolve().parent.parent / "docs" / "serving.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "serving.md").read_text()
     block = text.split("## Embedding the executor", 1)[1].split("```python\n", 1)[1]
     namespace: dict[str, Any] = {}
     exec(compile(block.split("```", 1)[0], "docs/serving.md", "exec"), namespace)

@@ -260,7 +260,7 @@ def test_serve_help_names_every_option(capsys):
 
 def test_no_doc_shows_a_public_host_without_a_key():
     """Wherever --host 0.0.0.0 is shown, the key is in the same command."""
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     for path in [root / "README.md", *root.glob("docs/*.md"), *root.glob("examples/**/*")]:
         if not path.is_file():
             continue

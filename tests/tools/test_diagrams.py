@@ -11,7 +11,7 @@ from calfsm.machines import JOB_MACHINE, LIFECYCLE_MACHINE, DeclaredMachine
 from calfsm.testing import explore
 from calfsm.tools import diagrams
 
-PAGES = Path(__file__).resolve().parents[1] / "docs" / "machines"
+PAGES = Path(__file__).resolve().parents[2] / "docs" / "machines"
 
 
 @pytest.mark.parametrize("name", sorted(diagrams.MACHINES))

@@ -22,7 +22,7 @@ from calfsm.errors import (
 )
 from calfsm.tools import errortable
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "architecture.md"
 
 
 def _row(table: str, first_cell: str) -> str:

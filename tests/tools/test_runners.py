@@ -17,7 +17,7 @@ from calfsm.manifest import builtin_manifest
 from calfsm.plan.capabilities import Evidence, EvidenceStore, Level
 from calfsm.tools import cli
 
-VENDOR = Path(__file__).resolve().parent.parent / "examples" / "vendor"
+VENDOR = Path(__file__).resolve().parents[2] / "examples" / "vendor"
 TINY_SHA = builtin_manifest("tiny").calbin_sha256
 DEVICES = {"sim": "sim", "calrt": "calrt:libcalrt_emu.so"}
 
