@@ -325,6 +325,11 @@ class Admission:
         job.timings.admitted = clock.now()
         return True
 
+    def admitting(self, job: JobContext) -> bool:
+        """Whether ``job`` is still in the admission queue (parked, or being admitted)."""
+        with self.core.lock:
+            return self._admitting is job or job in self._parked
+
     def watch_admission(self, job: JobContext, handle: JobHandle,
                         wake: Callable[[], None]) -> float | None:
         """Arrange for ``wake()`` once ``job`` has left the admission queue: queued for

@@ -18,6 +18,8 @@ def wait_admitted(admission: Admission, job: JobContext, handle: JobHandle) -> N
     """Block the calling thread until ``job`` has left the admission queue: queued for
     the device, or ended (failed, cancelled, past its admission deadline). A threaded
     ``enqueue`` waits here; the admission step ends every parked job in time."""
+    if not admission.admitting(job):
+        return                          # admitted at once (the common case), or ended
     left = threading.Event()
     limit = admission.watch_admission(job, handle, left.set)
     if limit is None or left.wait(None if limit == math.inf else limit):
