@@ -54,6 +54,7 @@ from calfsm.engine.logits import (
     use_native_kernel,
 )
 from calfsm.manifest import TaskKind, builtin_manifest
+from calfsm.runtime.sync import THREADS
 
 
 def measure(fn, number: int, repeat: int) -> tuple[float, float]:
@@ -195,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
         code, handle = driver.model(contract.exact_name)
         assert code == 0, code
         models[kind] = (handle, contract)
-    pool = BufferPool.build(driver, 0, models, slots_per_engine=2)
+    pool = BufferPool.build(driver, 0, models, slots_per_engine=2, sync=THREADS)
 
     def lease_cycle() -> None:
         pool.release(pool.acquire(TaskKind.DECODE))
@@ -211,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"lease: acquire + bind + move + release {best * 1e6:.2f} us "
           f"(median {med * 1e6:.2f})")
 
-    kv = KvCoordinator(driver, max_seq=40960, token_budget=1 << 20)
+    kv = KvCoordinator(driver, max_seq=40960, token_budget=1 << 20, sync=THREADS)
     state = {"len": 0}
 
     def kv_commit() -> None:

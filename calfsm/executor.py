@@ -61,6 +61,8 @@ from calfsm.plan.batching import plan_batching
 from calfsm.plan.inflight import plan_inflight
 from calfsm.runtime.drive import StepRuntime, Steps, ThreadRuntime
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.runtime.sync import THREADS
+from calfsm.runtime.waits import wait_admitted, wait_for_state
 from calfsm.telemetry.dump import DumpSink
 from calfsm.util.lazy import asyncio_module
 
@@ -104,8 +106,10 @@ class DeviceExecutor:
         #: rows one device step carries at most (1: no batching; calfsm/plan/batching.py)
         self.max_batch = batching.max_rows
         engines = plan.engines
-        self._life = life = Lifecycle(self.clock)
-        self.faults = FaultPolicy(cfg.recovery)
+        # the engine's locks and latch waits are the runtime's, in both modes (step mode
+        # is called from callers' threads too)
+        self._life = life = Lifecycle(self.clock, THREADS)
+        self.faults = FaultPolicy(cfg.recovery, sync=THREADS)
         #: what a step is expected to cost (hang detection) and costs (admission)
         self.service = ServiceModel(manifest.timing,
                                     execution_timeout_s=cfg.execution_timeout_s)
@@ -134,7 +138,7 @@ class DeviceExecutor:
             build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
                                 token_budget=cfg.token_budget, engines=engines,
-                                batch_rows=batching.max_rows))
+                                sync=THREADS, batch_rows=batching.max_rows))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
@@ -173,7 +177,7 @@ class DeviceExecutor:
         admission = self._pipeline.admission
         admission.start(job)
         if self.config.threaded:
-            admission.wait_admitted(job, handle)
+            wait_admitted(admission, job, handle)
         return handle
 
     def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
@@ -431,7 +435,7 @@ class DeviceExecutor:
         """Block until the lifecycle is in one of ``states`` (e.g. ``"Ready"`` after a
         recovery, or ``"Failed"``); returns the state. Raises DeadlineExceeded on timeout.
         Step mode: drive the scheduler instead."""
-        return self._life.wait_for(states, timeout)
+        return wait_for_state(self._life, states, timeout)
 
     def close(self, timeout: float | None = None, *, grace_s: float | None = None
               ) -> None:

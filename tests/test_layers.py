@@ -76,3 +76,43 @@ def test_the_books_never_wait_and_read_no_clock(module: str) -> None:
                 "wait_for"):
             found.append(node.attr)
     assert not found, found
+
+
+#: what the engine never imports: no thread primitive of its own (the runtime gives it
+#: its locks and does its waiting), nothing that drives it or is built on it
+ENGINE_NEVER_IMPORTS = ("threading", "asyncio", "calfsm.runtime", "calfsm.executor",
+                        "calfsm.generate", "calfsm.serve", "calfsm.tools")
+
+
+def _imported_by(path: Path) -> set[str]:
+    """Every module ``path`` imports, at any depth of its tree: type-only imports
+    (under ``if TYPE_CHECKING:``) and imports inside functions count too."""
+    import ast
+
+    package = "calfsm." + ".".join(path.relative_to(ROOT / "calfsm").with_suffix("").parts)
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text("utf-8"))):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:          # relative: resolved against the module's package
+                base = package.rsplit(".", node.level)[0]
+                module = f"{base}.{node.module}" if node.module else base
+            else:
+                module = node.module or ""
+            names.add(module)
+            names.update(f"{module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "calfsm" / "engine").glob("*.py")),
+                         ids=lambda p: p.stem)
+def test_the_engine_imports_no_thread_and_nothing_above_it(path: Path) -> None:
+    """Issue 35: the engine is sans-thread and driven: it imports neither ``threading``
+    nor ``asyncio`` (its locks come from the :class:`calfsm.engine.sync.Sync` it is built
+    with; blocking waits live in calfsm/runtime/waits.py), and never the runtime, the
+    facade, the generation API, the server or the tools."""
+    found = sorted(name for name in _imported_by(path)
+                   if any(name == banned or name.startswith(banned + ".")
+                          for banned in ENGINE_NEVER_IMPORTS))
+    assert not found, f"calfsm/engine/{path.name} imports {found}"

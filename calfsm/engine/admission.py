@@ -11,7 +11,8 @@ waiting time, first come first served among equals) for the admission step
 and fails what passed its admission deadline
 (:meth:`Admission.expire_parked`). A caller that must block until its job is admitted
 (the threaded :meth:`~calfsm.executor.DeviceExecutor.enqueue`) waits on the job
-(:meth:`Admission.wait_admitted`), not on the books. A prepared job goes to the device
+(:meth:`Admission.watch_admission`; the wait itself is the runtime's,
+:func:`calfsm.runtime.waits.wait_admitted`), not on the books. A prepared job goes to the device
 side's submit queue (:meth:`calfsm.engine.submission.Submission.queue`). A stream's next step
 prepared ahead is :mod:`calfsm.engine.overlap`'s.
 """
@@ -21,7 +22,6 @@ from __future__ import annotations
 import itertools
 import logging
 import math
-import threading
 from collections import deque
 from collections.abc import Callable
 
@@ -210,7 +210,7 @@ class Admission:
         job.continuing = continuing
         job.unready_mark = life.unready_s(now)
         job.epoch = life.epoch
-        job.handle = JobHandle(job, canceller)
+        job.handle = JobHandle(job, canceller, self.core.sync)
         job.waiting = True
         self.outcomes.count("accepted")
         return job
@@ -325,30 +325,41 @@ class Admission:
         job.timings.admitted = clock.now()
         return True
 
-    def wait_admitted(self, job: JobContext, handle: JobHandle) -> None:
-        """Block the calling thread until ``job`` has left the admission queue: queued
-        for the device, or ended (failed, cancelled, past its admission deadline). It
-        waits on the job, holding no lock: the admission step ends every parked job in
-        time, and a job's end always resolves its handle. On a virtual clock, which
-        nobody may be advancing, the admission deadline is also kept in real seconds
-        (as many as the virtual ones left): the job is then failed here."""
+    def admitting(self, job: JobContext) -> bool:
+        """Whether ``job`` is still in the admission queue (parked, or being admitted)."""
+        with self.core.lock:
+            return self._admitting is job or job in self._parked
+
+    def watch_admission(self, job: JobContext, handle: JobHandle,
+                        wake: Callable[[], None]) -> float | None:
+        """Arrange for ``wake()`` once ``job`` has left the admission queue: queued for
+        the device, or ended (its handle resolves). None: it has left already (admitted
+        at once, the common case, or ended), and ``wake`` is never called. Otherwise the
+        real seconds a waiter may wait before :meth:`expire_admission` (inf: none): on a
+        virtual clock, which nobody may be advancing, the admission deadline is also
+        kept in real seconds (as many as the virtual ones left). The admission step ends
+        every parked job in time, and a job's end always resolves its handle, so a
+        waiter waits on the job, holding no lock (:func:`calfsm.runtime.waits.wait_admitted`)."""
         clock = self.core.clock
         with self.core.lock:
             if self._admitting is not job and job not in self._parked:
-                return                  # admitted at once (the common case), or ended
-            left = threading.Event()
-            job.on_admitted = left.set
+                return None
+            job.on_admitted = wake
             limit = max(0.0, self.deadline(job, clock.now()) - clock.now()) \
-                if clock.virtual else None
-        handle.add_done_callback(lambda _h: left.set())    # at once if it has ended
-        if left.wait(limit):
-            return
-        if self.unpark(job):
-            self.failed_to_start(job, DeadlineExceeded(
-                "admission deadline passed (virtual clock not advanced)",
-                **job_ctx(job, "admission")))
-        else:
-            left.wait()                 # being admitted now: that step ends it
+                if clock.virtual else math.inf
+        handle.add_done_callback(lambda _h: wake())    # at once if it has ended
+        return limit
+
+    def expire_admission(self, job: JobContext) -> bool:
+        """A waiter's real-time admission limit passed (virtual clock not advanced): fail
+        ``job`` if it is still parked. False: it is being admitted now, and that step
+        ends its wait."""
+        if not self.unpark(job):
+            return False
+        self.failed_to_start(job, DeadlineExceeded(
+            "admission deadline passed (virtual clock not advanced)",
+            **job_ctx(job, "admission")))
+        return True
 
     def prepare(self, job: JobContext) -> None:
         """Copy inputs, set slices, CSRs and KV sequence; push to the submit queue."""

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
@@ -62,6 +61,7 @@ import numpy as np
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
 from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver, EngineSlot
+from calfsm.engine.sync import Sync
 from calfsm.errors import (
     CalfsmError,
     InvalidArgument,
@@ -527,11 +527,12 @@ class BufferPool:
     free).
     """
 
-    def __init__(self, driver: Driver, generation: int, slots: Iterable[BufferSlot]) -> None:
+    def __init__(self, driver: Driver, generation: int, slots: Iterable[BufferSlot], *,
+                 sync: Sync) -> None:
         self.driver = driver
         self.generation = generation
         self._slots: tuple[BufferSlot, ...] = tuple(slots)
-        self._lock = threading.Lock()
+        self._lock = sync.lock()
         self._free: dict[tuple[TaskKind, EngineSlot], deque[BufferSlot]] = {}
         self._kinds: dict[TaskKind, list[EngineSlot]] = {}
         for s in self._slots:
@@ -557,6 +558,7 @@ class BufferPool:
     @classmethod
     def build(cls, driver: Driver, generation: int,
               models: Mapping[TaskKind, tuple[Any, SubmodelContract]], *,
+              sync: Sync,
               engines: Sequence[EngineSlot] = (EngineSlot.AUTO,),
               slots_per_engine: int = 1,
               extra: Mapping[TaskKind, int] | None = None) -> BufferPool:
@@ -581,7 +583,7 @@ class BufferPool:
             for s in slots:
                 _destroy(driver, s)
             raise
-        return cls(driver, generation, slots)
+        return cls(driver, generation, slots, sync=sync)
 
     # ---- lending --------------------------------------------------------------------------
     def _take(self, kind: TaskKind, engine: EngineSlot) -> BufferSlot | None:

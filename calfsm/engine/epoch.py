@@ -23,6 +23,7 @@ from calfsm.engine.buffers import BufferPool
 from calfsm.engine.kv import KvCoordinator
 from calfsm.engine.readback import check_output, read_output
 from calfsm.engine.stepcost import ServiceModel, WarmupTiming
+from calfsm.engine.sync import Sync
 from calfsm.errors import (
     CalfsmError,
     Incompatible,
@@ -84,7 +85,7 @@ def check_batch_calls(manifest: Manifest, driver: Driver) -> None:
 
 def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: int, *,
                 max_inflight: int, slots_per_engine: int, token_budget: int | None,
-                engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
+                sync: Sync, engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
                 configure: bool = True, batch_rows: int = 1) -> Epoch:
     """Resolve, configure and build an epoch. Raises a classified :class:`CalfsmError`.
 
@@ -115,11 +116,11 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     rows = max(1, batch_rows)
     kv = KvCoordinator(driver, max_seq=max_seq,
                        token_budget=token_budget or max_seq * max(4, 2 * max_inflight, rows),
-                       generation=generation)
+                       generation=generation, sync=sync)
     pool = BufferPool.build(
         driver, generation,
         {kind: (handles[kind], model.submodel(kind)) for kind in handles},
-        engines=engines, slots_per_engine=slots_per_engine,
+        sync=sync, engines=engines, slots_per_engine=slots_per_engine,
         extra={TaskKind.DECODE: (slots_per_engine + 1) * rows - slots_per_engine}
         if rows > 1 else None)
     return Epoch(generation, manifest, calbin, model, handles, kv, pool)

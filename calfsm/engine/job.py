@@ -4,13 +4,14 @@ Each job carries its own timings (``JobTimings``) and hands them back in its res
 nothing is kept in a map shared across sequences (defect S11). A :class:`JobHandle` feels
 like a ``concurrent.futures.Future``: ``result(timeout)``, ``done()``, ``cancel()``,
 callbacks run outside the lock, and ``await handle`` from asyncio without blocking the
-event loop.
+event loop. The handle only records the end and opens its latch; the waiting on it (a
+blocking ``result``, ``await``) is done by the :class:`~calfsm.engine.sync.Sync` it was
+built with, the runtime's.
 """
 
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -22,13 +23,11 @@ from calfsm.errors import CalfsmError, DeadlineExceeded
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
-from calfsm.util.lazy import asyncio_module
 
 if TYPE_CHECKING:
-    import asyncio
-
     from calfsm.engine.buffers import BufferLease
     from calfsm.engine.kv import KvReservation
+    from calfsm.engine.sync import Sync
 
 __all__ = ["InferenceResult", "JobContext", "JobHandle", "JobTimings", "Request", "Successor"]
 
@@ -119,7 +118,7 @@ class JobContext:
     #: reaches the submitter first), so nothing on the way back climbs out of the core
     continuation: Callable[[JobContext, np.ndarray], Successor | None] | None = None
     #: called once a parked job is queued for the device, by a caller that blocks until
-    #: its job is admitted (:meth:`calfsm.engine.admission.Admission.wait_admitted`)
+    #: its job is admitted (:func:`calfsm.runtime.waits.wait_admitted`)
     on_admitted: Callable[[], None] | None = None
     #: the rows of the one device job this job is a row of (itself first when it leads:
     #: its slot is the one the device runs), from claim to completion; None: a job alone
@@ -145,18 +144,21 @@ class JobHandle:
     """The caller's view of one job: a future with cancel, deadline and asyncio support."""
 
     __slots__ = ("_callbacks", "_canceller", "_error", "_job", "_latch", "_lock", "_result",
-                 "job_id")
+                 "_sync", "job_id")
 
-    def __init__(self, job: JobContext, canceller: Callable[[JobContext], None]) -> None:
+    def __init__(self, job: JobContext, canceller: Callable[[JobContext], None],
+                 sync: Sync) -> None:
         self.job_id = job.job_id
         self._job = job
         self._canceller = canceller
-        self._lock = threading.Lock()       # result, error and callbacks
-        # Held until the job ends; a waiter acquires it and hands it on at once. A bare
-        # lock is a much shorter path than a Condition (no waiter list, no per-wait lock
-        # allocated), and the caller's wake-up is on every job's critical path.
-        self._latch = threading.Lock()
-        self._latch.acquire()
+        self._sync = sync
+        self._lock = sync.lock()            # result, error and callbacks
+        # Held until the job ends (the engine releases it, once); a waiter acquires it
+        # and hands it on at once (Sync.wait_latch). A bare lock is a much shorter path
+        # than a Condition (no waiter list, no per-wait lock allocated), and the
+        # caller's wake-up is on every job's critical path.
+        self._latch = sync.lock()
+        self._latch.acquire()               # new: taken, never waited for
         self._result: InferenceResult | None = None
         self._error: CalfsmError | None = None
         self._callbacks: list[Callable[[JobHandle], None]] = []
@@ -221,20 +223,11 @@ class JobHandle:
 
     def _wait(self, timeout: float | None) -> None:
         """Return once the job has ended; DeadlineExceeded if ``timeout`` passed first."""
-        if self.done():
+        if self.done() or self._sync.wait_latch(self._latch, timeout):
             return
-        latch = self._latch
-        if timeout is None:
-            got = latch.acquire()
-        elif timeout > 0:
-            got = latch.acquire(True, timeout)
-        else:
-            got = latch.acquire(False)
-        if not got:
-            raise DeadlineExceeded(
-                f"job {self.job_id} not finished within {timeout} s",
-                job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
-        latch.release()                 # the next waiter, if any, passes too
+        raise DeadlineExceeded(
+            f"job {self.job_id} not finished within {timeout} s",
+            job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
 
     def add_done_callback(self, fn: Callable[[JobHandle], None]) -> None:
         """Call ``fn(handle)`` when the job ends (at once if it already has)."""
@@ -245,14 +238,7 @@ class JobHandle:
         _run_callback(fn, self)
 
     def __await__(self):
-        loop = asyncio_module().get_running_loop()
-        fut: asyncio.Future = loop.create_future()
-
-        def transfer(handle: JobHandle) -> None:
-            loop.call_soon_threadsafe(_settle, fut, handle)
-
-        self.add_done_callback(transfer)
-        yield from fut.__await__()
+        yield from self._sync.when_released(self.add_done_callback).__await__()
         try:
             return self.result(0)
         finally:
@@ -300,11 +286,6 @@ def drop_tracebacks(error: BaseException) -> None:
         seen.add(id(e))
         e.__traceback__ = None
         todo += (e.__cause__, e.__context__)
-
-
-def _settle(fut: asyncio.Future, handle: JobHandle) -> None:
-    if not fut.done():
-        fut.set_result(None)
 
 
 def _run_callback(fn: Callable[[JobHandle], None], handle: JobHandle) -> None:

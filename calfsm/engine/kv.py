@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import enum
 import logging
-import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -84,6 +83,7 @@ import attrs
 from calfsm.drivers.base import SEQ_LIMIT as _SEQ_LIMIT
 from calfsm.drivers.base import U32_MAX as _U32_MAX
 from calfsm.drivers.base import Driver
+from calfsm.engine.sync import Sync
 from calfsm.errors import (
     FailedPrecondition,
     InvalidArgument,
@@ -172,7 +172,7 @@ class KvCoordinator:
     refused, never waited for."""
 
     def __init__(self, driver: Driver, *, max_seq: int, token_budget: int,
-                 generation: int = 0) -> None:
+                 sync: Sync, generation: int = 0) -> None:
         if max_seq <= 0 or max_seq > _U32_MAX:
             raise InvalidArgument(f"max_seq must be in 1..2**32-1, got {max_seq}",
                                   stage=_STAGE, generation=generation)
@@ -190,7 +190,7 @@ class KvCoordinator:
         #: owner may release KV nobody is using (the prompt cache), whose release then
         #: calls ``on_freed``
         self.on_full: Callable[[], None] | None = None
-        self._lock = threading.Lock()
+        self._lock = sync.lock()
         self._seqs: dict[int, _Seq] = {}
         self._asking = False                 #: an admission is calling the device
         self._turned_away = False            #: one was refused meanwhile

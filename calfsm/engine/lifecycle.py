@@ -5,9 +5,11 @@ Theory of operation
 -------------------
 :class:`Lifecycle` owns the record the lifecycle machine runs on (state, generation,
 reason, the current :class:`~calfsm.engine.epoch.Epoch`, the known-good models) and its lock;
-nothing else writes it. Every transition goes through :meth:`Lifecycle.fire`, which wakes
-the waiters of :meth:`Lifecycle.wait_for` and calls the change listeners (the thread
-runtime rings its doorbells there; a stream waiting to resume hears of Ready there).
+nothing else writes it. Every transition goes through :meth:`Lifecycle.fire`, which calls
+the change listeners (the thread runtime rings its doorbells there; a stream waiting to
+resume hears of Ready there; a caller blocked in
+:func:`calfsm.runtime.waits.wait_for_state` wakes there: the lifecycle itself never
+waits).
 Listeners never run with the lifecycle lock held: a transition made inside
 :meth:`Lifecycle.locked` (a check-then-act) calls them when the outermost hold ends.
 
@@ -28,7 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from typing import Any, Protocol
@@ -39,9 +40,9 @@ from calfsm.drivers.base import Calbin, Driver, EngineSlot, ResetKind
 from calfsm.engine.epoch import Epoch, build_epoch, warm_up
 from calfsm.engine.recovery import Decision, FaultPolicy, Verdict
 from calfsm.engine.stepcost import ServiceModel
+from calfsm.engine.sync import Sync
 from calfsm.errors import (
     CalfsmError,
-    DeadlineExceeded,
     ErrorCategory,
     ExecutorClosed,
     FailedPrecondition,
@@ -80,13 +81,17 @@ class LifecycleRecord:
 
 
 class Lifecycle:
-    """The one owner of the lifecycle record, its lock and the admission gate."""
+    """The one owner of the lifecycle record, its lock and the admission gate.
 
-    def __init__(self, clock: Any) -> None:
+    ``sync`` gives the locks; the engine built around this lifecycle (its pipeline, its
+    procedures) takes its own from the same one (:attr:`sync`)."""
+
+    def __init__(self, clock: Any, sync: Sync) -> None:
         self.clock = clock
+        #: the locks of this executor's engine, and the waits on its latches
+        self.sync = sync
         self._rec = LifecycleRecord()
-        self._lock = threading.RLock()
-        self._cond = threading.Condition(self._lock)
+        self._lock = sync.rlock()
         #: how deep the thread holding ``locked()`` is in it, and whether a transition
         #: inside owes the listeners a call once it lets go (only the holder writes them)
         self._depth = 0
@@ -173,7 +178,7 @@ class Lifecycle:
     def holds_lock(self) -> bool:
         """Whether the calling thread holds the lifecycle lock (tests hold listeners and
         observers to running without it)."""
-        return self._lock._is_owned()  # type: ignore[attr-defined]
+        return self.sync.holds(self._lock)
 
     # ---- moving --------------------------------------------------------------------
     def on_change(self, listener: Callable[[], None]) -> None:
@@ -202,8 +207,8 @@ class Lifecycle:
         return fired
 
     def _moved(self) -> None:
-        """Under the lock, after a trigger: keep the out-of-Ready clock, wake waiters,
-        and owe the listeners a call once the outermost hold ends."""
+        """Under the lock, after a trigger: keep the out-of-Ready clock, and owe the
+        listeners (waiters among them) a call once the outermost hold ends."""
         self._owed = True
         ready = self._rec.state == _READY
         if ready:
@@ -213,7 +218,6 @@ class Lifecycle:
             self._was_ready = True
         elif self._was_ready and self._unready_since is None:
             self._unready_since = self.clock.now()
-        self._cond.notify_all()
 
     def drain(self, reason: str, retry_after_s: float) -> bool:
         """Ready -> Draining with ``reason``. False if not Ready (or closing)."""
@@ -273,7 +277,6 @@ class Lifecycle:
                 return False
             self._stopping = True
             self._owed = True
-            self._cond.notify_all()
         return True
 
     def begin_close(self) -> bool:
@@ -283,7 +286,6 @@ class Lifecycle:
                 return False
             self._closing = True
             self._owed = True
-            self._cond.notify_all()
         return True
 
     def note(self, reason: str) -> None:
@@ -293,7 +295,7 @@ class Lifecycle:
         for listener in tuple(self._listeners):
             listener()
 
-    # ---- admission gate and waiting ------------------------------------------------
+    # ---- admission gate ------------------------------------------------------------
     def gate(self, *, continuing: bool = False) -> None:
         """Only Ready admits. Closed: :class:`ExecutorClosed` (misuse); shutting down:
         the same with a retry-after hint, except for the next step of a running stream
@@ -311,16 +313,6 @@ class Lifecycle:
                 stage="admission", generation=rec.generation,
                 retry_after_s=None if rec.state == LifecycleState.FAILED
                 else rec.retry_after_s)
-
-    def wait_for(self, states: tuple[str, ...], timeout: float | None) -> str:
-        """Block until the state is one of ``states``; DeadlineExceeded on timeout."""
-        with self._lock:
-            if not self._cond.wait_for(lambda: self._rec.state in states, timeout):
-                raise DeadlineExceeded(
-                    f"lifecycle still {self._rec.state} after {timeout} s, wanted "
-                    f"{' or '.join(states)}", stage="lifecycle",
-                    generation=self._rec.generation)
-            return self._rec.state
 
 
 class PipelineControl(Protocol):
@@ -374,7 +366,7 @@ class DeviceLifecycle:
         self._pending = False
         self._roll_back = False
         self._drain_started = 0.0
-        self._switch_lock = threading.Lock()
+        self._switch_lock = life.sync.lock()
         #: called once per drain that wants an automatic recovery (the thread runtime
         #: starts a recovery thread; step mode leaves it to the scheduler)
         self.on_recovery_due: Callable[[], None] = lambda: None
@@ -747,13 +739,13 @@ def _on_exhausted(owner: DeviceLifecycle) -> Callable[[TaskKind, str], None]:
 
 def epoch_builder(driver: Driver, *, max_inflight: int, slots_per_engine: int,
                   token_budget: int | None, engines: tuple[EngineSlot, ...],
-                  batch_rows: int = 1) -> Callable[..., Epoch]:
+                  sync: Sync, batch_rows: int = 1) -> Callable[..., Epoch]:
     """``build(manifest, calbin, generation, configure=True)`` with one executor's
     settings."""
     def build(manifest: Manifest, calbin: Calbin, generation: int, *,
               configure: bool = True) -> Epoch:
         return build_epoch(driver, manifest, calbin, generation, configure=configure,
                            max_inflight=max_inflight, slots_per_engine=slots_per_engine,
-                           token_budget=token_budget, engines=engines,
+                           token_budget=token_budget, engines=engines, sync=sync,
                            batch_rows=batch_rows)
     return build

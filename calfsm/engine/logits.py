@@ -34,6 +34,12 @@ indices are fixed-width.
   :func:`find_nonfinite` run the exact ``isfinite`` scan that names the first offending
   index.
 
+The caches here (the kernel chosen, a plan per contract, the kernel's buffer views) are
+process-wide memos that any thread may fill: they take no lock (the engine names no
+thread primitive), only single dict operations, each atomic, so a race costs at most a
+plan or a view made twice, and the first kernel decision stored is the one every thread
+reads (``dict.setdefault``).
+
 :func:`use_native_kernel` chooses a path explicitly (tests, benchmarks). Measured side by
 side in one run (``bench/bench_components.py``, 2-core VM): at V=151936 the kernel alone
 takes ~0.7-0.8x a float32 ``np.copyto`` of the row and the whole step on the kernel path
@@ -46,7 +52,6 @@ from __future__ import annotations
 
 import logging
 import math
-import threading
 from typing import Any
 
 import numpy as np
@@ -109,10 +114,13 @@ class _Kernel:
     def view(self, out_u16: np.ndarray) -> Any:
         """A new view of an output array, remembered (ValueError: not contiguous)."""
         p = self.from_buffer(self.u16_array, out_u16)
-        with _lock:
-            if len(self.views) >= _VIEWS_MAX:
-                del self.views[next(iter(self.views))]
-            self.views[id(out_u16)] = p
+        views = self.views
+        if len(views) >= _VIEWS_MAX:
+            try:
+                del views[next(iter(views))]
+            except (KeyError, RuntimeError, StopIteration):
+                pass                    # another thread changed it first: still bounded
+        views[id(out_u16)] = p
         return p
 
 
@@ -135,24 +143,26 @@ class _Plan:
 _AUTO: Any = object()
 _PLANS_MAX = 64
 _VIEWS_MAX = 8
-_lock = threading.Lock()
-#: what extract_logits uses: a _Kernel, None (numpy), or _AUTO (decided at first use)
-_kernel: Any = _AUTO
+_KERNEL = "kernel"
+#: what extract_logits uses, under _KERNEL: a _Kernel or None (numpy); absent: decided at
+#: first use (setdefault: the first decision stored wins, every thread reads that one)
+_choice: dict[str, Any] = {}
 #: id(contract) -> its _Plan (which keeps the contract alive, so the id is not reused)
 _plans: dict[int, _Plan] = {}
 
 
 def _decided() -> _Kernel | None:
-    """The kernel in use, loading the default one at the first call; under ``_lock``."""
-    global _kernel
-    if _kernel is _AUTO:
-        try:
-            _kernel = _Kernel()
-        except _native.BuildError as e:
-            log.info("BF16 logits are converted with numpy: the native kernel is not "
-                     "available (%s)", e)
-            _kernel = None
-    return _kernel
+    """The kernel in use, loading the default one at the first call."""
+    kernel = _choice.get(_KERNEL, _AUTO)
+    if kernel is not _AUTO:
+        return kernel
+    try:
+        kernel = _Kernel()
+    except _native.BuildError as e:
+        log.info("BF16 logits are converted with numpy: the native kernel is not "
+                 "available (%s)", e)
+        kernel = None
+    return _choice.setdefault(_KERNEL, kernel)
 
 
 def _bind_bf16() -> np.dtype:
@@ -165,13 +175,17 @@ def _bind_bf16() -> np.dtype:
 def _plan(contract: SubmodelContract) -> _Plan:
     """The contract's plan, made with the kernel in use at its first extraction."""
     _bind_bf16()
-    with _lock:
-        plan = _plans.get(id(contract))
+    key = id(contract)
+    while True:
+        plan = _plans.get(key)
+        kernel = _decided()
         if plan is None:
             if len(_plans) >= _PLANS_MAX:
                 _plans.clear()
-            plan = _plans[id(contract)] = _Plan(contract, _decided())
-        return plan
+            plan = _plans.setdefault(key, _Plan(contract, kernel))
+        if plan.kernel is _decided():
+            return plan
+        _plans.pop(key, None)           # made before a use_native_kernel: make it again
 
 
 def use_native_kernel(enable: bool | None = None) -> bool:
@@ -181,7 +195,6 @@ def use_native_kernel(enable: bool | None = None) -> bool:
 
     Raises :class:`~calfsm.errors.Incompatible` naming the reason when ``True`` is asked
     and the kernel cannot be loaded."""
-    global _kernel
     k: Any = _AUTO if enable is None else None
     if enable:
         try:
@@ -189,17 +202,18 @@ def use_native_kernel(enable: bool | None = None) -> bool:
         except _native.BuildError as e:
             raise Incompatible(f"the native logits kernel is not available: {e}",
                                stage=_STAGE) from None
-    with _lock:
-        _kernel = k
-        _plans.clear()
-        return _decided() is not None
+    if k is _AUTO:
+        _choice.pop(_KERNEL, None)
+    else:
+        _choice[_KERNEL] = k
+    _plans.clear()                      # after the choice: no plan outlives it (_plan)
+    return _decided() is not None
 
 
 def native_kernel_in_use() -> bool:
     """Whether :func:`extract_logits` converts with the native kernel (loading the
     default one now if it was not yet)."""
-    with _lock:
-        return _decided() is not None
+    return _decided() is not None
 
 
 def _flat(a: np.ndarray, what: str, **context: Any) -> np.ndarray:

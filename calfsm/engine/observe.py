@@ -48,7 +48,6 @@ test for the per-job path).
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any, Protocol
 
 import attrs
@@ -56,6 +55,7 @@ import numpy as np
 
 from calfsm.engine.job import InferenceResult, JobTimings
 from calfsm.engine.results import GenerationResult
+from calfsm.engine.sync import Sync
 from calfsm.errors import (
     CalfsmError,
     ExecutorBroken,
@@ -211,8 +211,8 @@ class Observers:
 
     __slots__ = ("_all", "_fns", "_lock", "accepts", "jobs")
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
+    def __init__(self, sync: Sync) -> None:
+        self._lock = sync.lock()        # adding and removing; calls read a snapshot
         self._all: tuple[Any, ...] = ()
         self._fns: dict[str, tuple[Any, ...]] = dict.fromkeys(EVENTS, ())
         #: someone listens to job_ended (the pipeline builds a JobEnded only then)

@@ -37,7 +37,7 @@ class Outcomes:
 
     def __init__(self, core: Core) -> None:
         self.core = core
-        self.observers = Observers()    # told of every job's end (metrics, dump sink)
+        self.observers = Observers(core.sync)    # told of every job's end (metrics, dump sink)
         self._counts = dict.fromkeys(COUNTERS, 0)
         self._errors_by_category: dict[str, int] = {}
         self._waiting = 0               # accepted, not submitted nor ended

@@ -8,7 +8,8 @@ device), completion (:mod:`calfsm.engine.completion`: the wait, the output check
 back) and the outcomes (:mod:`calfsm.engine.outcomes`: every job's one end, the counters, the
 observers). What they all read is here: the driver and its clock, the lifecycle, the
 fault policy and the two ways of acting on it, the timeouts, the hooks of whoever drives
-the steps, one lock over every queue, and the device lock. All of them log as
+the steps, one lock over every queue, and the device lock (both from the lifecycle's
+:class:`~calfsm.engine.sync.Sync`: the engine names no thread primitive). All of them log as
 ``calfsm.engine.pipeline``, the one logger an operator filters the core by.
 
 The queue lock is re-entrant because an operation over several parts (a cancel, a drain
@@ -18,7 +19,6 @@ so that it sees them all at one instant.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -110,10 +110,12 @@ class Core:
         #: ... and starts a drain for a suspect device
         self.drain = drain
         self.hooks = Hooks()
+        #: the locks and latches of this executor's engine (the runtime's)
+        self.sync = sync = life.sync
         #: one lock over every queue of every part (a leaf but for the hooks it calls)
-        self.lock = threading.RLock()
+        self.lock = sync.rlock()
         #: a submit, or the reading of a finished output, against a reset of the device
-        self.device_lock = threading.Lock()
+        self.device_lock = sync.lock()
         #: why the pipeline stopped for good (a worker died), or None
         self.broken: str | None = None
         now = self.clock.now()

@@ -55,10 +55,10 @@ the decision (:mod:`calfsm.engine.lifecycle`).
 from __future__ import annotations
 
 import enum
-import threading
 
 import attrs
 
+from calfsm.engine.sync import Sync
 from calfsm.errors import (
     ACTIONS,
     AdmissionEffect,
@@ -138,11 +138,12 @@ _BY_ACTION: dict[RecoveryAction, Decision] = {
 
 
 class FaultPolicy:
-    """The error budget and back-off of one executor; thread-safe."""
+    """The error budget and back-off of one executor; thread-safe with the locks of
+    ``sync`` (every thread that meets a device error decides here)."""
 
-    def __init__(self, policy: RecoveryPolicy | None = None) -> None:
+    def __init__(self, policy: RecoveryPolicy | None = None, *, sync: Sync) -> None:
         self.policy = policy or RecoveryPolicy()
-        self._lock = threading.Lock()
+        self._lock = sync.lock()
         self._tokens = self.policy.error_budget
         self._last_refill: float | None = None
         self._streak = 0

@@ -36,6 +36,7 @@ from pathlib import Path
 from calfsm import errors
 from calfsm.engine.recovery import FaultPolicy, RecoveryPolicy
 from calfsm.errors import ACTIONS, CalfsmError, CalrtCode, ErrorCategory, InvalidArgument
+from calfsm.runtime.sync import THREADS
 
 __all__ = ["BEGIN", "DEFAULT_DOC", "END", "is_current", "main", "render", "splice",
            "write"]
@@ -56,10 +57,10 @@ _PROBES: tuple[tuple[str, RecoveryPolicy, int | None], ...] = (
 
 def _decisions(category: ErrorCategory) -> str:
     probe = CalfsmError("error table probe", category=category)
-    base = FaultPolicy().decide(probe, 0.0).decision
+    base = FaultPolicy(sync=THREADS).decide(probe, 0.0).decision
     cell = [f"`{base.value}`"]
     for when, policy, requeues in _PROBES:
-        other = FaultPolicy(policy).decide(probe, 0.0, requeues=requeues).decision
+        other = FaultPolicy(policy, sync=THREADS).decide(probe, 0.0, requeues=requeues).decision
         if other is not base:
             cell.append(f"`{other.value}` {when}")
     return "; ".join(cell)

@@ -31,6 +31,7 @@ from calfsm.errors import (
 )
 from calfsm.manifest import DType, Manifest, TaskKind, builtin_manifest
 from calfsm.request import EMBED_DTYPES
+from calfsm.runtime.sync import THREADS
 from calfsm.tools.direct import DirectRunner, golden_prompts
 from tests.helpers import refmodel_pure as pure
 from tests.helpers.embeds import EMBEDS_GOLDEN_TOKENS, golden_embeds, tiny_with_embeds_dtype
@@ -233,7 +234,8 @@ class _EmbedsRunner:
         self.sub = manifest.submodel(TaskKind.PREFILL_EMBEDS)
         code, self.handle = driver.model(self.sub.exact_name)
         check(code, "model")
-        self.pool = BufferPool.build(driver, 0, {self.sub.kind: (self.handle, self.sub)})
+        self.pool = BufferPool.build(driver, 0, {self.sub.kind: (self.handle, self.sub)},
+                                     sync=THREADS)
 
     def prefill_bf16(self, seq: int, embeds: np.ndarray, past_len: int = 0) -> np.ndarray:
         d, sub, n = self.driver, self.sub, len(embeds)

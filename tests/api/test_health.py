@@ -27,6 +27,7 @@ from calfsm.errors import (
 from calfsm.generate.sampling import SamplingParams
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.runtime.sync import THREADS
 from tests.helpers.executor import HeldReset, drive, make_executor, make_sim
 
 pytestmark = pytest.mark.timeout(60)
@@ -109,7 +110,7 @@ def test_a_device_that_rejects_every_csr_write_ends_failed_not_500_forever(mode)
 
 
 def test_the_failure_streak_counts_device_codes_in_a_row_only():
-    policy = FaultPolicy(RecoveryPolicy(failure_streak=3))
+    policy = FaultPolicy(RecoveryPolicy(failure_streak=3), sync=THREADS)
     csr = from_calrt(int(CalrtCode.NOT_FOUND), "set_csr")
     assert csr.category.value == "request"
     assert policy.decide(csr, 0.0).decision is Decision.CONTINUE
@@ -126,7 +127,7 @@ def test_the_failure_streak_counts_device_codes_in_a_row_only():
         assert policy.decide(InvalidArgument("bad"), 0.0).decision is Decision.CONTINUE
         full = ResourceExhausted("kv", calrt_code=int(CalrtCode.ALLOC_FAILED))
         assert policy.decide(full, 0.0).decision is Decision.CONTINUE
-    assert FaultPolicy(RecoveryPolicy(failure_streak=0)).decide(csr, 0.0).decision \
+    assert FaultPolicy(RecoveryPolicy(failure_streak=0), sync=THREADS).decide(csr, 0.0).decision \
         is Decision.CONTINUE
 
 

@@ -31,6 +31,7 @@ from calfsm.errors import (
     Unsupported,
 )
 from calfsm.manifest import TaskKind, builtin_manifest
+from calfsm.runtime.sync import THREADS
 
 TINY = builtin_manifest("tiny")
 PREFILL = TINY.submodel(TaskKind.PREFILL_IDS)
@@ -92,7 +93,7 @@ MODELS = {TaskKind.PREFILL_IDS: ("prefill-handle", PREFILL),
 
 def make_pool(driver=None, generation=0, **kw) -> tuple[FakeDriver, BufferPool]:
     driver = driver or FakeDriver()
-    return driver, BufferPool.build(driver, generation, MODELS, **kw)
+    return driver, BufferPool.build(driver, generation, MODELS, **kw, sync=THREADS)
 
 
 def assert_invariant(pool: BufferPool) -> PoolStats:
@@ -127,14 +128,14 @@ def test_build_failure_checks_the_code_and_destroys_what_it_created():
     drv = FakeDriver()
     drv.fail["map_buffer"] = CalrtCode.SHAPE_MISMATCH
     with pytest.raises(Internal) as info:
-        BufferPool.build(drv, 3, MODELS)
+        BufferPool.build(drv, 3, MODELS, sync=THREADS)
     assert info.value.calrt_code == CalrtCode.SHAPE_MISMATCH
     assert info.value.stage == "map" and info.value.generation == 3
     assert drv.destroyed == {1}
     drv = FakeDriver()
     drv.fail["create_buffers"] = CalrtCode.UNSUPPORTED
     with pytest.raises(Unsupported):
-        BufferPool.build(drv, 0, MODELS, engines=(EngineSlot.PING,))
+        BufferPool.build(drv, 0, MODELS, engines=(EngineSlot.PING,), sync=THREADS)
 
 
 # ---- acquire / release ------------------------------------------------------------------
@@ -395,7 +396,7 @@ class PoolMachine(RuleBasedStateMachine):
         super().__init__()
         self.driver = FakeDriver()
         self.generation = 0
-        self.pool = BufferPool.build(self.driver, 0, MODELS, slots_per_engine=2)
+        self.pool = BufferPool.build(self.driver, 0, MODELS, slots_per_engine=2, sync=THREADS)
         self.pools = [self.pool]
         self.live: dict[int, BufferLease] = {}  # id(slot) -> the one live lease
         self.dead: list[BufferLease] = []
@@ -483,7 +484,7 @@ class PoolMachine(RuleBasedStateMachine):
         self.pool.retire()
         self.generation += 1
         self.pool = BufferPool.build(self.driver, self.generation, MODELS,
-                                     slots_per_engine=2)
+                                     slots_per_engine=2, sync=THREADS)
         self.pools.append(self.pool)
 
     @rule()
@@ -525,7 +526,7 @@ def sim_pool(**kw):
         code, handle = driver.model(contract.exact_name)
         assert code == 0
         models[kind] = (handle, contract)
-    return driver, BufferPool.build(driver, 0, models)
+    return driver, BufferPool.build(driver, 0, models, sync=THREADS)
 
 
 def trace_calls(driver) -> list[str]:

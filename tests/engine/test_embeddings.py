@@ -13,6 +13,7 @@ from calfsm.engine.buffers import BufferPool
 from calfsm.errors import InvalidArgument, check
 from calfsm.manifest import DType, TaskKind
 from calfsm.request import EMBED_DTYPES, Request
+from calfsm.runtime.sync import THREADS
 from tests.helpers import refmodel_pure as pure
 from tests.helpers.embeds import EMBEDS_GOLDEN_TOKENS, golden_embeds, tiny_with_embeds_dtype
 from tests.helpers.executor import TINY, calls, finish, make_executor
@@ -28,7 +29,7 @@ def _lease(dtype: DType):
     sub = m.submodel(TaskKind.PREFILL_EMBEDS)
     code, handle = driver.model(sub.exact_name)
     check(code, "model")
-    pool = BufferPool.build(driver, 0, {sub.kind: (handle, sub)})
+    pool = BufferPool.build(driver, 0, {sub.kind: (handle, sub)}, sync=THREADS)
     return pool.acquire(sub.kind)
 
 

@@ -24,6 +24,7 @@ from calfsm.errors import (
     from_calrt,
 )
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.runtime.sync import THREADS
 from tests.helpers.executor import TINY, make_executor, renamed
 
 SEQ = 5
@@ -68,7 +69,7 @@ def test_every_category_has_a_stated_decision():
 
 @pytest.mark.parametrize("category", list(ErrorCategory), ids=lambda c: c.value)
 def test_decide_follows_the_error_table(category):
-    policy = FaultPolicy(RecoveryPolicy())
+    policy = FaultPolicy(RecoveryPolicy(), sync=THREADS)
     verdict = policy.decide(_err(category), now=0.0)
     assert verdict.decision is BY_ACTION[ACTIONS[category].action]      # the table ...
     assert verdict.decision is BY_CATEGORY[category]                     # ... says this
@@ -78,14 +79,15 @@ def test_decide_follows_the_error_table(category):
 @pytest.mark.parametrize("code", sorted(CODE_TABLE), ids=lambda c: c.name)
 def test_decide_classifies_every_calrt_code_by_its_category(code):
     err = from_calrt(int(code), "submit")
-    assert FaultPolicy().decide(err, now=0.0).decision is BY_CATEGORY[CODE_TABLE[code][0]]
+    decision = FaultPolicy(sync=THREADS).decide(err, now=0.0).decision
+    assert decision is BY_CATEGORY[CODE_TABLE[code][0]]
 
 
 @pytest.mark.parametrize("category", [c for c in ErrorCategory
                                       if c is not ErrorCategory.TRANSIENT],
                          ids=lambda c: c.value)
 def test_only_transient_errors_spend_the_budget_or_pause(category):
-    policy = FaultPolicy(RecoveryPolicy(error_budget=1, budget_refill_per_s=0.0))
+    policy = FaultPolicy(RecoveryPolicy(error_budget=1, budget_refill_per_s=0.0), sync=THREADS)
     for _ in range(3):
         verdict = policy.decide(_err(category), now=0.0, requeues=0)
         assert verdict.decision is BY_CATEGORY[category]     # never REQUEUE or BACK_OFF
@@ -94,7 +96,7 @@ def test_only_transient_errors_spend_the_budget_or_pause(category):
 
 
 def test_transient_backs_off_until_the_budget_is_spent_then_drains():
-    policy = FaultPolicy(RecoveryPolicy(error_budget=3, budget_refill_per_s=0.0))
+    policy = FaultPolicy(RecoveryPolicy(error_budget=3, budget_refill_per_s=0.0), sync=THREADS)
     for _ in range(3):
         assert policy.decide(_busy(), now=0.0).decision is Decision.BACK_OFF
     verdict = policy.decide(_busy(), now=0.0)
@@ -103,7 +105,7 @@ def test_transient_backs_off_until_the_budget_is_spent_then_drains():
 
 
 def test_the_budget_refills_over_time():
-    policy = FaultPolicy(RecoveryPolicy(error_budget=2, budget_refill_per_s=1.0))
+    policy = FaultPolicy(RecoveryPolicy(error_budget=2, budget_refill_per_s=1.0), sync=THREADS)
     assert [policy.decide(_busy(), now=0.0).decision for _ in range(3)] == [
         Decision.BACK_OFF, Decision.BACK_OFF, Decision.DRAIN_AND_RESET]
     assert policy.decide(_busy(), now=0.5).decision is Decision.DRAIN_AND_RESET  # 0.5 token
@@ -116,7 +118,7 @@ def test_the_budget_refills_over_time():
 
 def test_backoff_is_exponential_and_capped():
     policy = FaultPolicy(RecoveryPolicy(error_budget=10, budget_refill_per_s=0.0,
-                                        backoff_base_s=0.01, backoff_max_s=0.05))
+                                        backoff_base_s=0.01, backoff_max_s=0.05), sync=THREADS)
     untils = []
     for i in range(6):
         now = 10.0 * i                      # far apart: each pause is its own
@@ -129,7 +131,7 @@ def test_backoff_is_exponential_and_capped():
 
 def test_overlapping_pauses_never_shorten_the_backoff():
     policy = FaultPolicy(RecoveryPolicy(error_budget=10, backoff_base_s=0.1,
-                                        backoff_max_s=1.0))
+                                        backoff_max_s=1.0), sync=THREADS)
     first = policy.decide(_busy(), now=0.0).until
     second = policy.decide(_busy(), now=0.0).until
     assert (first, second) == (0.1, 0.2)
@@ -140,7 +142,7 @@ def test_overlapping_pauses_never_shorten_the_backoff():
 
 def test_success_restarts_the_backoff_streak():
     policy = FaultPolicy(RecoveryPolicy(error_budget=10, budget_refill_per_s=0.0,
-                                        backoff_base_s=0.01, backoff_max_s=1.0))
+                                        backoff_base_s=0.01, backoff_max_s=1.0), sync=THREADS)
     for _ in range(3):
         policy.decide(_busy(), now=0.0)
     assert policy.decide(_busy(), now=1.0).until == pytest.approx(1.08)  # streak 4
@@ -155,8 +157,9 @@ def test_a_rows_own_failure_fails_only_the_row_until_every_job_fails():
     job is still drained; any success in between starts the streak over."""
     row = row_failure(OutputStatus.DONE_CCU_EXCEPTION, 3, {"seq_id": SEQ})
     assert row.category is ErrorCategory.DEVICE and is_row_failure(row)
-    assert FaultPolicy().decide(row, 0.0).decision is Decision.DRAIN_AND_RESET  # the table
-    policy = FaultPolicy(RecoveryPolicy(failure_streak=3))
+    assert FaultPolicy(sync=THREADS).decide(row, 0.0).decision \
+        is Decision.DRAIN_AND_RESET  # the table
+    policy = FaultPolicy(RecoveryPolicy(failure_streak=3), sync=THREADS)
     for _ in range(2):
         assert policy.row_failed(row).decision is Decision.CONTINUE
     policy.succeeded()                              # another row of the job ran well
@@ -167,14 +170,14 @@ def test_a_rows_own_failure_fails_only_the_row_until_every_job_fails():
     assert "fails every job" in verdict.reason and "row 3 of a batch job" in verdict.reason
     policy.reset()
     assert policy.row_failed(row).decision is Decision.CONTINUE
-    never = FaultPolicy(RecoveryPolicy(failure_streak=0))
+    never = FaultPolicy(RecoveryPolicy(failure_streak=0), sync=THREADS)
     assert all(never.row_failed(row).decision is Decision.CONTINUE for _ in range(20))
     assert not is_row_failure(from_calrt(int(CalrtCode.UNEXPECTED), "wait"))
 
 
 def test_reset_restores_the_budget_and_clears_the_backoff():
     policy = FaultPolicy(RecoveryPolicy(error_budget=2, budget_refill_per_s=0.0,
-                                        backoff_base_s=0.01))
+                                        backoff_base_s=0.01), sync=THREADS)
     for _ in range(2):
         policy.decide(_busy(), now=0.0)
     assert policy.decide(_busy(), now=0.0).decision is Decision.DRAIN_AND_RESET
@@ -193,7 +196,7 @@ def test_reset_restores_the_budget_and_clears_the_backoff():
     (2, 2, Decision.BACK_OFF),          # its retries are used up
 ])
 def test_requeue_only_when_allowed_and_below_the_limit(requeues, max_requeues, decision):
-    policy = FaultPolicy(RecoveryPolicy(max_requeues=max_requeues, error_budget=5))
+    policy = FaultPolicy(RecoveryPolicy(max_requeues=max_requeues, error_budget=5), sync=THREADS)
     verdict = policy.decide(_busy(), now=0.0, requeues=requeues)
     assert verdict.decision is decision
     assert verdict.until > 0.0                             # a requeue waits out the pause
@@ -201,7 +204,7 @@ def test_requeue_only_when_allowed_and_below_the_limit(requeues, max_requeues, d
 
 def test_a_requeue_spends_the_budget_like_a_backoff():
     policy = FaultPolicy(RecoveryPolicy(max_requeues=5, error_budget=2,
-                                        budget_refill_per_s=0.0))
+                                        budget_refill_per_s=0.0), sync=THREADS)
     assert [policy.decide(_busy(), now=0.0, requeues=0).decision for _ in range(3)] == [
         Decision.REQUEUE, Decision.REQUEUE, Decision.DRAIN_AND_RESET]
 
@@ -219,7 +222,8 @@ def test_recovery_policy_refuses_negative_and_nan(field, value):
 
 def test_recovery_policy_takes_zero():
     policy = RecoveryPolicy(error_budget=0, grace_period_s=0, max_requeues=0)
-    assert FaultPolicy(policy).decide(_busy(), now=0.0).decision is Decision.DRAIN_AND_RESET
+    assert FaultPolicy(policy, sync=THREADS).decide(_busy(), now=0.0).decision \
+        is Decision.DRAIN_AND_RESET
 
 
 # ---- decisions carried out by an executor ---------------------------------------------

@@ -33,6 +33,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.manifest import builtin_manifest
+from calfsm.runtime.sync import THREADS
 
 TINY = builtin_manifest("tiny")
 def sim(**kw) -> SimDriver:
@@ -47,7 +48,8 @@ def kv_calls(driver: SimDriver) -> list[dict]:
 
 def coordinator(driver=None, *, max_seq=8192, token_budget=1 << 16, **kw):
     driver = driver or sim()
-    return driver, KvCoordinator(driver, max_seq=max_seq, token_budget=token_budget, **kw)
+    return driver, KvCoordinator(driver, max_seq=max_seq, token_budget=token_budget,
+                                 sync=THREADS, **kw)
 
 
 # ---- validation: every bad input is a clear error before the runtime -----------------
@@ -394,7 +396,7 @@ def test_concurrent_reserve_commit_rollback_conserve_capacity():
     """Six threads reserve, commit, roll back and reset on a device and budget too small
     for all of them; a refused one sleeps until ``on_freed`` (no polling)."""
     driver = sim(kv_capacity=64, clock=RealClock())
-    kv = KvCoordinator(driver, max_seq=8192, token_budget=24)
+    kv = KvCoordinator(driver, max_seq=8192, token_budget=24, sync=THREADS)
     changed = threading.Condition()
     version = [0]
 
@@ -463,7 +465,7 @@ class KvMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.driver = sim(kv_capacity=40, trace=False)
-        self.kv = KvCoordinator(self.driver, max_seq=64, token_budget=16)
+        self.kv = KvCoordinator(self.driver, max_seq=64, token_budget=16, sync=THREADS)
         self.granted: list[KvReservation] = []
 
     def _granted(self, r: KvReservation | None, seq: int, before: int):

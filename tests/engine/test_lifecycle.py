@@ -14,6 +14,8 @@ from calfsm.engine.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
 from calfsm.engine.recovery import Decision, FaultPolicy, RecoveryPolicy, Verdict
 from calfsm.engine.stepcost import ServiceModel
 from calfsm.errors import CalfsmError, DeadlineExceeded, ExecutorClosed, Unavailable
+from calfsm.runtime.sync import THREADS
+from calfsm.runtime.waits import wait_for_state
 from tests.helpers.executor import TINY, calls
 
 
@@ -27,7 +29,7 @@ def _ready(life: Lifecycle) -> None:
 # ---- Lifecycle: the record, the gate, the listeners ----------------------------------
 
 def test_only_ready_admits_and_each_other_state_says_why():
-    life = Lifecycle(VirtualClock())
+    life = Lifecycle(VirtualClock(), THREADS)
     with pytest.raises(Unavailable, match="Unconfigured"):
         life.gate()
     _ready(life)
@@ -45,7 +47,7 @@ def test_only_ready_admits_and_each_other_state_says_why():
 
 
 def test_a_graceful_stop_admits_only_a_running_streams_next_step_and_close_none():
-    life = Lifecycle(VirtualClock())
+    life = Lifecycle(VirtualClock(), THREADS)
     _ready(life)
     assert life.begin_stop() and not life.begin_stop()
     with pytest.raises(ExecutorClosed, match="shutting down"):
@@ -58,7 +60,7 @@ def test_a_graceful_stop_admits_only_a_running_streams_next_step_and_close_none(
 
 
 def test_listeners_run_after_the_transition_and_never_under_the_lock():
-    life = Lifecycle(VirtualClock())
+    life = Lifecycle(VirtualClock(), THREADS)
     seen: list[tuple[str, bool]] = []
     life.on_change(lambda: seen.append((life.state, life.holds_lock())))
     life.fire("start")
@@ -76,7 +78,7 @@ def test_listeners_run_after_the_transition_and_never_under_the_lock():
 
 def test_time_out_of_ready_is_counted_from_the_first_ready_only():
     clock = VirtualClock()
-    life = Lifecycle(clock)
+    life = Lifecycle(clock, THREADS)
     life.fire("start")
     clock.advance(5.0)                              # start-up is not out-of-Ready time
     life.fire("configured")
@@ -96,10 +98,10 @@ def test_time_out_of_ready_is_counted_from_the_first_ready_only():
 
 
 def test_wait_for_a_state_that_does_not_come_raises_deadline_exceeded():
-    life = Lifecycle(VirtualClock())
-    assert life.wait_for(("Unconfigured",), 0.0) == "Unconfigured"
+    life = Lifecycle(VirtualClock(), THREADS)
+    assert wait_for_state(life, ("Unconfigured",), 0.0) == "Unconfigured"
     with pytest.raises(DeadlineExceeded, match="still Unconfigured"):
-        life.wait_for(("Ready",), 0.0)
+        wait_for_state(life, ("Ready",), 0.0)
 
 
 # ---- DeviceLifecycle with a fake pipeline --------------------------------------------
@@ -156,13 +158,14 @@ class Control:
     def __init__(self, **policy: float) -> None:
         self.driver = SimDriver(TINY, seed=0, trace=True)
         self.clock = self.driver.clock
-        self.life = Lifecycle(self.clock)
+        self.life = Lifecycle(self.clock, THREADS)
         self.pipeline = FakePipeline()
         self.recovery_due_calls = 0
         self.device = DeviceLifecycle(
-            self.driver, self.life, FaultPolicy(RecoveryPolicy(**policy)), self.pipeline,
+            self.driver, self.life, FaultPolicy(RecoveryPolicy(**policy), sync=THREADS),
+            self.pipeline,
             build=epoch_builder(self.driver, max_inflight=1, slots_per_engine=2,
-                                token_budget=None, engines=(EngineSlot.AUTO,)),
+                                token_budget=None, engines=(EngineSlot.AUTO,), sync=THREADS),
             warmup=True, service=ServiceModel(TINY.timing, execution_timeout_s=None))
         self.device.on_recovery_due = self._due
 

@@ -37,6 +37,7 @@ from calfsm.errors import (
     InvalidArgument,
 )
 from calfsm.manifest import TaskKind, builtin_manifest
+from calfsm.runtime.sync import THREADS
 
 TINY = builtin_manifest("tiny")
 PREFILL = TINY.submodel(TaskKind.PREFILL_IDS)
@@ -295,7 +296,7 @@ def test_fi09_short_output_from_the_simulated_device_is_detected():
     assert driver.configure(driver.calbin) == 0
     code, handle = driver.model(PREFILL.exact_name)
     assert code == 0
-    pool = BufferPool.build(driver, 0, {TaskKind.PREFILL_IDS: (handle, PREFILL)})
+    pool = BufferPool.build(driver, 0, {TaskKind.PREFILL_IDS: (handle, PREFILL)}, sync=THREADS)
     dst = np.full(PREFILL.vocab * 2, SENTINEL, np.float32)
     for job_id, expect_short in ((1, True), (2, False)):
         lease = pool.acquire(TaskKind.PREFILL_IDS).bind(job_id=job_id, seq_id=job_id)

@@ -30,6 +30,7 @@ from calfsm.engine.stepcost import ServiceModel
 from calfsm.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from calfsm.machines.job import JobState
 from calfsm.manifest import Manifest, TaskKind, builtin_manifest
+from calfsm.runtime.sync import THREADS
 from tests.helpers.executor import TINY, calls
 
 VOCAB = TINY.submodel(TaskKind.DECODE).vocab
@@ -44,19 +45,19 @@ class Core:
                  batch_window_s: float = 0.0) -> None:
         self.driver = SimDriver(manifest, seed=0, trace=True)
         self.clock = self.driver.clock
-        self.life = Lifecycle(self.clock)
+        self.life = Lifecycle(self.clock, THREADS)
         self.life.fire("start")
         calbin = Calbin.from_manifest(manifest)
         self.epoch = build_epoch(self.driver, manifest, calbin, 1, max_inflight=1,
                                  slots_per_engine=slots_per_engine, token_budget=None,
-                                 batch_rows=max_rows)
+                                 batch_rows=max_rows, sync=THREADS)
         self.life.install(self.epoch)
         self.life.fire("configured")
         self.life.warmed(manifest, calbin)
         self.verdicts: list[Verdict] = []
         self.drains: list[str] = []
         self.pipe = Pipeline(
-            self.driver, self.life, FaultPolicy(RecoveryPolicy()),
+            self.driver, self.life, FaultPolicy(RecoveryPolicy(), sync=THREADS),
             timeouts=PipelineTimeouts(admission_s=admission_s, queue_s=queue_s,
                                       default_deadline_s=60.0, zombie_wait_s=0.25),
             service=ServiceModel(manifest.timing, execution_timeout_s=None),

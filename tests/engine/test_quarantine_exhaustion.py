@@ -21,6 +21,7 @@ from calfsm.errors import CalrtCode, ErrorCategory
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.runtime.sync import THREADS
 from calfsm.tools.direct import DirectRunner
 from tests.engine.test_buffers import make_pool
 from tests.helpers.executor import (
@@ -101,7 +102,7 @@ def test_retired_pool_reports_nothing():
 
 
 def test_policy_drains_an_exhausted_kind_without_spending_the_budget():
-    policy = FaultPolicy()
+    policy = FaultPolicy(sync=THREADS)
     for _ in range(20):
         verdict = policy.slots_exhausted(PREFILL, "every slot is quarantined")
         assert verdict.decision is Decision.DRAIN_AND_RESET

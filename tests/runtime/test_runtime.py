@@ -27,6 +27,7 @@ from calfsm.errors import CalfsmError
 from calfsm.manifest import TaskKind
 from calfsm.runtime.drive import StepRuntime, ThreadRuntime
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.runtime.sync import THREADS
 from tests.helpers.executor import TINY
 
 pytestmark = pytest.mark.timeout(60)
@@ -58,8 +59,8 @@ class Wired:
 
     def __init__(self, runtime: type, driver: Any, **policy: float) -> None:
         self.driver = driver
-        self.life = life = Lifecycle(driver.clock)
-        faults = FaultPolicy(RecoveryPolicy(**policy))
+        self.life = life = Lifecycle(driver.clock, THREADS)
+        faults = FaultPolicy(RecoveryPolicy(**policy), sync=THREADS)
         service = ServiceModel(TINY.timing, execution_timeout_s=None)
         self.pipe = Pipeline(
             driver, life, faults, max_inflight=1, engines=(EngineSlot.AUTO,),
@@ -70,7 +71,7 @@ class Wired:
         self.control = DeviceLifecycle(
             driver, life, faults, self.pipe, warmup=True, service=service,
             build=epoch_builder(driver, max_inflight=1, slots_per_engine=2,
-                                token_budget=None, engines=(EngineSlot.AUTO,)))
+                                token_budget=None, engines=(EngineSlot.AUTO,), sync=THREADS))
         self.runtime = runtime(self.pipe, self.control, life)
         self.control.start(TINY, Calbin.from_manifest(TINY))
         self.runtime.start()

@@ -33,6 +33,7 @@ from calfsm.generate.streams import FinishReason
 from calfsm.machines.job import JobState
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.runtime.sync import THREADS
 from calfsm.telemetry.metrics import REJECTIONS, ExecutorMetrics
 from tests.helpers.executor import make_executor
 
@@ -500,7 +501,7 @@ def test_every_accepted_job_ends_once_and_every_refusal_is_seen():
 
 
 def test_observers_refuse_misuse_and_skip_what_is_not_overridden():
-    obs = Observers()
+    obs = Observers(THREADS)
     with pytest.raises(InvalidArgument):
         obs.add(object())
     only_streams = type("OnlyStreams", (Observer,), {
