@@ -44,7 +44,7 @@ from typing import Any
 from calfsm.errors import InvalidArgument, Unsupported
 
 __all__ = ["CHAT_TEMPLATE_FILE", "SPECIAL_TOKEN_NAMES", "TOKENIZER_CONFIG_FILE",
-           "ChatTemplate", "load_chat_template", "special_tokens_of"]
+           "ChatTemplate", "load_chat_template", "special_tokens_of", "tokenizer_config"]
 
 TOKENIZER_CONFIG_FILE = "tokenizer_config.json"
 #: the template saved on its own, beside the configuration (it wins over the config's)
@@ -278,12 +278,9 @@ def _named_templates(value: Any, origin: str) -> str | dict[str, str] | None:
                           f"{{'name', 'template'}}", stage="config")
 
 
-def load_chat_template(directory: str | Path) -> ChatTemplate | None:
-    """The chat template of the tokenizer saved in ``directory`` (None: it has none):
-    ``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` if there, else
-    ``tokenizer_config.json``'s ``chat_template``; its special tokens from
-    ``tokenizer_config.json`` (and ``special_tokens_map.json``, which it overrides), as
-    ``transformers``' ``from_pretrained`` reads them. Read locally, never fetched."""
+def tokenizer_config(directory: str | Path) -> dict[str, Any]:
+    """A saved tokenizer's configuration: ``tokenizer_config.json`` over
+    ``special_tokens_map.json`` (either may be missing: {})."""
     root = Path(directory)
     config: dict[str, Any] = {}
     for name in ("special_tokens_map.json", TOKENIZER_CONFIG_FILE):
@@ -296,6 +293,17 @@ def load_chat_template(directory: str | Path) -> ChatTemplate | None:
             if not isinstance(loaded, dict):
                 raise InvalidArgument(f"{path} is not a JSON object", stage="config")
             config.update(loaded)
+    return config
+
+
+def load_chat_template(directory: str | Path) -> ChatTemplate | None:
+    """The chat template of the tokenizer saved in ``directory`` (None: it has none):
+    ``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` if there, else
+    ``tokenizer_config.json``'s ``chat_template``; its special tokens from
+    ``tokenizer_config.json`` (and ``special_tokens_map.json``, which it overrides), as
+    ``transformers``' ``from_pretrained`` reads them. Read locally, never fetched."""
+    root = Path(directory)
+    config = tokenizer_config(root)
     source: str | dict[str, str] | None
     files: dict[str, str] = {}
     try:
