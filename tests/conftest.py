@@ -66,3 +66,23 @@ def _own_evidence_dir(tmp_path_factory: pytest.TempPathFactory,
     suite runs): a runner someone ran in the checkout cannot turn two in flight on in a
     test. Tests of the default rule unset it."""
     monkeypatch.setenv("CALFSM_EVIDENCE_DIR", str(tmp_path_factory.mktemp("evidence")))
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer_dir() -> object:
+    """The realistic tokenizer of the qwen3 manifests (calfsm.tools.make_tokenizer: a
+    byte-level BPE of 151,936 ids with Qwen3's added tokens at their ids), saved as
+    Hugging Face saves one: built once per machine into the user's cache (~16 s on 2 idle
+    cores), then reused. Skips without the ``hf`` extra."""
+    pytest.importorskip("tokenizers")
+    from calfsm.tools.make_tokenizer import cached_tokenizer
+    return cached_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizer(qwen_tokenizer_dir: object) -> object:
+    """The realistic tokenizer as the executor's (an HFTokenizer, with its chat
+    template); for wherever the qwen3 manifests meet text."""
+    pytest.importorskip("jinja2")
+    from calfsm.generate.tokenizer import HFTokenizer
+    return HFTokenizer.from_dir(qwen_tokenizer_dir)  # type: ignore[arg-type]

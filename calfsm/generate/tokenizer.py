@@ -304,8 +304,12 @@ class HFTokenizer:
     :class:`PrefixDecoder` for streams. From ``transformers``, pass a fast tokenizer's
     ``backend_tokenizer``."""
 
+    #: the model's chat template (:mod:`calfsm.generate.chattemplate`), when loaded with
+    #: its configuration (:meth:`from_dir`); None: none
+    chat_template: Any = None
+
     def __init__(self, tokenizer: Any, *, add_special_tokens: bool = True,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, chat_template: Any = None) -> None:
         for m in ("encode", "decode", "get_vocab_size"):
             if not callable(getattr(tokenizer, m, None)):
                 raise InvalidArgument(f"HFTokenizer needs a tokenizers.Tokenizer, got "
@@ -314,6 +318,7 @@ class HFTokenizer:
         self.tokenizer = tokenizer
         self.add_special_tokens = bool(add_special_tokens)
         self.skip_special_tokens = bool(skip_special_tokens)
+        self.chat_template = chat_template
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> HFTokenizer:
@@ -330,17 +335,35 @@ class HFTokenizer:
             raise InvalidArgument(f"cannot read a tokenizer from {str(path)!r}: {e}",
                                   stage="config") from None
 
+    @classmethod
+    def from_dir(cls, directory: str | Path, **kw: Any) -> HFTokenizer:
+        """The tokenizer saved in ``directory`` as Hugging Face saves one
+        (``save_pretrained``): ``tokenizer.json``, and the chat template and special
+        tokens of ``tokenizer_config.json`` / ``chat_template.jinja`` if there (the
+        template needs jinja2, the ``hf`` extra too). Read locally, never fetched."""
+        from calfsm.generate.chattemplate import load_chat_template
+        root = Path(directory)
+        if not (root / "tokenizer.json").is_file():
+            raise InvalidArgument(f"{str(root)!r} holds no tokenizer.json (a tokenizer "
+                                  f"saved by Hugging Face's save_pretrained)",
+                                  stage="config")
+        template = load_chat_template(root)
+        return cls.from_file(root / "tokenizer.json", chat_template=template, **kw)
+
     @property
     def vocab_size(self) -> int:
         """Ids in the vocabulary, added tokens included."""
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, *, add_special_tokens: bool | None = None) -> list[int]:
+        """``text``'s ids; ``add_special_tokens`` (None: this tokenizer's choice) is False
+        for a prompt rendered by a chat template, which writes its own (a BOS twice
+        otherwise), as ``apply_chat_template`` encodes it."""
         if not isinstance(text, str):
             raise InvalidArgument(f"text to encode must be a string, got "
                                   f"{type(text).__name__}", stage="tokenizer")
-        return list(self.tokenizer.encode(
-            text, add_special_tokens=self.add_special_tokens).ids)
+        add = self.add_special_tokens if add_special_tokens is None else add_special_tokens
+        return list(self.tokenizer.encode(text, add_special_tokens=bool(add)).ids)
 
     def decode(self, ids: Sequence[int]) -> str:
         return self.tokenizer.decode([int(t) for t in ids],

@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import math
 import time
@@ -148,6 +149,10 @@ class ServerConfig:
                                                       validator=count_or_none)
     #: shutdown: seconds running streams may go on finishing before they are cut
     shutdown_grace_s: float = attrs.field(default=10.0, validator=non_negative)
+    #: chats are rendered with this template (a calfsm.generate.chattemplate.ChatTemplate,
+    #: ``--chat-template FILE``); None: the tokenizer's own (``chat_template``), else the
+    #: built-in one (calfsm.serve.tokenizer.chat_prompt)
+    chat_template: Any = None
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:
@@ -177,6 +182,8 @@ class _Server:
         #: the executor has a tokenizer: its streams match ``stop`` strings as text
         self.text_stops = False
         self.limits: Limits | None = None
+        #: chats' template: the configured one, else the tokenizer's; None: built-in
+        self.chat_template: Any = None
         self.books: ClientBooks | None = None
         self.start_error: str | None = None
         self.closing = False
@@ -190,6 +197,8 @@ class _Server:
         self.text_stops = executor.tokenizer is not None
         self.tokenizer = executor.tokenizer if self.text_stops \
             else ByteTokenizer(contract.vocab)
+        self.chat_template = self.config.chat_template \
+            or getattr(executor.tokenizer, "chat_template", None)
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
         context = ContextLimits.of(epoch.model)
@@ -320,7 +329,8 @@ class _Server:
         return await self._generate(request, parse_completion, COMPLETION)
 
     async def chat(self, request: Request) -> Response:
-        return await self._generate(request, parse_chat, CHAT)
+        return await self._generate(
+            request, functools.partial(parse_chat, chat_template=self.chat_template), CHAT)
 
     async def _generate(self, request: Request, parse: Callable[..., GenerationPlan],
                         shape: Shape) -> Response:

@@ -142,6 +142,15 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--evidence-dir", default=None, metavar="DIR",
                    help="where the vendor runners' evidence files are (default: the "
                         "executor's own default)")
+    p.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="the model's Hugging Face tokenizer, as save_pretrained writes it "
+                        "(tokenizer.json, and tokenizer_config.json's chat template and "
+                        "special tokens); needs the hf extra. Default: the byte-level "
+                        "tokenizer and the built-in chat template")
+    p.add_argument("--chat-template", default=None, metavar="FILE",
+                   help="render chats with the Jinja2 template in FILE (as a "
+                        "tokenizer_config.json's chat_template; needs the hf extra) "
+                        "instead of the tokenizer's own or the built-in one")
     p.add_argument("--model-name", default=None,
                    help="the name clients send as 'model' (default: the manifest's name)")
     p.add_argument("--decode-ms", type=float, default=10.0,
@@ -275,6 +284,7 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
                               hang_after_s=args.hang_after,
                               prompt_cache=_prompt_cache(args))
     config = ServerConfig(model_name=args.model_name,
+                          chat_template=_chat_template(args),
                           request_timeout_s=args.request_timeout,
                           shutdown_grace_s=args.shutdown_grace,
                           default_max_tokens=args.default_max_tokens,
@@ -288,6 +298,37 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
                               max_header_bytes=args.max_header_bytes,
                               max_connections=args.max_connections)
     return exconfig, config, limits
+
+
+def _tokenizer(args: argparse.Namespace, vocab: int) -> Any:
+    """``--tokenizer DIR`` (its ids must fit the model's ``vocab``), else the byte-level
+    tokenizer of the model's vocabulary."""
+    if getattr(args, "tokenizer", None) is None:
+        return ByteTokenizer(vocab)
+    from calfsm.generate.tokenizer import HFTokenizer
+    try:
+        tok = HFTokenizer.from_dir(args.tokenizer)
+    except CalfsmError as e:
+        raise type(e)(f"--tokenizer {args.tokenizer}: {e.message}", stage="cli") from None
+    if tok.vocab_size > vocab:
+        raise InvalidArgument(f"--tokenizer {args.tokenizer}: {tok.vocab_size} ids, more "
+                              f"than the model's vocabulary of {vocab}", stage="cli")
+    return tok
+
+
+def _chat_template(args: argparse.Namespace) -> Any:
+    """``--chat-template FILE``, with the special tokens of ``--tokenizer DIR`` if given;
+    None: the tokenizer's own template, else the built-in one."""
+    path = getattr(args, "chat_template", None)
+    if path is None:
+        return None
+    from calfsm.generate.chattemplate import ChatTemplate, special_tokens_of, tokenizer_config
+    directory = getattr(args, "tokenizer", None)
+    try:
+        special = special_tokens_of(tokenizer_config(directory)) if directory else {}
+        return ChatTemplate.from_file(path, special_tokens=special)
+    except CalfsmError as e:
+        raise type(e)(f"--chat-template {path}: {e.message}", stage="cli") from None
 
 
 def _prompt_cache(args: argparse.Namespace) -> PromptCacheConfig | None:
@@ -354,6 +395,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         exconfig, config, limits = configs(args)
         manifest = _timed(args, manifest_from_option(args.manifest))
+        tokenizer = _tokenizer(args, manifest.submodel(TaskKind.DECODE).vocab)
         driver = _driver(args, manifest)
         sock = _listen(args.host, args.port)
     except CalfsmError as e:
@@ -366,9 +408,8 @@ def run(args: argparse.Namespace) -> int:
 
     async def start() -> DeviceExecutor:
         try:
-            vocab = manifest.submodel(TaskKind.DECODE).vocab
             return await DeviceExecutor.create(driver, manifest, exconfig,
-                                               tokenizer=ByteTokenizer(vocab))
+                                               tokenizer=tokenizer)
         except CalfsmError as e:
             failed.append(str(e))
             server.should_exit = True

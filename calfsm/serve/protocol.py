@@ -11,8 +11,10 @@ value is an :class:`~calfsm.serve.httperrors.ApiError` 400 naming the field
 
 What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a string, a
 list of strings, a list of token ids or a list of such lists) or ``messages`` (roles
-``system``, ``developer``, ``user``, ``assistant``; content a string or a list of
-``{"type": "text", "text": ...}`` parts), ``max_tokens`` (chat: also
+``system``, ``developer``, ``user``, ``assistant``, ``tool``; content a string or a list of
+``{"type": "text", "text": ...}`` parts, or null beside an assistant's ``tool_calls``;
+rendered by the model's chat template when the server has one, else the built-in one),
+``max_tokens`` (chat: also
 ``max_completion_tokens``; at most the server's cap and what the context leaves after
 the prompt, else a 400 naming the field; without it, the server's default clipped to what
 the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
@@ -36,6 +38,7 @@ that quotes a client's value quotes it through :func:`~calfsm.serve.httperrors.c
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -55,11 +58,11 @@ from calfsm.generate.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENG
 from calfsm.generate.tokenizer import Tokenizer, encode_prompt
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.serve.httperrors import ApiError, clip
-from calfsm.serve.tokenizer import ByteTokenizer, chat_prompt
+from calfsm.serve.tokenizer import ByteTokenizer, encode_chat, render_chat
 
 __all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
 
-CHAT_ROLES = ("system", "developer", "user", "assistant")
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 _MAX_STOPS = 4
 #: fields that may be sent only with the value OpenAI defaults them to
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
@@ -214,7 +217,56 @@ def _prompts(value: Any, tok: Tokenizer, vocab: int) -> list[tuple[int, ...]]:
     return out
 
 
-def _messages(value: Any) -> list[tuple[str, str]]:
+def _text_content(content: Any, i: int, role: str) -> str | None:
+    """A message's content: a string, a list of text parts (joined), or (an assistant's,
+    beside its tool calls) null."""
+    if isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" \
+                    or not isinstance(part.get("text"), str):
+                raise _bad(f"messages[{i}].content: only text parts are supported",
+                           "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    if content is None and role == "assistant":
+        return None
+    if not isinstance(content, str):
+        raise _bad(f"messages[{i}].content must be a string or a list of text parts",
+                   "messages")
+    return content
+
+
+def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:
+    """An assistant's ``tool_calls``, as OpenAI sends them; each call's ``arguments`` (a
+    JSON string) parsed into the object a chat template expects, as vLLM gives it (kept
+    as the string when it is not a JSON object: the model wrote it so)."""
+    if not isinstance(calls, list):
+        raise _bad(f"messages[{i}].tool_calls must be a list", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str) \
+                or call.get("type", "function") != "function" \
+                or not isinstance(function.get("arguments", ""), str | dict):
+            raise _bad(f"messages[{i}].tool_calls[{j}] must be {{\"type\": \"function\", "
+                       f"\"function\": {{\"name\": ..., \"arguments\": ...}}}}", "messages")
+        arguments = function.get("arguments", "{}")
+        if isinstance(arguments, str):
+            try:
+                parsed = json.loads(arguments)
+            except ValueError:
+                parsed = None
+            if isinstance(parsed, dict):
+                arguments = parsed
+        out.append({**call, "type": "function", "function": {**function,
+                                                             "arguments": arguments}})
+    return out
+
+
+def _messages(value: Any) -> list[dict[str, Any]]:
+    """``messages``, checked: each an OpenAI message with a role of :data:`CHAT_ROLES`;
+    an assistant's ``tool_calls`` and a tool's ``tool_call_id`` kept for the template."""
     if not isinstance(value, list) or not value:
         raise _bad("messages must be a non-empty list", "messages")
     out = []
@@ -222,20 +274,18 @@ def _messages(value: Any) -> list[tuple[str, str]]:
         if not isinstance(m, dict) or m.get("role") not in CHAT_ROLES:
             raise _bad(f"messages[{i}] must be an object with a role of "
                        f"{', '.join(CHAT_ROLES)}", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            parts = []
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text" \
-                        or not isinstance(part.get("text"), str):
-                    raise _bad(f"messages[{i}].content: only text parts are supported",
-                               "messages")
-                parts.append(part["text"])
-            content = "".join(parts)
-        if not isinstance(content, str):
-            raise _bad(f"messages[{i}].content must be a string or a list of text parts",
-                       "messages")
-        out.append((m["role"], content))
+        role = m["role"]
+        message = {**m, "content": _text_content(m.get("content"), i, role)}
+        if "tool_calls" in m and m["tool_calls"] is not None:
+            if role != "assistant":
+                raise _bad(f"messages[{i}]: only an assistant's message has tool_calls",
+                           "messages")
+            message["tool_calls"] = _tool_calls(m["tool_calls"], i)
+        elif message["content"] is None:
+            raise _bad(f"messages[{i}].content must be given (or tool_calls)", "messages")
+        if role == "tool" and not isinstance(m.get("tool_call_id", ""), str):
+            raise _bad(f"messages[{i}].tool_call_id must be a string", "messages")
+        out.append(message)
     return out
 
 
@@ -363,9 +413,17 @@ def parse_completion(body: Any, limits: Limits, tok: Tokenizer, *,
 
 
 def parse_chat(body: Any, limits: Limits, tok: Tokenizer, *,
-               text_stops: bool = False) -> GenerationPlan:
-    """``POST /v1/chat/completions``: the messages through :func:`chat_prompt`."""
+               text_stops: bool = False, chat_template: Any = None) -> GenerationPlan:
+    """``POST /v1/chat/completions``: the messages (and tools) through the model's chat
+    template (``chat_template``, a :class:`~calfsm.generate.chattemplate.ChatTemplate`;
+    one that refuses them is a 400), else the built-in one
+    (:func:`~calfsm.serve.tokenizer.chat_prompt`)."""
     _check_fields(body, _CHAT_FIELDS, limits)
-    prompt = _encode(tok, chat_prompt(_messages(body.get("messages"))), "messages")
+    messages = _messages(body.get("messages"))
+    try:
+        text = render_chat(messages, template=chat_template, tools=body.get("tools") or None)
+        prompt = tuple(encode_chat(tok, text, templated=chat_template is not None))
+    except InvalidArgument as e:
+        raise _bad(e.message, "messages") from None
     return _plan(body, [prompt], "max_completion_tokens", limits, tok,
                  _chat_logprobs(body), text_stops)

@@ -12,18 +12,34 @@ its two escape characters; its label is the character for an ASCII byte, OpenAI'
 and the escape characters for an id of 256 or more. Labels are distinct for distinct
 ids.
 
-:func:`chat_prompt` is the chat template: each message as ``<|role|>\\n`` + content +
-``\\n``, then ``<|assistant|>\\n``.
+:func:`chat_prompt` is the built-in chat template, the default for the byte-level
+tokenizer: each message as ``<|role|>\\n`` + content + ``\\n``, then ``<|assistant|>\\n``;
+an assistant's tool calls follow its content, each as ``<tool_call>\\n{"name": ...,
+"arguments": ...}\\n</tool_call>\\n`` (Hermes' format), and the tools offered, if any, come
+first as ``<|tools|>\\n`` and one JSON schema a line. :func:`render_chat` renders a chat
+with the model's own template (:class:`calfsm.generate.chattemplate.ChatTemplate`) when
+the server has one, else with this one; :func:`encode_chat` encodes the result as
+``apply_chat_template`` does (no special tokens added: the template writes its own).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from calfsm.generate.tokenizer import BYTE_IDS, ByteDecoder, ByteTokenizer, escaped_token
+from calfsm.generate.tokenizer import (
+    BYTE_IDS,
+    ByteDecoder,
+    ByteTokenizer,
+    HFTokenizer,
+    Tokenizer,
+    encode_prompt,
+    escaped_token,
+)
 
-__all__ = ["BYTE_IDS", "ByteTokenizer", "IncrementalDecoder", "chat_prompt", "token_bytes",
-           "token_label"]
+__all__ = ["BYTE_IDS", "ByteTokenizer", "IncrementalDecoder", "chat_prompt", "encode_chat",
+           "render_chat", "token_bytes", "token_label"]
 
 #: the byte-level decoder, by the name it had here
 IncrementalDecoder = ByteDecoder
@@ -43,7 +59,62 @@ def token_label(token: int) -> str:
     return escaped_token(token)
 
 
-def chat_prompt(messages: Sequence[tuple[str, str]]) -> str:
-    """The chat template: ``<|role|>\\ncontent\\n`` per message, then the assistant's turn."""
-    return "".join(f"<|{role}|>\n{content}\n" for role, content in messages) \
-        + "<|assistant|>\n"
+def _tool_call_text(call: Mapping[str, Any]) -> str:
+    function = call.get("function", call)
+    arguments = function.get("arguments", {})
+    if not isinstance(arguments, str):
+        arguments = json.dumps(arguments, ensure_ascii=False)
+    return (f'<tool_call>\n{{"name": {json.dumps(function.get("name"), ensure_ascii=False)}, '
+            f'"arguments": {arguments}}}\n</tool_call>\n')
+
+
+def chat_prompt(messages: Sequence[tuple[str, str] | Mapping[str, Any]], *,
+                tools: Sequence[Any] | None = None) -> str:
+    """The built-in chat template: ``<|role|>\\ncontent\\n`` per message (a ``(role,
+    content)`` pair or an OpenAI message: its tool calls after its content), then the
+    assistant's turn; the tools offered first, if any."""
+    out = []
+    if tools:
+        out.append("<|tools|>\n" + "".join(json.dumps(t, ensure_ascii=False) + "\n"
+                                           for t in tools))
+    for m in messages:
+        if isinstance(m, tuple):
+            out.append(f"<|{m[0]}|>\n{m[1]}\n")
+            continue
+        content = m.get("content")
+        out.append(f"<|{m['role']}|>\n{'' if content is None else content}\n")
+        out.extend(_tool_call_text(c) for c in m.get("tool_calls") or ())
+    return "".join(out) + "<|assistant|>\n"
+
+
+def render_chat(messages: Sequence[Mapping[str, Any]], *, template: Any = None,
+                tools: Sequence[Any] | None = None, **variables: Any) -> str:
+    """The prompt's text for a chat: through ``template`` (a
+    :class:`~calfsm.generate.chattemplate.ChatTemplate`: the model's own), with the
+    assistant's turn to come, else through :func:`chat_prompt`. A template that refuses
+    the messages raises InvalidArgument (a 400)."""
+    if template is None:
+        return chat_prompt(messages, tools=tools)
+    return str(template.render(messages, tools=tools, add_generation_prompt=True,
+                               **variables))
+
+
+def encode_chat(tokenizer: Tokenizer, text: str, *, templated: bool) -> list[int]:
+    """A rendered chat's token ids: a model's template writes its own special tokens
+    (a BOS), so none are added to it (as ``apply_chat_template`` encodes), when the
+    tokenizer lets that be said (``encode(text, add_special_tokens=False)``)."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return tokenizer.encode(text, field="messages")
+    if templated and isinstance(tokenizer, HFTokenizer):
+        return encode_prompt(_NoSpecialTokens(tokenizer), text)
+    return encode_prompt(tokenizer, text)
+
+
+class _NoSpecialTokens:
+    """An :class:`HFTokenizer`'s encode, adding no special tokens."""
+
+    def __init__(self, tokenizer: HFTokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
