@@ -86,7 +86,9 @@ class IncrementalDecoder(Protocol):
 @runtime_checkable
 class Tokenizer(Protocol):
     """Text <-> token ids. Optionally also ``incremental() -> IncrementalDecoder`` (a
-    fresh decoder per call); :func:`incremental_decoder` uses it when present."""
+    fresh decoder per call); :func:`incremental_decoder` uses it when present; and
+    ``eos_token_id`` (an int, or None), the model's end-of-sequence token: it ends a
+    stream unless ``SamplingParams.ignore_eos`` (``transformers`` tokenizers have it)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -302,10 +304,12 @@ class HFTokenizer:
     optional extra ``hf``: ``pip install "calfsm[hf]"``): encode and decode with the
     special-token choices given here (Hugging Face's defaults), and a
     :class:`PrefixDecoder` for streams. From ``transformers``, pass a fast tokenizer's
-    ``backend_tokenizer``."""
+    ``backend_tokenizer``. ``eos_token``: the model's end-of-sequence token (an id, or
+    its text as the vocabulary has it), which ends a stream unless ``ignore_eos``."""
 
     def __init__(self, tokenizer: Any, *, add_special_tokens: bool = True,
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, eos_token: int | str | None = None
+                 ) -> None:
         for m in ("encode", "decode", "get_vocab_size"):
             if not callable(getattr(tokenizer, m, None)):
                 raise InvalidArgument(f"HFTokenizer needs a tokenizers.Tokenizer, got "
@@ -314,6 +318,21 @@ class HFTokenizer:
         self.tokenizer = tokenizer
         self.add_special_tokens = bool(add_special_tokens)
         self.skip_special_tokens = bool(skip_special_tokens)
+        #: the end-of-sequence token's id, or None (streams read it: SamplingParams.ignore_eos)
+        self.eos_token_id: int | None = None
+        if isinstance(eos_token, str):
+            found = tokenizer.token_to_id(eos_token)
+            if found is None:
+                raise InvalidArgument(f"eos_token {eos_token!r} is not in the vocabulary",
+                                      stage="config")
+            self.eos_token_id = int(found)
+        elif eos_token is not None:
+            if isinstance(eos_token, bool) or not isinstance(eos_token, int) \
+                    or not 0 <= eos_token < self.vocab_size:
+                raise InvalidArgument(f"eos_token must be a token id in [0, "
+                                      f"{self.vocab_size}) or its text, got {eos_token!r}",
+                                      stage="config")
+            self.eos_token_id = eos_token
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> HFTokenizer:
