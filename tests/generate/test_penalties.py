@@ -197,16 +197,35 @@ def test_a_resumed_stream_counts_the_replayed_tokens_once(mode, choose):
     """A CCU exception on the eighth step: the stream resumes and replays its tokens;
     the penalties after it are those of the fault-free run (greedy checks the replay
     against the penalized row of the tokens before it)."""
-    params = SamplingParams(max_tokens=N, **PENALTIES["all"], **CHOOSERS[choose])
+    params = SamplingParams(max_tokens=N, logprobs=1, **PENALTIES["all"],
+                            **CHOOSERS[choose])
     prompt = PROMPTS[3]
-    want = [t for t, _ in reference(prompt, params)]
+    want = reference(prompt, params)
     plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=0, nth=8))
     with make_executor(mode, faults=plan) as ex:
         [(r, events)] = run(ex, prompt, params)
     assert r.finish_reason == FinishReason.LENGTH, r.error
     assert r.resumes == 1
     assert [e.index for e in events] == list(range(N))
-    assert list(r.tokens) == want
+    assert list(r.tokens) == [t for t, _ in want]
+    # the logprobs read every count: a token counted twice would move them
+    for e, (tok, seen) in zip(events, want):
+        assert abs(e.logprob - log_softmax(seen)[tok]) <= 1e-5, e.index
+
+
+def test_a_sampler_given_a_shorter_history_counts_each_token_once():
+    """What a replay gives the sampler (the history without its last token), and a
+    history that shrinks further, then grows again: each row is the reference's."""
+    rng = np.random.default_rng(9)
+    params = SamplingParams(**PENALTIES["all"])
+    prompt = [3, 5, 3, 9]
+    out = [5, 7, 5, 5, 11, 7]
+    s = params.sampler_for(VOCAB, prompt_len=len(prompt))
+    for n in (0, 1, 2, 3, 3, 4, 6, 2, 5, 6, 6):
+        row = rng.standard_normal(VOCAB).astype(np.float32)
+        want = penalize(row, prompt, out[:n], params)
+        s.sample(row, (*prompt, *out[:n]))      # greedy: the row is only changed in place
+        assert row.tobytes() == want.tobytes(), n
 
 
 # ---- min_tokens and ignore_eos ---------------------------------------------------------------
