@@ -312,3 +312,18 @@ def test_neutral_values_keep_the_hot_path():
     s = p.sampler_for(VOCAB)
     assert s.plain and not s.uses_tokens
     assert not SamplingParams(min_tokens=1).sampler_for(VOCAB).plain
+
+
+def test_penalties_compose_with_stop_strings():
+    """The penalized tokens, cut where their text holds the stop string (never given)."""
+    prompt = PROMPTS[0]
+    params = SamplingParams(max_tokens=N, **PENALTIES["all"])
+    toks = [t for t, _ in reference(prompt, params)]
+    tok = ByteTokenizer(VOCAB)
+    text = tok.decode(toks)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    with make_executor("step", tokenizer=tok) as ex:
+        [(r, _)] = run(ex, prompt, SamplingParams(max_tokens=N, stop=[stop],
+                                                  **PENALTIES["all"]))
+    assert r.finish_reason == FinishReason.STOP
+    assert r.text == text[:text.index(stop)]
