@@ -80,6 +80,7 @@ from calfsm.errors import (
     InvalidArgument,
 )
 from calfsm.generate.logprobs import MAX_LOGPROBS, RowLogprobs, unusable_row
+from calfsm.generate.penalties import Penalties
 from calfsm.generate.processors import BanTokens, LogitBias, token_id
 
 __all__ = ["MAX_LOGPROBS", "MAX_VOCAB", "LogitsProcessor", "Sampler", "SamplingParams",
@@ -97,6 +98,9 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 
 log = logging.getLogger("calfsm.sampling")
+
+#: bounds of ``presence_penalty`` and ``frequency_penalty`` (OpenAI's and vLLM's)
+MAX_PENALTY = 2.0
 
 #: the largest vocabulary a draw accepts (masses of this many tokens sum below 2**64)
 MAX_VOCAB = 1 << 23
@@ -176,7 +180,12 @@ class SamplingParams:
     ``logits_processors`` (``fn(tokens, row) -> None``, :mod:`calfsm.generate.processors`) change
     the row in place, in order, before the token is chosen. ``logprobs`` ``k`` (0..20)
     makes every token event carry its log-probability and the ``k`` most likely tokens
-    with theirs. Every field is checked here; a bad value raises InvalidArgument.
+    with theirs. ``repetition_penalty`` (> 0, 1 off), ``frequency_penalty`` and
+    ``presence_penalty`` (in [-2, 2], 0 off) are vLLM's (:mod:`calfsm.generate.penalties`);
+    ``min_tokens`` tokens are generated before a stop token, a stop sequence, a stop
+    string or the end-of-sequence token can end the stream; ``ignore_eos``: the
+    end-of-sequence token (the tokenizer's ``eos_token_id``) does not end it. Every
+    field is checked here; a bad value raises InvalidArgument.
     ``docs/sampling.md`` has the whole story.
     """
 
@@ -191,6 +200,11 @@ class SamplingParams:
     logits_processors: tuple[LogitsProcessor, ...] = ()
     logprobs: int | None = None
     stop: tuple[str, ...] = ()
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_tokens: int = 0
+    ignore_eos: bool = False
     _stops: frozenset[int] = attrs.field(init=False, repr=False, eq=False)
     _multi: tuple[tuple[int, ...], ...] = attrs.field(init=False, repr=False, eq=False)
 
@@ -228,6 +242,22 @@ class SamplingParams:
         _set(self, "_multi", tuple(ids for ids in checked if len(ids) > 1))
         _set(self, "stop", _stop_strings(self.stop))
         _set(self, "max_tokens", _int(self.max_tokens, "max_tokens", 1))
+        for field in ("presence_penalty", "frequency_penalty"):
+            v = _number(getattr(self, field), field)
+            if not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise _bad(f"{field} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+            _set(self, field, v)
+        r = _number(self.repetition_penalty, "repetition_penalty")
+        if not r > 0:
+            raise _bad(f"repetition_penalty must be > 0 (1 is off), got {r}")
+        _set(self, "repetition_penalty", r)
+        m = _int(self.min_tokens, "min_tokens", 0)
+        if m > self.max_tokens:
+            raise _bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {m}")
+        _set(self, "min_tokens", m)
+        if not isinstance(self.ignore_eos, bool | np.bool_):
+            raise _bad(f"ignore_eos must be a boolean, got {reprlib.repr(self.ignore_eos)}")
+        _set(self, "ignore_eos", bool(self.ignore_eos))
         procs = self.logits_processors
         if isinstance(procs, str | bytes) or not isinstance(procs, Sequence):
             raise _bad(f"logits_processors must be a sequence of callables, got "
@@ -285,9 +315,20 @@ class SamplingParams:
                 return k
         return 0
 
-    def sampler_for(self, vocab: int, *, native: bool | None = None) -> Sampler:
-        """A new :class:`Sampler` (one per stream) for a vocabulary of ``vocab``."""
-        return Sampler(self, vocab, native=native)
+    @property
+    def penalized(self) -> bool:
+        """Whether a penalty or ``min_tokens`` changes the row (they read the tokens)."""
+        return (self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or self.repetition_penalty != 1.0 or self.min_tokens > 0)
+
+    def sampler_for(self, vocab: int, *, native: bool | None = None, prompt_len: int = 0,
+                    eos_token_id: int | None = None) -> Sampler:
+        """A new :class:`Sampler` (one per stream) for a vocabulary of ``vocab``;
+        ``prompt_len``: the history's first tokens that are the prompt (the penalties'
+        output begins after them); ``eos_token_id``: the model's end-of-sequence token
+        (None: it has none)."""
+        return Sampler(self, vocab, native=native, prompt_len=prompt_len,
+                       eos_token_id=eos_token_id)
 
 
 # ---- the native kernel ------------------------------------------------------------------
@@ -364,11 +405,12 @@ class Sampler:
     same tokens.
     """
 
-    __slots__ = ("_bitgen", "_inv_t", "_kernel", "_mode", "_p_q", "_procs", "_scratch",
-                 "_top_k", "_user", "params", "plain", "vocab")
+    __slots__ = ("_bitgen", "_ends", "_inv_t", "_kernel", "_mode", "_p_q", "_pen",
+                 "_procs", "_scratch", "_top_k", "_user", "params", "plain", "vocab")
 
     def __init__(self, params: SamplingParams, vocab: int, *,
-                 native: bool | None = None) -> None:
+                 native: bool | None = None, prompt_len: int = 0,
+                 eos_token_id: int | None = None) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument(f"params must be SamplingParams, got "
                                   f"{reprlib.repr(params)}", stage=_STAGE)
@@ -391,11 +433,28 @@ class Sampler:
                 raise InvalidArgument(f"logits_processors[{i}] ({type(fn).__name__}) names "
                                       f"token {max(ids)}, outside the vocabulary of {vocab}",
                                       stage="request")
+        if eos_token_id is not None:
+            eos_token_id = token_id(eos_token_id, "eos_token_id")
+            if eos_token_id >= vocab:
+                raise InvalidArgument(f"eos_token_id {eos_token_id} is outside the "
+                                      f"vocabulary of {vocab}", stage="config")
+        if isinstance(prompt_len, bool) or not isinstance(prompt_len, int) or prompt_len < 0:
+            raise InvalidArgument(f"prompt_len must be an integer >= 0, got "
+                                  f"{reprlib.repr(prompt_len)}", stage=_STAGE)
         self.params = params
         self.vocab = vocab
         self._procs = params.logits_processors
-        #: no processors and no logprobs: ``sample(row)`` is all a stream needs
-        self.plain = not self._procs and params.logprobs is None
+        eos = () if eos_token_id is None else (eos_token_id,)
+        #: the tokens that end the stream (once ``min_tokens`` are made)
+        self._ends = params._stops | frozenset(() if params.ignore_eos else eos)
+        self._pen = Penalties(
+            repetition=params.repetition_penalty, frequency=params.frequency_penalty,
+            presence=params.presence_penalty, min_tokens=params.min_tokens,
+            stop_ids=(*params._stops, *eos), prompt_len=prompt_len) \
+            if params.penalized else None
+        #: no processors, no penalties and no logprobs: ``sample(row)`` is all a stream
+        #: needs
+        self.plain = not self._procs and self._pen is None and params.logprobs is None
         self._scratch: np.ndarray | None = None
         self._user = params.sampler
         self._bitgen = None
@@ -428,8 +487,15 @@ class Sampler:
 
     @property
     def uses_tokens(self) -> bool:
-        """Whether :meth:`sample` reads ``tokens`` (there are logits processors)."""
-        return bool(self._procs)
+        """Whether :meth:`sample` reads ``tokens`` (there are logits processors,
+        penalties or ``min_tokens``)."""
+        return bool(self._procs) or self._pen is not None
+
+    def ends(self, token: int, made: int) -> bool:
+        """Whether ``token``, after ``made`` generated tokens, ends the stream: a stop
+        token (or one-token stop sequence), or the end-of-sequence token unless
+        ``ignore_eos``; none does before ``min_tokens`` tokens were made."""
+        return token in self._ends and made >= self.params.min_tokens
 
     def sample(self, row: np.ndarray, tokens: Sequence[int] = ()) -> int:
         """The next token from ``row``: a float32 1-D array of at least ``vocab`` values,
@@ -441,7 +507,7 @@ class Sampler:
         whose every token the processors banned; Internal for a processor or a user
         sampler that fails, or a row whose maximum is NaN or ``+inf``."""
         x = self._row(row)
-        if self._procs:
+        if self._procs or self._pen is not None:
             self._process(x, tokens)
             return self._choose_processed(x)
         return self._choose(x)
@@ -454,7 +520,7 @@ class Sampler:
         (:class:`~calfsm.generate.logprobs.RowLogprobs`). A draw or a user sampler changes the
         row, so the row is copied first into a buffer the sampler keeps (one row)."""
         x = self._row(row)
-        if self._procs:
+        if self._procs or self._pen is not None:
             self._process(x, tokens)
         lp = RowLogprobs(x)
         top = lp.top(x, self.params.logprobs or 0)
@@ -479,7 +545,8 @@ class Sampler:
         return row if row.shape[0] == vocab else row[:vocab]
 
     def _process(self, x: np.ndarray, tokens: Sequence[int]) -> None:
-        """Run the logits processors on ``x`` in order."""
+        """Run the logits processors on ``x`` in order, then the penalties and the
+        ``min_tokens`` mask (as vLLM: logit_bias before the penalties)."""
         if not (x.flags.writeable and x.flags.c_contiguous):
             raise InvalidArgument("logits processors change the row in place: it must be "
                                   "writeable and contiguous", stage=_STAGE)
@@ -492,6 +559,8 @@ class Sampler:
                 raise Internal(f"logits processor {i} ({reprlib.repr(fn)}) raised "
                                f"{type(e).__name__}: {e}",
                                category=ErrorCategory.PROGRAMMING, stage=_STAGE) from e
+        if self._pen is not None:
+            self._pen.apply(x, tokens)
 
     def _choose_processed(self, x: np.ndarray) -> int:
         """:meth:`_choose` on a row the processors changed: it may hold ``-inf`` (banned

@@ -547,7 +547,9 @@ class Stream:
         #: prompt tokens whose KV the sequence already held (a prompt cache hit)
         self.cached = cached
         self.params = params
-        self._sampler: Sampler = params.sampler_for(contract.vocab)
+        self._sampler: Sampler = params.sampler_for(
+            contract.vocab, prompt_len=len(self.prompt),
+            eos_token_id=getattr(tokenizer, "eos_token_id", None))
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
@@ -856,7 +858,7 @@ class Stream:
             return FinishReason.ERROR, Internal(
                 f"the replay after a reset gave token {token}, not {want}",
                 seq_id=self.sequence.seq_id, stage="resume"), None
-        if want is None and self.params.is_stop(token):
+        if want is None and self._sampler.ends(token, len(self._tokens)):
             return FinishReason.STOP, None, None
         # ``position``: where ``token`` goes. The token is the stream's from here (a next
         # step that fails at once ends the stream with it), but the consumer is woken
@@ -949,10 +951,15 @@ class Stream:
         held.append(TokenEvent(token, position, len(tokens) - 1, timings, text,
                                *(scored or (None, ()))))
         params = self.params
+        free = len(tokens) - params.min_tokens      # the tokens a stop may cover
+        if free <= 0:                   # the first min_tokens tokens: no stop, none held
+            self._release_locked(len(held), None)
+            return True
         whole, part, stopped = len(held), None, False
         if params.holds_back:
             matched = params.stop_match(tokens)
-            whole = len(held) - (matched or params.stop_prefix(tokens))
+            matched = matched if matched <= free else 0
+            whole = max(0, len(held) - (matched or min(params.stop_prefix(tokens), free)))
             stopped = bool(matched)
         stops = None if self._text is None else self._text.stops
         if stops is not None:
@@ -997,7 +1004,7 @@ class Stream:
             except CalfsmError as e:
                 if reason is not FinishReason.ERROR:
                     reason, error = FinishReason.ERROR, e
-            if text.stops is not None and tail:
+            if text.stops is not None and tail and len(self._tokens) > self.params.min_tokens:
                 whole, part, stopped = text.stops.split([*(e.text for e in held), tail])
                 if stopped:
                     self._release_locked(whole, part if whole < len(held) else None)

@@ -86,7 +86,9 @@ class IncrementalDecoder(Protocol):
 @runtime_checkable
 class Tokenizer(Protocol):
     """Text <-> token ids. Optionally also ``incremental() -> IncrementalDecoder`` (a
-    fresh decoder per call); :func:`incremental_decoder` uses it when present."""
+    fresh decoder per call); :func:`incremental_decoder` uses it when present; and
+    ``eos_token_id`` (an int, or None), the model's end-of-sequence token: it ends a
+    stream unless ``SamplingParams.ignore_eos`` (``transformers`` tokenizers have it)."""
 
     def encode(self, text: str) -> list[int]: ...
 
@@ -302,14 +304,16 @@ class HFTokenizer:
     optional extra ``hf``: ``pip install "calfsm[hf]"``): encode and decode with the
     special-token choices given here (Hugging Face's defaults), and a
     :class:`PrefixDecoder` for streams. From ``transformers``, pass a fast tokenizer's
-    ``backend_tokenizer``."""
+    ``backend_tokenizer``. ``eos_token``: the model's end-of-sequence token (an id, or
+    its text as the vocabulary has it), which ends a stream unless ``ignore_eos``."""
 
     #: the model's chat template (:mod:`calfsm.generate.chattemplate`), when loaded with
     #: its configuration (:meth:`from_dir`); None: none
     chat_template: Any = None
 
     def __init__(self, tokenizer: Any, *, add_special_tokens: bool = True,
-                 skip_special_tokens: bool = True, chat_template: Any = None) -> None:
+                 skip_special_tokens: bool = True, chat_template: Any = None,
+                 eos_token: int | str | None = None) -> None:
         for m in ("encode", "decode", "get_vocab_size"):
             if not callable(getattr(tokenizer, m, None)):
                 raise InvalidArgument(f"HFTokenizer needs a tokenizers.Tokenizer, got "
@@ -319,6 +323,21 @@ class HFTokenizer:
         self.add_special_tokens = bool(add_special_tokens)
         self.skip_special_tokens = bool(skip_special_tokens)
         self.chat_template = chat_template
+        #: the end-of-sequence token's id, or None (streams read it: SamplingParams.ignore_eos)
+        self.eos_token_id: int | None = None
+        if isinstance(eos_token, str):
+            found = tokenizer.token_to_id(eos_token)
+            if found is None:
+                raise InvalidArgument(f"eos_token {eos_token!r} is not in the vocabulary",
+                                      stage="config")
+            self.eos_token_id = int(found)
+        elif eos_token is not None:
+            if isinstance(eos_token, bool) or not isinstance(eos_token, int) \
+                    or not 0 <= eos_token < self.vocab_size:
+                raise InvalidArgument(f"eos_token must be a token id in [0, "
+                                      f"{self.vocab_size}) or its text, got {eos_token!r}",
+                                      stage="config")
+            self.eos_token_id = eos_token
 
     @classmethod
     def from_file(cls, path: str | Path, **kw: Any) -> HFTokenizer:
@@ -340,14 +359,18 @@ class HFTokenizer:
         """The tokenizer saved in ``directory`` as Hugging Face saves one
         (``save_pretrained``): ``tokenizer.json``, and the chat template and special
         tokens of ``tokenizer_config.json`` / ``chat_template.jinja`` if there (the
-        template needs jinja2, the ``hf`` extra too). Read locally, never fetched."""
-        from calfsm.generate.chattemplate import load_chat_template
+        template needs jinja2, the ``hf`` extra too); the configuration's ``eos_token``
+        ends streams (unless given here). Read locally, never fetched."""
+        from calfsm.generate.chattemplate import load_chat_template, special_tokens_of
+        from calfsm.generate.chattemplate import tokenizer_config
         root = Path(directory)
         if not (root / "tokenizer.json").is_file():
             raise InvalidArgument(f"{str(root)!r} holds no tokenizer.json (a tokenizer "
                                   f"saved by Hugging Face's save_pretrained)",
                                   stage="config")
         template = load_chat_template(root)
+        if "eos_token" not in kw:
+            kw["eos_token"] = special_tokens_of(tokenizer_config(root)).get("eos_token")
         return cls.from_file(root / "tokenizer.json", chat_template=template, **kw)
 
     @property

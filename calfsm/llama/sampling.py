@@ -45,7 +45,7 @@ class SamplerChain:
         self.params = params
         self.n_vocab = n_vocab
         self._prompt = tuple(int(t) for t in prompt)
-        self._sampler: Sampler = params.sampler_for(n_vocab)
+        self._sampler: Sampler = params.sampler_for(n_vocab, prompt_len=len(self._prompt))
         self._accepted: list[int] = []
 
     @property
@@ -80,4 +80,4 @@ class SamplerChain:
         """``llama_sampler_reset``: no accepted tokens, and the draw starts again from
         its seed."""
         self._accepted.clear()
-        self._sampler = self.params.sampler_for(self.n_vocab)
+        self._sampler = self.params.sampler_for(self.n_vocab, prompt_len=len(self._prompt))

@@ -340,8 +340,12 @@ class _Server:
             ex = self.running()
             assert self.limits is not None and self.tokenizer is not None
             assert self.books is not None
-            rid = check_request_id(given, field=REQUEST_ID_HEADER) if given is not None \
-                else ex.live_requests.new_id()          # a bad one is never echoed
+            try:
+                rid = check_request_id(given, field=REQUEST_ID_HEADER) if given is not None \
+                    else ex.live_requests.new_id()      # a bad one is never echoed
+            except InvalidArgument as e:
+                raise ApiError(400, e.message, code="invalid_argument",
+                               param=REQUEST_ID_HEADER) from None
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),
                                   self.config.max_json_depth)
@@ -476,10 +480,17 @@ class _Server:
         rid, model, created = shape.new_id(), self.limits.model, int(time.time())
         inc, lps = plan.include_usage, plan.logprobs is not None
         ends: list[Piece] = []
+        # continuous_usage_stats: the usage so far on every chunk (tokens delivered)
+        prompt_tokens = sum(len(plan.prompts[i]) for i in range(0, len(plan.prompts), plan.n))
+        made = 0
+
+        def so_far() -> dict[str, Any] | None:
+            return usage(prompt_tokens, made) if plan.continuous_usage else None
+
         if shape.chat:
             for i in range(len(plan.prompts)):
                 yield sse(shape.chunk(rid, model, created, Piece(i, "", ()),
-                                      include_usage=inc, role=True))
+                                      include_usage=inc, role=True, used=so_far()))
         try:
             piece: Piece | None = first
             while piece is not None:
@@ -489,9 +500,10 @@ class _Server:
                     return
                 # with logprobs, a token whose text is not complete yet (a byte of a
                 # character) still has its chunk: its logprobs are its own
+                made += piece.event is not None
                 if piece.text or piece.finish_reason or (lps and piece.event is not None):
                     yield sse(shape.chunk(rid, model, created, piece, include_usage=inc,
-                                          logprobs=lps))
+                                          logprobs=lps, used=so_far()))
                 if piece.finish_reason:
                     ends.append(piece)
                 piece = await anext(pieces, None)

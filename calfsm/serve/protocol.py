@@ -12,22 +12,27 @@ value is an :class:`~calfsm.serve.httperrors.ApiError` 400 naming the field
 What is accepted: ``model`` (the served name; another is 404), ``prompt`` (a string, a
 list of strings, a list of token ids or a list of such lists) or ``messages`` (roles
 ``system``, ``developer``, ``user``, ``assistant``, ``tool``; content a string or a list of
-``{"type": "text", "text": ...}`` parts, or null beside an assistant's ``tool_calls``;
-rendered by the model's chat template when the server has one, else the built-in one),
-``max_tokens`` (chat: also
-``max_completion_tokens``; at most the server's cap and what the context leaves after
-the prompt, else a 400 naming the field; without it, the server's default clipped to what
-the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``, ``top_k``
-(0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n`` (choices,
-prompts times ``n``: at most ``max_choices`` and at most the sequences the executor opens
-at once), ``stream``, ``stream_options.include_usage``, ``user``, logprobs: completions'
+``{"type": "text", "text": ...}`` parts, or an assistant's null (beside its ``tool_calls``,
+or as no text); rendered by the model's chat template when the server has one, else the
+built-in one), ``max_tokens`` (and ``max_completion_tokens``, which wins, on both
+endpoints; at most the server's cap and what the context leaves after the prompt, else a
+400 naming the field; without it, the server's default, at least ``min_tokens``, clipped
+to what the context leaves), ``temperature`` (default 1, as OpenAI's), ``top_p``,
+``top_k`` (0 off), ``seed``, ``stop`` (a string or up to 4), ``stop_token_ids``, ``n``
+(choices, prompts times ``n``: at most ``max_choices`` and at most the sequences the
+executor opens at once), ``presence_penalty``, ``frequency_penalty``,
+``repetition_penalty``, ``min_tokens``, ``ignore_eos`` (the library's,
+:mod:`calfsm.generate.penalties`), ``stream``, ``stream_options`` (``include_usage``;
+``continuous_usage_stats``, vLLM's: with ``include_usage``, every chunk carries the usage
+so far; ignored without ``stream``), ``user``, ``store`` (a boolean, ignored: nothing is
+stored), logprobs: completions'
 ``logprobs`` (an integer, 0..20: the chosen token's log-probability and that many
 alternatives) and chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with
 ``logprobs`` true), and ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
 :mod:`calfsm.request`, default 0: *higher* is admitted first, as the library's
 ``Request.priority`` — vLLM's field of the same name is lower-first). Choice ``i`` of a
 request (prompt-major, then ``n``) draws from ``seed + i``.
-Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``, penalties,
+Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``,
 ``logit_bias``, tools) are refused unless they carry their default; unknown fields are
 refused too, so a typo is never silently ignored. The prompt's ids and length, ``n`` and
 ``max_tokens`` are judged by the library's own rules (:mod:`calfsm.generate.arguments`, what
@@ -67,15 +72,18 @@ _MAX_STOPS = 4
 #: fields that may be sent only with the value OpenAI defaults them to
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
-    "presence_penalty": (None, 0, 0.0), "frequency_penalty": (None, 0, 0.0),
     "logit_bias": (None, {}), "tools": (None, []),
     "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
     "parallel_tool_calls": (None, False, True)}
-_COMMON = frozenset({"model", "max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                     "stop_token_ids", "n", "stream", "stream_options", "user",
-                     "priority", *_DEFAULTS_ONLY})
+_COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                     "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
+                     "stream_options", "user", "priority", "presence_penalty",
+                     "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
+                     "store", *_DEFAULTS_ONLY})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
-_CHAT_FIELDS = _COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
+_CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs"}
+#: what ``stream_options`` may hold
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 
 
 @attrs.frozen
@@ -115,6 +123,9 @@ class GenerationPlan:
     n: int = 1                               # choices per prompt
     logprobs: int | None = None
     priority: int = 0
+    #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
+    #: carries the usage so far
+    continuous_usage: bool = False
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -190,10 +201,14 @@ def _ids(value: list[Any], param: str, vocab: int) -> tuple[int, ...]:
 
 
 def _encode(tok: Tokenizer, text: str, field: str) -> tuple[int, ...]:
-    """``text``'s token ids; the byte-level tokenizer names ``field`` in its errors."""
-    if isinstance(tok, ByteTokenizer):
-        return tuple(tok.encode(text, field=field))
-    return tuple(encode_prompt(tok, text))
+    """``text``'s token ids; a text the tokenizer refuses (a reserved code point, a lone
+    surrogate) is a 400 naming ``field``."""
+    try:
+        if isinstance(tok, ByteTokenizer):
+            return tuple(tok.encode(text, field=field))
+        return tuple(encode_prompt(tok, text))
+    except InvalidArgument as e:
+        raise _bad(e.message, field) from None
 
 
 def _prompts(value: Any, tok: Tokenizer, vocab: int) -> list[tuple[int, ...]]:
@@ -281,8 +296,8 @@ def _messages(value: Any) -> list[dict[str, Any]]:
                 raise _bad(f"messages[{i}]: only an assistant's message has tool_calls",
                            "messages")
             message["tool_calls"] = _tool_calls(m["tool_calls"], i)
-        elif message["content"] is None:
-            raise _bad(f"messages[{i}].content must be given (or tool_calls)", "messages")
+        elif message["content"] is None:    # an assistant turn with no text (OpenAI's null)
+            message["content"] = ""
         if role == "tool" and not isinstance(m.get("tool_call_id", ""), str):
             raise _bad(f"messages[{i}].tool_call_id must be a string", "messages")
         out.append(message)
@@ -366,15 +381,23 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
     options = body.get("stream_options")
     stream = _bool(body, "stream")
     if options is not None and (not isinstance(options, dict)
-                                or set(options) - {"include_usage"}):
-        raise _bad("stream_options may hold include_usage only", "stream_options")
-    include_usage = _bool(options or {}, "include_usage")
+                                or set(options) - _STREAM_OPTIONS):
+        raise _bad("stream_options may hold include_usage and continuous_usage_stats only",
+                   "stream_options")
+    try:
+        include_usage = _bool(options or {}, "include_usage") and stream
+        continuous = _bool(options or {}, "continuous_usage_stats") and include_usage
+    except ApiError as e:
+        raise _bad(e.message, "stream_options") from None
     priority = _int(body, "priority", PRIORITY_MIN, 0)
     assert priority is not None
     if priority > PRIORITY_MAX:
         raise _bad(f"priority must be <= {PRIORITY_MAX}, got {clip(priority)}", "priority")
-    if include_usage and not stream:
-        raise _bad("stream_options applies only when stream is true", "stream_options")
+    _bool(body, "store")                # accepted and ignored: nothing is stored
+    penalties = {key: _float(body, key, default) for key, default in (
+        ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
+    min_tokens = _int(body, "min_tokens", 0, 0)
+    ignore_eos = _bool(body, "ignore_eos")
     params = []
     try:
         for i in range(len(prompts) * n):
@@ -384,12 +407,14 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                 seed=None if seed is None or temperature == 0 else seed + i,
                 stop_token_ids=tuple(stop_ids), stop_sequences=tuple(stop_sequences),
                 stop=stop_texts,
-                max_tokens=max_tokens or min(limits.default_max_tokens, room),
-                logprobs=logprobs))
+                max_tokens=max_tokens or min(max(limits.default_max_tokens, min_tokens),
+                                             limits.max_tokens_cap, room),
+                logprobs=logprobs, min_tokens=min_tokens, ignore_eos=ignore_eos,
+                **penalties))
     except CalfsmError as e:            # SamplingParams names the field in its message
         raise _bad(e.message, e.message.split(" ", 1)[0]) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
-                          stream, include_usage, n, logprobs, priority)
+                          stream, include_usage, n, logprobs, priority, continuous)
 
 
 def _check_max_tokens(value: int, field: str, prompt_tokens: int, limits: Limits) -> None:
@@ -408,8 +433,9 @@ def parse_completion(body: Any, limits: Limits, tok: Tokenizer, *,
     _check_fields(body, _COMPLETION_FIELDS, limits)
     if "prompt" not in body:
         raise _bad("prompt must be given", "prompt")
-    return _plan(body, _prompts(body["prompt"], tok, limits.vocab), "max_tokens", limits,
-                 tok, _completion_logprobs(body), text_stops)
+    return _plan(body, _prompts(body["prompt"], tok, limits.vocab),
+                 "max_completion_tokens", limits, tok, _completion_logprobs(body),
+                 text_stops)
 
 
 def parse_chat(body: Any, limits: Limits, tok: Tokenizer, *,

@@ -81,10 +81,11 @@ class Shape:
             "choices": choices, "usage": used}
 
     def chunk(self, rid: str, model: str, created: int, piece: Piece, *,
-              include_usage: bool, role: bool = False, logprobs: bool = False
-              ) -> dict[str, Any]:
+              include_usage: bool, role: bool = False, logprobs: bool = False,
+              used: dict[str, Any] | None = None) -> dict[str, Any]:
         """A streaming chunk of ``piece`` (``role``: chat's first chunk of a choice;
-        ``logprobs``: the request asked for them, so a token's piece carries its own)."""
+        ``logprobs``: the request asked for them, so a token's piece carries its own;
+        ``used``: the usage so far, ``stream_options.continuous_usage_stats``)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if role \
                 else ({"content": piece.text} if piece.text or not piece.finish_reason
@@ -96,7 +97,7 @@ class Shape:
         choice |= {"logprobs": lp, "finish_reason": piece.finish_reason}
         out = self._head(rid, model, created, self.chunk_object) | {"choices": [choice]}
         if include_usage:
-            out["usage"] = None
+            out["usage"] = used
         return out
 
     def usage_chunk(self, rid: str, model: str, created: int,

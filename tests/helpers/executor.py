@@ -258,7 +258,7 @@ def reference_seen(runner: Any, prompt: list[int], params: Any) -> list[tuple[in
     """As :func:`reference_stream`, each token with the row its sampler saw: the
     reference model's float32 row after the logits processors (a copy)."""
     contract = TINY.submodel(TaskKind.DECODE)
-    sampler = params.sampler_for(contract.vocab)
+    sampler = params.sampler_for(contract.vocab, prompt_len=len(prompt))
     row, pos, out = runner.prefill(0, prompt), len(prompt), []
     try:
         while True:
@@ -267,7 +267,7 @@ def reference_seen(runner: Any, prompt: list[int], params: Any) -> list[tuple[in
             for fn in params.logits_processors:
                 fn(history, seen)
             tok = sampler.sample(row.copy(), history)
-            if params.is_stop(tok):
+            if sampler.ends(tok, len(out)):
                 return out
             out.append((tok, seen))
             if len(out) >= params.max_tokens or pos >= contract.max_seq:

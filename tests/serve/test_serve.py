@@ -414,9 +414,9 @@ BAD = [
     ({"model": MODEL, "prompt": "x", "n": 17}, 400, "n"),
     ({"model": MODEL, "prompt": "x", "logprobs": 21}, 400, "logprobs"),
     ({"model": MODEL, "prompt": "x", "frobnicate": 1}, 400, "frobnicate"),
-    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+    ({"model": MODEL, "prompt": "x", "stream_options": {"include_usage": 1}}, 400,
      "stream_options"),
-    ({"model": MODEL, "prompt": "\U000f1000"}, 400, None),
+    ({"model": MODEL, "prompt": "\U000f1000"}, 400, "prompt"),
     ({"model": "other", "prompt": "x"}, 404, "model"),
     ([1, 2], 400, None),
 ]

@@ -105,4 +105,5 @@ def test_a_bad_request_id_is_a_400_naming_the_header(oai):
         oai.completions.create(model="tiny", prompt="x", max_tokens=1,
                                extra_headers={"X-Request-Id": "has space"})
     assert "x-request-id" in e.value.body["message"]
+    assert e.value.body["param"].lower() == "x-request-id"
     assert e.value.response.headers.get("x-request-id") is None
