@@ -361,8 +361,11 @@ class HFTokenizer:
         tokens of ``tokenizer_config.json`` / ``chat_template.jinja`` if there (the
         template needs jinja2, the ``hf`` extra too); the configuration's ``eos_token``
         ends streams (unless given here). Read locally, never fetched."""
-        from calfsm.generate.chattemplate import load_chat_template, special_tokens_of
-        from calfsm.generate.chattemplate import tokenizer_config
+        from calfsm.generate.chattemplate import (
+            load_chat_template,
+            special_tokens_of,
+            tokenizer_config,
+        )
         root = Path(directory)
         if not (root / "tokenizer.json").is_file():
             raise InvalidArgument(f"{str(root)!r} holds no tokenizer.json (a tokenizer "
