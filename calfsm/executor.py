@@ -29,10 +29,11 @@ import attrs
 from calfsm.config import ExecutorConfig, ExecutorStats, Health
 from calfsm.drivers.base import Calbin, Driver
 from calfsm.engine.epoch import WARMUP_SEQ, Epoch
+from calfsm.engine.face import JobFace
 from calfsm.engine.job import InferenceResult, JobContext, JobHandle, Request
 from calfsm.engine.kv import SeqState
 from calfsm.engine.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
-from calfsm.engine.observe import Observers, rejection_reason
+from calfsm.engine.observe import Observers
 from calfsm.engine.pipeline import COUNTERS, Pipeline, PipelineTimeouts
 from calfsm.engine.recovery import FaultPolicy
 from calfsm.engine.stepcost import ServiceModel
@@ -44,6 +45,7 @@ from calfsm.errors import (
     Unavailable,
 )
 from calfsm.generate.arguments import check_n
+from calfsm.generate.front import Front
 from calfsm.generate.liverequests import LiveRequests, RequestInfo
 from calfsm.generate.livestreams import LiveStreams
 from calfsm.generate.promptcache import PromptCache, PromptCacheStats
@@ -131,7 +133,11 @@ class DeviceExecutor:
             # a window is wall time: on a virtual clock nobody advances it never ends
             batch_window_s=cfg.batch_window_s
             if cfg.threaded and not getattr(self.clock, "virtual", False) else 0.0)
-        self._steps = StreamSteps(self._pipeline)     # the streams' plumbing, not the facade's
+        #: the engine's job-level face, and what the sequences and streams share above
+        #: it: the generation API is built on these, never on this facade
+        self._jobs = JobFace(self._pipeline, life)
+        self._front = Front(self._jobs, live_requests=self.live_requests,
+                            live_streams=self.live_streams, tokenizer=self.tokenizer)
         self._control = DeviceLifecycle(
             driver, life, self.faults, self._pipeline, warmup=cfg.warmup,
             service=self.service,
@@ -172,12 +178,11 @@ class DeviceExecutor:
         only a closed, broken or non-Ready executor (and a request that is not a
         :class:`Request`) raise here directly.
         """
-        job = self._accept(request)
+        job = self._front.accept(request)
         handle = job.handle         # the job drops it when it ends, maybe in start()
-        admission = self._pipeline.admission
-        admission.start(job)
+        self._jobs.start(job)
         if self.config.threaded:
-            wait_admitted(admission, job, handle)
+            wait_admitted(self._pipeline.admission, job, handle)
         return handle
 
     def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
@@ -186,40 +191,10 @@ class DeviceExecutor:
         comes free, bounded by its admission deadline. ``continuing``: the next step of
         a running stream (streams set it): never refused by ``max_waiting``, and still
         admitted while a graceful shutdown lets running streams finish."""
-        job = self._accept(request, continuing=continuing)
-        handle = job.handle
-        self._pipeline.admission.start(job)
-        return handle
-
-    def _accept(self, request: Request, *, continuing: bool = False) -> JobContext:
-        live = self.live_requests
-        if isinstance(request, Request):        # else the admission refuses it below
-            rid = request.request_id
-            own = not live.is_stream(rid, request.seq_id)  # a stream's step: its entry
-        else:
-            rid, own = None, False
-        try:
-            if own and rid is None:
-                rid = live.new_id()
-            job = self._pipeline.admission.accept(request, self._pipeline.cancel,
-                                                  continuing=continuing, request_id=rid)
-        except CalfsmError as e:
-            self._rejected(e)
-            raise
-        if own:
-            handle = job.handle
-            try:
-                live.add(rid, "job", handle)
-            except CalfsmError:
-                handle.cancel()         # an id live elsewhere: this job must not run
-                raise
-            handle.add_done_callback(lambda h: live.discard(rid, h))
-        return job
+        return self._front.enqueue_nowait(request, continuing=continuing)
 
     def _rejected(self, err: CalfsmError, *, opening: bool = False) -> None:
-        reason = rejection_reason(err, opening=opening)
-        if reason is not None:
-            self._pipeline.observers.request_rejected(err, reason)
+        self._front.rejected(err, opening=opening)
 
     async def submit(self, request: Request) -> InferenceResult:
         """Run one job from asyncio without blocking the event loop. Cancelling the
@@ -250,7 +225,7 @@ class DeviceExecutor:
         except CalfsmError:
             self._sequences.give_back(seq_id)
             raise
-        return Sequence(self, seq_id, self._sequences, self._steps)
+        return Sequence(self._front, seq_id, self._sequences)
 
     @property
     def max_sequences(self) -> int:
@@ -416,7 +391,7 @@ class DeviceExecutor:
 
     def reset_sequence(self, seq_id: int) -> None:
         """Forget a sequence's KV (required after it went Unknown); it starts at 0."""
-        self.epoch.kv.reset_sequence(seq_id)
+        self._jobs.reset_sequence(seq_id)
 
     # ---- lifecycle -----------------------------------------------------------------
     def recover(self, reason: str = "recovery requested") -> bool:
@@ -660,41 +635,7 @@ def _shutdown_cancel(job: JobContext, retry_after_s: float) -> Cancelled:
                      retry_after_s=retry_after_s)
 
 
-class StreamSteps:
-    """The overlap plumbing a sequence's streams use (:class:`~calfsm.generate.streams.StepPort`),
-    kept off the facade: the executor hands it only to the sequences it opens, so a
-    caller's request reaches the device only through the validated entries."""
-
-    __slots__ = ("_pipeline",)
-
-    def __init__(self, pipeline: Pipeline) -> None:
-        self._pipeline = pipeline
-
-    def stage(self, request: Request) -> JobHandle | None:
-        """Prepare ``request`` (a stream's next step, its token a placeholder) while the
-        step before it runs: a slot leased and the inputs written, no KV, no queue.
-        None when that cannot be done now (the step then goes the ordinary way)."""
-        job = self._pipeline.overlap.stage(request, self._pipeline.cancel)
-        return None if job is None else job.handle
-
-    def release(self, handle: JobHandle, request: Request) -> bool:
-        """Run a staged step with its real ``request`` (the token now known), validated
-        as any request is: KV reserved and queued for submit at once. False if the step
-        is gone (it has its outcome)."""
-        return self._pipeline.overlap.release_staged(handle.context, request)
-
-    def discard(self, handle: JobHandle) -> None:
-        """A staged step that will not run: its slot comes back (outcome discarded)."""
-        self._pipeline.overlap.discard_staged(handle.context, Cancelled(
-            "a step prepared ahead was not needed", stage="stage",
-            job_id=handle.job_id, seq_id=handle.seq_id))
-
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` soon on the admission side, outside every lock."""
-        self._pipeline.admission.defer(fn)
-
-
-def step_port(executor: DeviceExecutor) -> StreamSteps:
-    """The overlap plumbing ``executor`` keeps off its facade, for tests and tools that
-    drive a staged step directly (what its sequences' streams do)."""
-    return executor._steps
+def step_port(executor: DeviceExecutor) -> JobFace:
+    """The engine's job face ``executor`` builds its sequences on, for tests and tools
+    that drive a staged step directly (what its sequences' streams do)."""
+    return executor._jobs

@@ -107,6 +107,8 @@ class Admission:
 
     def first_deadline(self) -> float:
         """The earliest admission deadline among the parked jobs (inf: none)."""
+        if not self._parked:
+            return math.inf
         now = self.core.clock.now()
         with self.core.lock:
             return self._first_deadline_locked(now)

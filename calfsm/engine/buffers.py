@@ -190,6 +190,8 @@ class BufferLease:
 
     # ---- ownership --------------------------------------------------------------------
     def _live(self) -> _LeaseCore:
+        """The lease's core, or LeaseError if it was released or handed on. Callers read
+        ``self._core or self._live()``: a live lease costs no call on the token's way."""
         core = self._core
         if core is None:
             last = self._last
@@ -207,7 +209,7 @@ class BufferLease:
 
     def move(self) -> BufferLease:
         """Transfer ownership to a new lease object; this one becomes unusable."""
-        core = self._live()
+        core = self._core or self._live()
         self._consume("moved")
         return BufferLease(core)
 
@@ -219,40 +221,40 @@ class BufferLease:
     # ---- what the holder sees -----------------------------------------------------------
     @property
     def slot(self) -> BufferSlot:
-        return self._live().slot
+        return (self._core or self._live()).slot
 
     @property
     def generation(self) -> int:
-        return self._live().slot.generation
+        return (self._core or self._live()).slot.generation
 
     @property
     def kind(self) -> TaskKind:
-        return self._live().slot.kind
+        return (self._core or self._live()).slot.kind
 
     @property
     def engine(self) -> EngineSlot:
-        return self._live().slot.engine
+        return (self._core or self._live()).slot.engine
 
     @property
     def job_id(self) -> int | None:
-        return self._live().job_id
+        return (self._core or self._live()).job_id
 
     @property
     def seq_id(self) -> int | None:
-        return self._live().seq_id
+        return (self._core or self._live()).seq_id
 
     @property
     def on_device(self) -> bool:
-        return self._live().on_device
+        return (self._core or self._live()).on_device
 
     @property
     def slices(self) -> Mapping[str, tuple[int, int]]:
         """Slices applied through this lease and not undone: name -> (offset, size)."""
-        return dict(self._live().slices)
+        return dict((self._core or self._live()).slices)
 
     def bind(self, *, job_id: int | None = None, seq_id: int | None = None) -> BufferLease:
         """Set the job/sequence context every error raised through this lease carries."""
-        core = self._live()
+        core = self._core or self._live()
         if job_id is not None:
             core.job_id = job_id
         if seq_id is not None:
@@ -265,11 +267,11 @@ class BufferLease:
 
     def mark_on_device(self) -> None:
         """``infer`` succeeded: the device may read and write this slot until ``wait``."""
-        self._live().on_device = True
+        (self._core or self._live()).on_device = True
 
     def mark_off_device(self) -> None:
         """``wait`` returned (or a verified reset aborted the job): the device is done."""
-        self._live().on_device = False
+        (self._core or self._live()).on_device = False
 
     # ---- host data ----------------------------------------------------------------------
     def write_inputs(self, tokens: Any, positions: Any) -> int:
@@ -280,7 +282,7 @@ class BufferLease:
         and positions non-negative. For ``PREFILL_EMBEDS`` ``tokens`` is ``(n, hidden)``
         in the tensor's dtype (:func:`calfsm.request.check_embeds`), copied bit for bit.
         """
-        core = self._live()
+        core = self._core or self._live()
         slot = core.slot
         ctx = self._ctx(core)
         tok = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
@@ -324,7 +326,7 @@ class BufferLease:
         """Put ``token`` in the slot's one-token input, whose position :meth:`load`
         wrote (a decode prepared ahead, its token now known: checked against the
         vocabulary by the caller, :func:`calfsm.request.check_token`)."""
-        core = self._live()
+        core = self._core or self._live()
         if core.slot.kind is not TaskKind.DECODE:
             raise InvalidArgument(f"write_token is for a decode slot, not "
                                   f"{core.slot.kind.value}", stage="prepare",
@@ -340,7 +342,7 @@ class BufferLease:
         byte_size``, both multiples of the dtype size; else InvalidArgument and the
         runtime is never called. The slice is tracked until :meth:`undo_slices`.
         """
-        core = self._live()
+        core = self._core or self._live()
         slot = core.slot
         ctx = self._ctx(core)
         found = slot.tensor(tensor_name)
@@ -367,7 +369,7 @@ class BufferLease:
 
     def slice_inputs(self, n_tokens: int) -> None:
         """Slice the token and position tensors to their first ``n_tokens`` elements."""
-        core = self._live()
+        core = self._core or self._live()
         c = core.slot.contract
         per_token = c.token_or_embed.byte_size // c.max_tokens
         self.slice(c.token_or_embed.name, 0, n_tokens * per_token)
@@ -381,7 +383,7 @@ class BufferLease:
         last position + 1 (what the device checks). Each step checks and raises as the
         method it calls does (nothing reaches the runtime after a local failure)."""
         n = self.write_inputs(tokens, positions)
-        slot = self._live().slot
+        slot = (self._core or self._live()).slot
         c = slot.contract
         if c.token_or_embed.sliceable:
             per_token = c.token_or_embed.byte_size // c.max_tokens
@@ -399,7 +401,7 @@ class BufferLease:
         positions of ``src`` (another job's slot, written and checked when that job was
         prepared), its KV sequence and both CSRs, as :meth:`load` sets row 0's. An error
         names ``job_id`` (the row's own job) and ``seq_id``."""
-        core = self._live()
+        core = self._core or self._live()
         slot = core.slot
         c = slot.contract
         if not 1 <= row < c.max_batch or not 1 <= n <= c.max_tokens:
@@ -423,7 +425,7 @@ class BufferLease:
     def set_rows(self, rows: int) -> None:
         """How many rows the next job of this batch graph's slot carries (said only when
         it changes)."""
-        core = self._live()
+        core = self._core or self._live()
         slot = core.slot
         if slot.batch_rows != rows:
             check(core.pool.driver.set_batch_rows(slot.inp, int(rows)),  # type: ignore[attr-defined]
@@ -434,7 +436,7 @@ class BufferLease:
         """Restore every tensor sliced through this lease. Tries all of them; a slice whose
         undo failed stays tracked (the slot will be quarantined on return) and the first
         failure is raised."""
-        core = self._live()
+        core = self._core or self._live()
         if not core.slices:
             return
         ctx = self._ctx(core)
@@ -453,7 +455,7 @@ class BufferLease:
 
     def set_csr(self, name: str, value: int) -> None:
         """Set a CSR of the input buffer (value checked to ``0..2**32-1`` locally)."""
-        core = self._live()
+        core = self._core or self._live()
         if isinstance(value, bool) or not isinstance(value, int | np.integer) \
                 or not 0 <= value <= _U32_MAX:
             raise InvalidArgument(f"CSR {name!r} value {value!r} outside 0..2**32-1",
@@ -466,7 +468,7 @@ class BufferLease:
 
     def set_kv_seq(self, seq_id: int) -> None:
         """Bind the input buffer to a KV sequence (``0 <= seq_id < 2**31`` locally)."""
-        core = self._live()
+        core = self._core or self._live()
         if isinstance(seq_id, bool) or not isinstance(seq_id, int | np.integer) \
                 or not 0 <= seq_id < _SEQ_LIMIT:
             raise InvalidArgument(f"KV sequence id {seq_id!r} outside 0..2**31-1",

@@ -144,12 +144,16 @@ class JobHandle:
     """The caller's view of one job: a future with cancel, deadline and asyncio support."""
 
     __slots__ = ("_callbacks", "_canceller", "_error", "_job", "_latch", "_lock", "_result",
-                 "_sync", "job_id")
+                 "_sync", "context", "job_id")
 
     def __init__(self, job: JobContext, canceller: Callable[[JobContext], None],
                  sync: Sync) -> None:
         self.job_id = job.job_id
         self._job = job
+        #: the job's own record (generation, KV reservation, timings), to inspect; only
+        #: the executor changes it (an attribute, not a property: it is read on every
+        #: token's way)
+        self.context: JobContext = job
         self._canceller = canceller
         self._sync = sync
         self._lock = sync.lock()            # result, error and callbacks
@@ -181,12 +185,6 @@ class JobHandle:
         """Its state and tokens so far, for ``executor.requests()``: a job gives its
         logits when it ends, no tokens."""
         return self._job.state, 0
-
-    @property
-    def context(self) -> JobContext:
-        """The job's own record (generation, KV reservation, timings), to inspect; only
-        the executor changes it."""
-        return self._job
 
     def done(self) -> bool:
         return self._result is not None or self._error is not None
@@ -223,7 +221,8 @@ class JobHandle:
 
     def _wait(self, timeout: float | None) -> None:
         """Return once the job has ended; DeadlineExceeded if ``timeout`` passed first."""
-        if self.done() or self._sync.wait_latch(self._latch, timeout):
+        if self._result is not None or self._error is not None \
+                or self._sync.wait_latch(self._latch, timeout):     # done(), or once done
             return
         raise DeadlineExceeded(
             f"job {self.job_id} not finished within {timeout} s",
@@ -232,7 +231,7 @@ class JobHandle:
     def add_done_callback(self, fn: Callable[[JobHandle], None]) -> None:
         """Call ``fn(handle)`` when the job ends (at once if it already has)."""
         with self._lock:
-            if not self.done():
+            if self._result is None and self._error is None:        # not done()
                 self._callbacks.append(fn)
                 return
         _run_callback(fn, self)
@@ -263,8 +262,11 @@ class JobHandle:
             job.ended = True
             job.handle = None
         self._latch.release()
-        for fn in callbacks:
-            _run_callback(fn, self)
+        for fn in callbacks:            # _run_callback's guard, on every job's way
+            try:
+                fn(self)
+            except Exception:
+                log.exception("done-callback of job %s raised", self.job_id)
 
 
 def drop_tracebacks(error: BaseException) -> None:

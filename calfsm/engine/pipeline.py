@@ -159,7 +159,7 @@ class Pipeline:
     def next_deadline(self) -> float:
         """Earliest deadline a parked or queued job waits for."""
         with self.core.lock:
-            return min([self.admission.first_deadline(), *self.device.queue_deadlines()])
+            return min(self.admission.first_deadline(), self.device.first_queue_deadline())
 
     # ---- what the lifecycle's procedures use (calfsm.engine.lifecycle.PipelineControl) ----
     def device_barrier(self) -> None:
@@ -271,7 +271,7 @@ class Pipeline:
             device.run_step(j, "queue", device.fail_queue_deadline)
         if expired:
             return True
-        if device.submittable() and faults.backoff_until > clock.now() and clock.virtual:
+        if clock.virtual and faults.backoff_until > clock.now() and device.submittable():
             clock.advance_to(faults.backoff_until)
         job = device.claim()
         if job is None:

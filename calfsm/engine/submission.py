@@ -11,6 +11,7 @@ races a submit (:meth:`Submission.device_barrier`).
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from collections.abc import Callable
 
@@ -89,6 +90,15 @@ class Submission:
         with self.core.lock:
             return [j.queue_deadline for j in self._submit_q]
 
+    def first_queue_deadline(self) -> float:
+        """The earliest queue deadline among the queued jobs (inf: none queued)."""
+        with self.core.lock:
+            first = math.inf
+            for j in self._submit_q:
+                if j.queue_deadline < first:
+                    first = j.queue_deadline
+            return first
+
     def on_device(self) -> list[JobContext]:
         with self.core.lock:
             return list(self._on_device)
@@ -153,7 +163,10 @@ class Submission:
             if not self._submit_q:
                 return []
             now = self.core.clock.now()
-            expired = [j for j in self._submit_q if j.queue_deadline <= now]
+            expired = []
+            for j in self._submit_q:
+                if j.queue_deadline <= now:
+                    expired.append(j)
             for j in expired:
                 self._submit_q.remove(j)
         if expired:
@@ -170,12 +183,18 @@ class Submission:
     def submittable(self) -> bool:
         """A job is queued whose engine is free, an in-flight slot is free and the device
         takes work."""
+        return self._claimable() is not None
+
+    def _claimable(self) -> int | None:
+        """Index of the queued job :meth:`claim` would take now (back-off aside), or None."""
         core = self.core
         if not (self._submit_q and self._inflight < core.max_inflight
                 and core.life.state == READY):
-            return False
+            return None
         i = self._next_claim()
-        return i is not None and not self._hold_for_rows(self._submit_q[i])
+        if i is None or (core.max_rows > 1 and self._hold_for_rows(self._submit_q[i])):
+            return None
+        return i
 
     def _hold_for_rows(self, job: JobContext) -> bool:
         """Hold a partial batch back for rows on their way: while the completion side
@@ -235,11 +254,9 @@ class Submission:
         """Pop the head of the submit queue with an in-flight slot, if it may go now."""
         core = self.core
         with core.lock:
-            core.heartbeat["submitter"] = core.clock.now()
-            if not self.submittable_now():
-                return None
-            i = self._next_claim()
-            if i is None:
+            core.heartbeat["submitter"] = now = core.clock.now()
+            i = self._claimable()
+            if i is None or core.faults.backoff_until > now:
                 return None
             if i == 0:
                 job = self._submit_q.popleft()

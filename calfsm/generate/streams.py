@@ -60,7 +60,6 @@ import numpy as np
 
 from calfsm.engine.job import JobContext, JobHandle, Successor, drop_tracebacks
 from calfsm.engine.kv import SeqState
-from calfsm.engine.lifecycle import Lifecycle
 from calfsm.engine.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.errors import (
     CalfsmError,
@@ -80,6 +79,7 @@ from calfsm.generate.arguments import (
     default_params,
 )
 from calfsm.generate.flow import Flow
+from calfsm.generate.front import Front
 from calfsm.generate.livestreams import stream_work_s
 from calfsm.generate.processors import TokenHistory
 from calfsm.generate.sampling import Sampler, SamplingParams
@@ -103,44 +103,6 @@ _limited = RateLimitedLog(log)
 
 _fire = SEQUENCE_MACHINE.fire
 _fire_if = SEQUENCE_MACHINE.fire_if_declared
-
-
-class ExecutorFace(Protocol):
-    """What a sequence and its streams use of their executor
-    (:class:`~calfsm.executor.DeviceExecutor` is one; the executor sits above this
-    module, so it is named by what it offers, not imported)."""
-
-    clock: Any
-    live_streams: Any                   # calfsm.generate.livestreams.LiveStreams
-    live_requests: Any                  # calfsm.generate.liverequests.LiveRequests
-    observers: Any                      # calfsm.engine.observe.Observers
-    tokenizer: Any                      # a calfsm.generate.tokenizer.Tokenizer, or None
-
-    @property
-    def epoch(self) -> Any: ...
-
-    @property
-    def lifecycle(self) -> Lifecycle: ...
-
-    def enqueue_nowait(self, request: Request, *, continuing: bool = False
-                       ) -> JobHandle: ...
-
-    def reset_sequence(self, seq_id: int) -> None: ...
-
-
-class StepPort(Protocol):
-    """The core's overlap plumbing: a step prepared ahead, run with its real request, or
-    handed back, and work deferred to the admission side. The executor hands it to the
-    sequences it opens, and to nobody else: a caller's requests reach the device only
-    through the validated entries (``enqueue``, ``Sequence.run``)."""
-
-    def stage(self, request: Request) -> JobHandle | None: ...
-
-    def release(self, handle: JobHandle, request: Request) -> bool: ...
-
-    def discard(self, handle: JobHandle) -> None: ...
-
-    def defer(self, fn: Callable[[], None]) -> None: ...
 
 
 class Keeper(Protocol):
@@ -186,11 +148,12 @@ class Sequence:
 
     Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
 
-    def __init__(self, executor: ExecutorFace, seq_id: int,
-                 allocator: SequenceAllocator, steps: StepPort) -> None:
-        self.executor = executor
+    def __init__(self, front: Front, seq_id: int, allocator: SequenceAllocator) -> None:
+        #: what the executor's sequences and streams share (calfsm/generate/front.py)
+        self.front = front
         self.seq_id = seq_id
-        self._steps = steps
+        self._jobs = front.jobs         # the engine's job face: jobs, staging, the epoch
+        self._life = front.lifecycle
         self.state: str = SequenceState.OPEN.value
         self._allocator = allocator
         self._lock = threading.Condition(threading.Lock())
@@ -241,7 +204,7 @@ class Sequence:
             _fire(self, "start_job")
             self._starting = True
         try:
-            handle = self.executor.enqueue_nowait(request, continuing=continuing)
+            handle = self.front.enqueue_nowait(request, continuing=continuing)
         except BaseException:
             with self._lock:
                 _fire_if(self, "job_ended")
@@ -265,15 +228,15 @@ class Sequence:
         scheduling); None if it cannot be prepared now."""
         if request.seq_id != self.seq_id or self.state == SequenceState.LOST:
             return None
-        return self._steps.stage(request)
+        return self._jobs.stage(request)
 
     def discard(self, staged: JobHandle) -> None:
         """A step prepared by :meth:`stage` that will not run: its slot comes back."""
-        self._steps.discard(staged)
+        self._jobs.discard(staged)
 
     def defer(self, fn: Callable[[], None]) -> None:
         """Run ``fn()`` soon on the executor's admission side, outside every lock."""
-        self._steps.defer(fn)
+        self._jobs.defer(fn)
 
     def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
         """Run a staged step with its real request; None (nothing run) if the sequence
@@ -285,9 +248,9 @@ class Sequence:
                 _fire(self, "start_job")
                 self._starting = True
         if not ok:
-            self._steps.discard(staged)
+            self._jobs.discard(staged)
             return None
-        if not self._steps.release(staged, request):
+        if not self._jobs.release(staged, request):
             with self._lock:
                 _fire_if(self, "job_ended")
                 self._started_locked(None)
@@ -311,7 +274,7 @@ class Sequence:
                 self._prev = after
                 self._started_locked(staged)
         if not ok:
-            self._steps.discard(staged)
+            self._jobs.discard(staged)
             return False
         staged.add_done_callback(self._job_done)
         return True
@@ -325,10 +288,10 @@ class Sequence:
                               "or a failed step the device may have run); reset() the "
                               "sequence and send the prompt again",
                               stage="sequence", seq_id=self.seq_id,
-                              retry_after_s=self.executor.lifecycle.retry_after_s)
+                              retry_after_s=self._life.retry_after_s)
 
     def _kv_lost(self) -> bool:
-        epoch = self.executor.epoch
+        epoch = self._life.epoch
         return epoch is not None and epoch.kv.sequence_state(self.seq_id) is SeqState.UNKNOWN
 
     def _job_done(self, handle: JobHandle) -> None:
@@ -411,7 +374,7 @@ class Sequence:
                 raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
                                          stage="sequence", seq_id=self.seq_id)
             if keep_len < self._position:
-                self.executor.epoch.kv.truncate_sequence(self.seq_id, keep_len)
+                self._life.epoch.kv.truncate_sequence(self.seq_id, keep_len)
                 self._position = keep_len
 
     def reset(self) -> None:
@@ -421,7 +384,7 @@ class Sequence:
             if self.state not in (SequenceState.OPEN, SequenceState.LOST):
                 raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
                                          stage="sequence", seq_id=self.seq_id)
-            self.executor.reset_sequence(self.seq_id)
+            self._jobs.reset_sequence(self.seq_id)
             self._position = 0
             _fire_if(self, "reset")
 
@@ -475,9 +438,9 @@ class Sequence:
         try:
             # a sequence that ran no job holds no KV: nothing to ask the device
             if (self._last is not None or self._position) \
-                    and self.executor.epoch is not None \
-                    and not self.executor.lifecycle.closing:
-                self.executor.reset_sequence(self.seq_id)
+                    and self._life.epoch is not None \
+                    and not self._life.closing:
+                self._jobs.reset_sequence(self.seq_id)
         except CalfsmError as e:
             # the text, not the error: a handler that keeps records (pytest's does) would
             # keep the error's frames, and with them this sequence and its last job
@@ -530,7 +493,7 @@ class Stream:
                  admitted: bool = False, request_id: str | None = None,
                  parent: str | None = None, priority: int = 0,
                  keeper: Keeper | None = None, cached: int = 0) -> None:
-        ex, seq_id = sequence.executor, sequence.seq_id
+        ex, seq_id = sequence.front, sequence.seq_id
         epoch = ex.epoch
         if epoch is None:
             raise Unavailable("executor has no configured model", stage="generate")
@@ -1031,7 +994,7 @@ class Stream:
                 err = Unavailable(f"the KV of sequence {self.sequence.seq_id} was lost "
                                   f"({err.message})",
                                   seq_id=self.sequence.seq_id, stage="stream",
-                                  retry_after_s=self.sequence.executor.lifecycle.retry_after_s)
+                                  retry_after_s=self.sequence.front.lifecycle.retry_after_s)
             self._finish(FinishReason.ERROR, err)
 
     def _lost(self) -> bool:
@@ -1044,7 +1007,7 @@ class Stream:
     def _wait_for_ready(self) -> None:
         """Replay once the executor is Ready again (a lifecycle listener; the replay
         itself is deferred to the executor's admission step, outside every lock)."""
-        ex = self.sequence.executor
+        ex = self.sequence.front
         life = ex.lifecycle
         with self._lock:
             if not self._listening:
@@ -1053,7 +1016,7 @@ class Stream:
         self._lifecycle_changed()           # it may be Ready, Failed or closing already
 
     def _lifecycle_changed(self) -> None:
-        ex = self.sequence.executor
+        ex = self.sequence.front
         life = ex.lifecycle
         if not self._listening:
             return
@@ -1076,7 +1039,7 @@ class Stream:
         if self._cancelled:
             self._finish(FinishReason.CANCELLED)
             return
-        if not self.sequence.executor.lifecycle.ready:
+        if not self.sequence.front.lifecycle.ready:
             self._wait_for_ready()          # it left Ready again: this costs no resume
             return
         seq = self.sequence
@@ -1099,7 +1062,7 @@ class Stream:
         if not self._flow.begin_replay(self._tokens):
             return                  # ended meanwhile (a shutdown's abort): nothing to do
         history = list(self.prompt) + self._tokens[:-1]
-        seq.executor.observers.stream_resumed(self)
+        seq.front.observers.stream_resumed(self)
         _limited.warning("resume", "stream on sequence %s resumes after a reset: "
                          "replaying %s tokens", seq.seq_id, len(history),
                          extra={"seq_id": seq.seq_id, "stage": "resume",
@@ -1132,7 +1095,7 @@ class Stream:
                 tuple(self._tokens[:delivered]), reason,
                 Usage(len(self.prompt), delivered, self.cached), ttft, itl, error,
                 self._flow.resumes, None if self._text is None else "".join(self._text.delivered))
-        ex = self.sequence.executor
+        ex = self.sequence.front
         ex.live_streams.remove(self)
         ex.live_requests.discard(self.request_id, self)
         # observers first (holding no lock), so a consumer that has the result finds
@@ -1144,7 +1107,7 @@ class Stream:
         self._flow.end()
         if self._listening:
             self._listening = False
-            self.sequence.executor.lifecycle.remove_listener(self._lifecycle_changed)
+            self.sequence.front.lifecycle.remove_listener(self._lifecycle_changed)
         if self._keeper is not None:
             # kept warm (or released) before the consumer wakes: a caller that has this
             # result and sends the next turn finds it (unless the last step is still on

@@ -88,6 +88,9 @@ class DeclaredMachine:
         state = model.state
         direct = self._direct.get((state, trigger))
         if direct is not None and not args and not kwargs:
+            if not direct[1] and not self._listeners:     # no guard, nobody listens
+                model.state = direct[0]
+                return True
             return self._apply(model, state, trigger, direct)
         return self.fire_via_engine(model, trigger, *args, **kwargs)
 
@@ -101,6 +104,9 @@ class DeclaredMachine:
         state = model.state
         direct = self._direct.get((state, trigger))
         if direct is not None and not args and not kwargs:
+            if not direct[1] and not self._listeners:     # no guard, nobody listens
+                model.state = direct[0]
+                return True
             return self._apply(model, state, trigger, direct)
         event = self._events.get(trigger)
         if event is None or not event.transitions.get(state):

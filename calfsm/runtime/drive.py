@@ -302,6 +302,27 @@ class Steps:
         self.control = control
         self.clock = pipeline.clock
 
+    def enabled(self) -> list[str]:
+        """The actions that may run now, in the scheduler's order (``expire`` first: a
+        timer). One look at the parts: the scheduler asks at every step, so this is on
+        every token's way and asks each part once."""
+        p = self.pipeline
+        admission, device = p.admission, p.device
+        acts = []
+        if p.next_deadline() <= self.clock.now():
+            acts.append("expire")
+        if admission.can_admit():
+            acts.append("admit")
+        if device.submittable():
+            acts.append("submit")
+        if device.has_completions():
+            acts.append("complete")
+        if self.control.recovery_due():
+            acts.append("recover")
+        if admission.has_deferred():
+            acts.append("deferred")
+        return acts
+
     def expire_due(self) -> bool:
         """A parked or queued job's deadline has passed (a timer: it fires first)."""
         return self.pipeline.next_deadline() <= self.clock.now()

@@ -55,20 +55,11 @@ class StepScheduler:
     # ---- which actions may run -----------------------------------------------------
     def enabled(self) -> list[str]:
         s = self.steps
-        acts = []
-        if s.expire_due():
-            acts.append("expire")
+        acts = s.enabled()
         # a parked job that could not move is retried only once something changed
-        if s.can_admit() and self._admit_blocked_at != s.admission_fingerprint():
-            acts.append("admit")
-        if s.can_submit():
-            acts.append("submit")
-        if s.can_complete():
-            acts.append("complete")
-        if s.can_recover():
-            acts.append("recover")
-        if s.can_run_deferred():
-            acts.append("deferred")
+        if self._admit_blocked_at is not None and "admit" in acts \
+                and self._admit_blocked_at == s.admission_fingerprint():
+            acts.remove("admit")
         return acts
 
     # ---- running -------------------------------------------------------------------

@@ -39,7 +39,7 @@ import attrs
 import numpy as np
 
 from calfsm.drivers import Driver, driver_names, load_driver
-from calfsm.engine.job import JobHandle, Request
+from calfsm.engine.job import Request
 from calfsm.engine.observe import DeviceStep, JobAccepted, Observer
 from calfsm.errors import CalfsmError, InvalidArgument, Unavailable
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -60,7 +60,7 @@ if TYPE_CHECKING:
     from calfsm.drivers.faults import FaultPlan
     from calfsm.drivers.sim import LatencyModel
 
-__all__ = ["EXIT_DEVICE_FAILED", "EXIT_OK", "EXIT_USAGE", "PATHS", "CountingExecutor",
+__all__ = ["EXIT_DEVICE_FAILED", "EXIT_OK", "EXIT_USAGE", "PATHS", "JobCounts",
            "build_driver", "main", "prompt_params", "run_workload"]
 
 EXIT_OK = 0
@@ -129,55 +129,39 @@ def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,
     return load_driver(name, manifest_or_calbin=manifest, **kw)
 
 
-class CountingExecutor(DeviceExecutor, Observer):
-    """A :class:`DeviceExecutor` that counts every job tried, and the refusals at enqueue
-    by category: the summary accounts for every job. It observes itself: a job accepted
-    is a ``job_accepted`` event (``enqueue``, ``enqueue_nowait``, and a stream's step
-    prepared ahead once it is released to run; a step prepared ahead and discarded never
-    ran, and is not a job here). A refusal is counted where its caller gets it, at the
-    two public entries, whatever below them raised it; a job tried is one accepted or
+class JobCounts(Observer):
+    """Counts every job tried, and the refusals at enqueue by category, so the summary
+    accounts for every job: an observer of the executor, not a kind of it. A job
+    accepted is a ``job_accepted`` event (``enqueue``, ``enqueue_nowait``, a sequence's
+    or a stream's step, and a stream's step prepared ahead once it is released to run; a
+    step prepared ahead and discarded never ran, and is not a job here); a refusal is a
+    ``job_refused`` event, wherever the job was tried. A job tried is one accepted or
     refused."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        self._count_lock = threading.Lock()
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
         self.jobs_enqueued = 0
         self.jobs_refused: Counter[str] = Counter()     # category -> jobs refused
         self.decode_steps = self.decode_rows = 0        # batch graph decode jobs, rows
-        super().__init__(*args, **kwargs)
-        self.add_observer(self)
 
     def job_accepted(self, event: JobAccepted) -> None:
-        with self._count_lock:
+        with self._lock:
             self.jobs_enqueued += 1
+
+    def job_refused(self, error: CalfsmError, request: Any) -> None:
+        with self._lock:
+            self.jobs_enqueued += 1
+            self.jobs_refused[error.category.value] += 1
 
     def device_step(self, step: DeviceStep) -> None:
         if step.kind is TaskKind.DECODE:
-            with self._count_lock:
+            with self._lock:
                 self.decode_steps += 1
                 self.decode_rows += step.rows
 
-    def enqueue(self, request: Request) -> JobHandle:
-        try:
-            return super().enqueue(request)
-        except CalfsmError as e:
-            self._refused(e)
-            raise
-
-    def enqueue_nowait(self, request: Request, *, continuing: bool = False) -> JobHandle:
-        try:
-            return super().enqueue_nowait(request, continuing=continuing)
-        except CalfsmError as e:
-            self._refused(e)
-            raise
-
-    def _refused(self, err: CalfsmError) -> None:
-        with self._count_lock:
-            self.jobs_enqueued += 1
-            self.jobs_refused[err.category.value] += 1
-
     def enqueue_counts(self) -> tuple[int, dict[str, int]]:
         """(jobs enqueued, category -> jobs refused at enqueue), a snapshot."""
-        with self._count_lock:
+        with self._lock:
             return self.jobs_enqueued, dict(self.jobs_refused)
 
 
@@ -232,10 +216,10 @@ Wait = Callable[[], bool]
 Steps = Generator[Wait, None, T]
 
 
-def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: int,
+def run_workload(ex: DeviceExecutor, *, prompts: int, sequences: int, tokens: int,
                  seed: int, max_prompt: int, progress: Any = None, path: str = "streams",
-                 sampling: SamplingParams | None = None, resume: bool = False
-                 ) -> dict[str, Any]:
+                 sampling: SamplingParams | None = None, resume: bool = False,
+                 counts: JobCounts | None = None) -> dict[str, Any]:
     """Run the workload on ``path`` (``streams`` or ``jobs``); return the numbers of the
     summary table: ``jobs`` enqueued, ``refused`` (category -> jobs refused at enqueue),
     ``prompts_completed``, ``errors`` (category -> prompts an error ended), ``tokens``
@@ -245,7 +229,8 @@ def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: 
     ``ttft_p99_ms`` (time to first token), ``itl_p50_ms``/``itl_p99_ms`` (time per
     output token), each None without samples, and ``outputs`` (prompt index -> its
     tokens). ``resume`` (streams only): a stream whose KV a reset lost replays and
-    continues.
+    continues. ``counts``: the :class:`JobCounts` observing ``ex`` (default: one observes
+    this run only).
 
     A threaded executor runs each sequence on a thread of its own. A step-mode executor
     (``threaded=False``: what ``calfsm run`` builds on a virtual clock) runs every
@@ -265,7 +250,11 @@ def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: 
             for _ in range(prompts)]
     tally = _Tally()
     queue = list(enumerate(work))
-    jobs_before, refused_before = ex.enqueue_counts()
+    own_counts = counts is None
+    if counts is None:
+        counts = JobCounts()
+        ex.add_observer(counts)
+    jobs_before, refused_before = counts.enqueue_counts()
 
     def next_prompt() -> tuple[int, list[int]] | None:
         with tally.lock:
@@ -297,7 +286,9 @@ def run_workload(ex: CountingExecutor, *, prompts: int, sequences: int, tokens: 
     else:
         _interleave(workers, StepScheduler(ex, seed))
     wall, elapsed = time.perf_counter() - t0, ex.clock.now() - c0
-    jobs, refused = ex.enqueue_counts()
+    jobs, refused = counts.enqueue_counts()
+    if own_counts:
+        ex.remove_observer(counts)
     refused = {k: n - refused_before.get(k, 0) for k, n in refused.items()
                if n > refused_before.get(k, 0)}
     generated = len(tally.itl_s)
@@ -596,13 +587,15 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
     try:
         # on a virtual clock nothing needs threads: step mode, with a StepScheduler seeded
         # from --seed, makes the run (faults, order, numbers) the same every time
-        ex = CountingExecutor(driver, manifest,
-                              ExecutorConfig(max_inflight=args.max_inflight,
-                                             threaded=not driver.clock.virtual,
-                                             evidence_dir=args.evidence_dir))
+        ex = DeviceExecutor(driver, manifest,
+                            ExecutorConfig(max_inflight=args.max_inflight,
+                                           threaded=not driver.clock.virtual,
+                                           evidence_dir=args.evidence_dir))
     except CalfsmError as e:
         _error(f"start-up failed: {e}")
         return EXIT_DEVICE_FAILED
+    counts = JobCounts()
+    ex.add_observer(counts)
     for note in ex.health().notes:     # configuration not honoured (e.g. --max-inflight)
         _error(f"note: {note}")
     shutdown_error = None
@@ -613,7 +606,8 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
                                    tokens=args.tokens, seed=args.seed,
                                    max_prompt=args.max_prompt,
                                    progress=lambda: bar.advance(task), path=args.path,
-                                   sampling=args.sampling, resume=args.resume)
+                                   sampling=args.sampling, resume=args.resume,
+                                   counts=counts)
         finally:
             final_state, reason = ex.lifecycle_state, ex.failure_reason
             try:
@@ -621,7 +615,7 @@ def _run(args: argparse.Namespace, driver: Any, manifest: Manifest) -> int:
             except CalfsmError as e:
                 shutdown_error = e
     console = Console()
-    console.print(_table(args, driver, manifest, summary, ex, final_state))
+    console.print(_table(args, driver, manifest, summary, ex, counts, final_state))
     # the verdict ends the summary (stdout) and is the error line (stderr)
     if shutdown_error is not None:
         console.print(f"[red]shutdown:[/red] {shutdown_error}")
@@ -654,7 +648,8 @@ def _sampling_rows(p: SamplingParams) -> list[tuple[str, str]]:
 
 
 def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
-           summary: dict[str, Any], ex: DeviceExecutor, final_state: str) -> Any:
+           summary: dict[str, Any], ex: DeviceExecutor, counts: JobCounts,
+           final_state: str) -> Any:
     from rich.table import Table
 
     stats = ex.stats()
@@ -665,9 +660,9 @@ def _table(args: argparse.Namespace, driver: Any, manifest: Manifest,
     table.add_row("path", args.path + (", resume" if args.resume else ""))
     table.add_row("jobs in flight: asked / running",
                   f"{args.max_inflight} / {health.max_inflight}")
-    if ex.decode_steps:     # a batch graph: how full its decode steps ran
+    if counts.decode_steps:     # a batch graph: how full its decode steps ran
         table.add_row(f"rows per decode step (at most {health.max_batch})",
-                      f"{ex.decode_rows / ex.decode_steps:.2f}")
+                      f"{counts.decode_rows / counts.decode_steps:.2f}")
     for note in health.notes:
         table.add_row("note", note)
     for metric, value in _sampling_rows(args.sampling):

@@ -42,6 +42,7 @@ from calfsm.errors import (
     ResourceExhausted,
 )
 from calfsm.executor import DeviceExecutor, step_port
+from calfsm.generate.front import Front
 from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import FinishReason, GenerationResult, Sequence, Stream
 from calfsm.machines.sequence import SequenceState
@@ -925,28 +926,28 @@ def test_defect_wait_until_idle_wakes_when_the_last_stream_ends():
         assert slowest < 1.0, f"wait_until(idle) slept {slowest:.3f} s after the work ended"
 
 
-def test_defect_close_racing_a_job_being_started_waits_for_that_job(caplog):
+def test_defect_close_racing_a_job_being_started_waits_for_that_job(caplog, monkeypatch):
     """Found while breaking reference cycles: ``Sequence.close()`` landing between a
     job's start (the sequence Busy) and its handle being recorded waited for the job
     before it, released the KV under the new one and gave the id back while it ran."""
     with make_executor("threaded") as ex:
         seq = ex.open_sequence()
         assert finish(ex, seq.prefill([1, 2, 3])).greedy() is not None
-        real = ex.enqueue_nowait
+        real = Front.enqueue_nowait         # where a sequence's job is enqueued
         closer = threading.Thread(target=seq.close, name="test-closer")
         seen: dict[str, bool] = {}
 
-        def enqueue_while_closing(request, **kw):
+        def enqueue_while_closing(front, request, **kw):
             closer.start()
             closer.join(0.2)                 # close() must wait for this job's handle
             seen["waited"] = closer.is_alive()
-            return real(request, **kw)
+            return real(front, request, **kw)
 
-        ex.enqueue_nowait = enqueue_while_closing
+        monkeypatch.setattr(Front, "enqueue_nowait", enqueue_while_closing)
         try:
             handle = seq.decode(7)
         finally:
-            del ex.enqueue_nowait
+            monkeypatch.undo()
         closer.join(10)
         assert seen["waited"], "close() went on before the job being started was known"
         assert not closer.is_alive()

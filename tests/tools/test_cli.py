@@ -21,8 +21,10 @@ from calfsm.drivers import registry
 from calfsm.drivers.base import Capabilities
 from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
+from calfsm.engine.face import JobFace
+from calfsm.engine.lifecycle import Lifecycle
 from calfsm.errors import Unavailable
-from calfsm.executor import DeviceExecutor, ExecutorConfig, StreamSteps
+from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import builtin_manifest
 from calfsm.tools import cli
@@ -197,21 +199,24 @@ def test_a_failed_executor_prints_the_summary_and_says_why_on_stderr(capsys, mon
 @pytest.mark.parametrize("path", cli.PATHS)
 def test_the_summary_shows_jobs_refused_at_enqueue(capsys, monkeypatch, path):
     """The second job (the first prompt's first decode) is refused at enqueue: the first
-    prompt fails, the other two complete, and the table says so row by row. A stream
-    enqueues with ``enqueue_nowait``; with nothing prepared ahead (``stage`` says it
-    cannot), every one of its steps goes that way."""
-    entry = "enqueue" if path == "jobs" else "enqueue_nowait"
-    real_enqueue = getattr(DeviceExecutor, entry)
+    prompt fails, the other two complete, and the table says so row by row. The refusal
+    is made at the lifecycle's gate, which every job tried passes once (the jobs path's
+    ``enqueue``, a stream's steps); with nothing prepared ahead (``stage`` says it
+    cannot), every step of a stream is a job tried."""
     calls = []
+    real_gate = Lifecycle.gate
+    unset = object()
 
-    def enqueue(self, request, **kw):
-        calls.append(request)
+    def gate(self, *, continuing=unset):
+        if continuing is unset:             # opening a sequence, not a job tried
+            return real_gate(self)
+        calls.append(continuing)            # every job tried passes the gate once
         if len(calls) == 2:
             raise Unavailable("admission paused", retry_after_s=0.0, stage="admission")
-        return real_enqueue(self, request, **kw)
+        return real_gate(self, continuing=continuing)
 
-    monkeypatch.setattr(DeviceExecutor, entry, enqueue)
-    monkeypatch.setattr(StreamSteps, "stage", lambda self, request: None)
+    monkeypatch.setattr(Lifecycle, "gate", gate)
+    monkeypatch.setattr(JobFace, "stage", lambda self, request: None)
     rc, out, err = run(capsys, "--manifest", "tiny", "--prompts", "3", "--sequences", "1",
                        "--tokens", "2", "--quiet", "--path", path)
     assert rc == cli.EXIT_OK, err
@@ -252,7 +257,7 @@ def _workload(path: str, sampling: SamplingParams | None = None, *, faults=None,
               tokens: int = 5) -> dict:
     manifest = builtin_manifest("tiny")
     driver = SimDriver(manifest, seed=0, trace=False, faults=faults)
-    with cli.CountingExecutor(driver, manifest, ExecutorConfig()) as ex:
+    with DeviceExecutor(driver, manifest, ExecutorConfig()) as ex:
         return cli.run_workload(ex, prompts=prompts, sequences=sequences, tokens=tokens,
                                 seed=3, max_prompt=40, path=path, sampling=sampling,
                                 resume=resume)
