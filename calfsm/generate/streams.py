@@ -497,8 +497,7 @@ class Stream:
         epoch = ex.epoch
         if epoch is None:
             raise Unavailable("executor has no configured model", stage="generate")
-        contract = epoch.contract(TaskKind.DECODE)
-        tokenizer = ex.tokenizer
+        contract, tokenizer = epoch.contract(TaskKind.DECODE), ex.tokenizer
         self.sequence = sequence
         checked, params = judge_stream(prompt, params, tokenizer, priority, epoch.model,
                                        position=sequence.position - cached, seq_id=seq_id)
