@@ -132,6 +132,10 @@ def test_a_device_refusing_every_csr_write_is_out_of_service_at_its_first_failed
                 drive(ex, lambda: ex.lifecycle_state in ("Failed", "Ready"))
                 continue
             results.append(_result(ex, stream))
+        # every job has told its end: threaded, the one that met the refusal may be the
+        # decode staged ahead on the admission side, which no caller waits for (its
+        # stream ended through its prefill, held for a generation that never came)
+        drive(ex, ex.idle)
         # the first job to meet the device's refusal took the generation out of
         # service before its caller heard of it (on main: eight, all while Ready)
         _out_of_service_at_once(ends)
@@ -175,6 +179,7 @@ def test_a_one_off_csr_refusal_drains_at_once_and_the_stream_resumes_on_the_next
         ex.add_observer(ends)
         stream = ex.generate(prompt, SamplingParams(max_tokens=4))
         result = _result(ex, stream)
+        drive(ex, ex.idle)                  # the staged step's end told (see above)
         _out_of_service_at_once(ends)
         met = _met(ends)
         assert len(met) == 1, ends.ends                 # the rule fires once
