@@ -537,7 +537,9 @@ class DeviceExecutor:
         return self._life
 
     def idle(self) -> bool:
-        """No job waits for admission, is queued, on the device or being completed."""
+        """No job waits for admission, is queued, on the device or being completed, and
+        no deferred work is queued or running (a stream's next step being staged ahead
+        may be a job that has yet to tell its end)."""
         return self._pipeline.idle()
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None

@@ -73,12 +73,15 @@ class Admission:
         #: cancel only flags it, a drain does not take it) until it is queued or failed
         self._admitting: JobContext | None = None
         self._deferred: deque[Callable[[], None]] = deque()   # work to run outside locks
+        #: deferred functions taken off the queue and still running: busy until they
+        #: return (one may be staging a step, a job whose end it has yet to tell)
+        self._running = 0
         self._ids = itertools.count(1)
 
     # ---- observation ---------------------------------------------------------------
     def busy(self) -> bool:
-        """A job is parked or being admitted, or deferred work is left."""
-        return bool(self._parked or self._deferred or self._admitting)
+        """A job is parked or being admitted, or deferred work is left or running."""
+        return bool(self._parked or self._deferred or self._admitting or self._running)
 
     def has_parked(self) -> bool:
         return bool(self._parked)
@@ -157,10 +160,14 @@ class Admission:
             if not self._deferred:
                 return False
             fn = self._deferred.popleft()
+            self._running += 1
         try:
             fn()
         except Exception:
             log.exception("deferred work %r raised", fn)
+        finally:
+            with self.core.lock:
+                self._running -= 1
         self.core.hooks.changed()       # idle counts deferred work
         return True
 
