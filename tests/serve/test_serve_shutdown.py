@@ -41,7 +41,7 @@ from tests.serve.test_serve_metrics import samples
 pytestmark = pytest.mark.timeout(90)
 GRACE = 2.0
 #: the interpreter's exit after the server's shutdown ended (not calfsm's time)
-PROCESS_EXIT_S = 10.0
+PROCESS_EXIT_S = 20.0
 
 
 def _stream_events(url: str, body: dict[str, Any], out: dict[str, Any],
@@ -136,7 +136,7 @@ def test_sigterm_cuts_open_streams_and_waiting_clients_and_exits_within_the_grac
             _post(url, {"model": MODEL, "prompt": [3], "max_tokens": 2}, late)
         for t in threads:
             t.join(GRACE + 20)
-        rc = proc.wait(GRACE + 20)
+        rc = proc.wait(GRACE + 1.0 + PROCESS_EXIT_S + 5)
         took = time.monotonic() - t0
         _, err = proc.communicate(timeout=10)
     finally:
@@ -150,7 +150,7 @@ def test_sigterm_cuts_open_streams_and_waiting_clients_and_exits_within_the_grac
     # calfsm's promise, on the server's own clock: from the signal to the end of its
     # shutdown, the grace and then at most a second. The rest of the wall time from
     # SIGTERM to the exit is the OS's and the interpreter's (delivering the signal,
-    # finalizing the process: 1.5-1.9 s seen at load 12), bounded apart, generously.
+    # finalizing the process: 1.5-6 s seen at load 10-14), bounded apart, generously.
     assert len(done) == 1, err
     assert GRACE <= float(done[0]) <= GRACE + 1.0, (done, err)
     assert took <= GRACE + 1.0 + PROCESS_EXIT_S, (took, err)
