@@ -89,6 +89,7 @@ from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_comp
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
 from calfsm.telemetry.metrics import ExecutorMetrics
+from calfsm.util.lazy import bf16_dtype
 from calfsm.util.lograte import RateLimitedLog
 
 __all__ = ["ServerConfig", "client_usage", "create_app", "liveness", "shutdown"]
@@ -244,7 +245,11 @@ class _Server:
 
     # ---- start and shutdown --------------------------------------------------------
     def start(self, factory: ExecutorFactory) -> None:
-        """Build the executor in the background (the lifespan's start-up)."""
+        """Build the executor in the background (the lifespan's start-up). The device
+        buffers' bfloat16 (ml_dtypes) is loaded here first, before the server listens:
+        its extension's import holds the GIL throughout (~0.6 s of CPU, 4-5 s seen on a
+        busy machine), and in the start-up thread it held every probe that long."""
+        bf16_dtype()
         self.owned = True
         self._starting = asyncio.ensure_future(_start_owned(self, factory))
 

@@ -22,7 +22,10 @@ for ``ServerConfig.shutdown_grace_s``, then the rest are cut (each stream a term
 error event, each waiting client a JSON 503) and an owned executor is closed; a second
 Ctrl-C (``force_exit``) cuts at once. Then uvicorn's own shutdown finds every response
 complete, closes the connections at once, and the lifespan shutdown finds the work done.
-The process exits within about the grace plus 0.5 s.
+The server's shutdown ends within about the grace plus 0.5 s of the signal; it logs how
+long it took (``shutdown: done in S s``, at INFO) and keeps it as
+:attr:`GracefulServer.shutdown_s`. What the interpreter does after that to exit (its
+own finalization) is not the server's, and on a busy machine can take seconds more.
 
 An app that is not one of :func:`calfsm.serve.create_app`'s is served as plain uvicorn
 would.
@@ -30,7 +33,9 @@ would.
 
 from __future__ import annotations
 
+import logging
 import socket
+import time
 from types import FrameType
 from typing import Any
 
@@ -39,6 +44,8 @@ import uvicorn
 from calfsm.serve.app import shutdown
 
 __all__ = ["GracefulServer"]
+
+log = logging.getLogger("calfsm.serve")
 
 
 def _calfsm_state(app: Any) -> Any:
@@ -51,13 +58,27 @@ class GracefulServer(uvicorn.Server):
     (module docstring). Use it as ``uvicorn.Server``: ``GracefulServer(uvicorn.Config(
     create_app(...), ...)).run()``."""
 
+    #: when the first stop signal was handled (``time.monotonic``), else None
+    signalled_at: float | None = None
+    #: seconds from the first stop signal (or from the start of the shutdown when none
+    #: came) to the end of the shutdown; None until it ended
+    shutdown_s: float | None = None
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        if self.signalled_at is None:
+            self.signalled_at = time.monotonic()     # plain stores: safe in a handler
         super().handle_exit(sig, frame)
         state = _calfsm_state(self.config.app)
         if state is not None:
-            state.closing = True     # a plain store: safe in a signal handler
+            state.closing = True
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        if _calfsm_state(self.config.app) is not None:
+        began = time.monotonic() if self.signalled_at is None else self.signalled_at
+        state = _calfsm_state(self.config.app)
+        if state is not None:
             await shutdown(self.config.app, force=lambda: self.force_exit)
         await super().shutdown(sockets)
+        self.shutdown_s = time.monotonic() - began
+        if state is not None:       # the server's own account, apart from process exit
+            log.info("shutdown: done in %.2f s (grace %g s)", self.shutdown_s,
+                     state.config.shutdown_grace_s)

@@ -29,7 +29,14 @@ from calfsm.serve import cli as serve_cli
 from calfsm.tools import cli
 from tests.serve.test_serve import TOK, params_of, poll, reference
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)
+#: a client's read timeout here only guards against a hang: these tests promise what the
+#: server answers, not how soon a loaded machine schedules it (a /ready that waited 2 s
+#: was a ReadTimeout at load 12). How fast probes are is test_serve_probes' to judge.
+HANG_S = 20.0
+#: how long a process's start-up (interpreter, imports, the device's warm-up) may take:
+#: the machine's time, not calfsm's (over 30 s to 'listening on' seen at load 17)
+START_S = 60.0
 
 
 def _free_port() -> int:
@@ -50,7 +57,7 @@ class Serving:
         self.lines: queue.Queue[str | None] = queue.Queue()
         self.stderr: list[str] = []
         threading.Thread(target=self._read, daemon=True).start()
-        self.url = self._listening(30)
+        self.url = self._listening(START_S)
 
     def _read(self) -> None:
         assert self.proc.stderr is not None
@@ -88,10 +95,10 @@ class Serving:
 def test_calfsm_serve_says_where_it_listens_answers_and_stops_on_sigint():
     srv = Serving()
     try:
-        poll(lambda: httpx.get(srv.url + "/ready", timeout=2).status_code == 200, 30,
-             "calfsm serve never became ready", every=0.05)
+        poll(lambda: httpx.get(srv.url + "/ready", timeout=HANG_S).status_code == 200,
+             START_S, "calfsm serve never became ready", every=0.05)
         body = {"model": "tiny", "prompt": "hi", "temperature": 0, "max_tokens": 5}
-        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=10)
+        r = httpx.post(srv.url + "/v1/completions", json=body, timeout=HANG_S)
         assert TOK.encode(r.json()["choices"][0]["text"]) == reference(
             TOK.encode("hi"), params_of(body))
     finally:
@@ -102,16 +109,43 @@ def test_calfsm_serve_says_where_it_listens_answers_and_stops_on_sigint():
 def test_calfsm_serve_takes_its_keys_from_the_environment():
     srv = Serving(env={"CALFSM_API_KEY": " k-one , k-two "})
     try:
-        poll(lambda: httpx.get(srv.url + "/ready", timeout=2).status_code == 200, 30,
-             "calfsm serve never became ready", every=0.05)
+        poll(lambda: httpx.get(srv.url + "/ready", timeout=HANG_S).status_code == 200,
+             START_S, "calfsm serve never became ready", every=0.05)
         body = {"model": "tiny", "prompt": [1], "max_tokens": 2}
-        assert httpx.post(srv.url + "/v1/completions", json=body).status_code == 401
+        assert httpx.post(srv.url + "/v1/completions", json=body,
+                          timeout=HANG_S).status_code == 401
         for key in ("k-one", "k-two"):
-            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=10,
+            r = httpx.post(srv.url + "/v1/completions", json=body, timeout=HANG_S,
                            headers={"authorization": f"Bearer {key}"})
             assert r.status_code == 200, r.text
     finally:
         srv.stop()
+
+
+def test_an_apps_start_up_loads_the_heavy_import_before_it_serves():
+    """The device buffers' bfloat16 (ml_dtypes) is imported by the app's lifespan
+    start-up, before uvicorn listens, not by the thread that builds the executor
+    meanwhile: that extension's import holds the GIL throughout (~0.6 s of CPU, 4-5 s
+    seen at load 10), so every ``/ready`` and ``/health`` during start-up waited that
+    long (a 2 s probe timed out). A fresh interpreter, so nothing imported it before."""
+    code = """if True:
+        import asyncio, sys
+        from calfsm.serve import create_app, realtime_sim
+        from calfsm.executor import DeviceExecutor
+        from tests.serve.test_serve import TINY
+        async def build():
+            return await DeviceExecutor.create(realtime_sim(TINY, decode_ms=0), TINY)
+        app = create_app(build)
+        async def main():
+            assert "ml_dtypes" not in sys.modules
+            async with app.router.lifespan_context(app):
+                print("ml_dtypes" in sys.modules, flush=True)   # what a probe would find
+        asyncio.run(main())
+    """
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).parents[2],
+                         capture_output=True, text=True, timeout=50)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True"], out
 
 
 def _parse(*argv: str) -> argparse.Namespace:
