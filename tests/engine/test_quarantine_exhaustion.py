@@ -14,23 +14,21 @@ import threading
 import numpy as np
 
 from calfsm.drivers.faults import FaultPlan, FaultRule
-from calfsm.drivers.sim import SimDriver
 from calfsm.engine.job import Request
 from calfsm.engine.recovery import Decision, FaultPolicy
 from calfsm.errors import CalrtCode, ErrorCategory
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
-from calfsm.tools.direct import DirectRunner
 from tests.engine.test_buffers import make_pool
 from tests.helpers.executor import (
-    TINY,
     GatedDriver,
     eventually,
     finish,
     make_executor,
     make_sim,
 )
+from tests.helpers.streams import direct_runner
 
 SEQ = 5
 PREFILL = TaskKind.PREFILL_IDS
@@ -54,7 +52,7 @@ def _recovered(ex, generation):
 
 def _serves_like_the_reference(ex):
     """A prefill and a decode on a fresh sequence equal the direct path bit for bit."""
-    ref = DirectRunner(SimDriver(TINY, trace=False), TINY)
+    ref = direct_runner()
     want_prefill = ref.prefill(40, [7, 8, 9])
     want_decode = ref.decode(40, 11, 3)
     got_prefill = finish(ex, ex.enqueue(Request.prefill(40, [7, 8, 9])))
