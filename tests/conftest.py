@@ -12,8 +12,10 @@ so the README's command and ``.ci/run`` run the same suite:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -42,6 +44,19 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE)
 def _fresh_log_limits() -> None:
     """Each test sees its first warnings: the process-wide log rate limits start over."""
     lograte.reset()
+
+
+@pytest.fixture(autouse=True)
+def _log_levels_restored() -> Iterator[None]:
+    """Each test starts with the log levels it found: ``calfsm soak`` run in-process sets
+    the ``calfsm`` logger to CRITICAL (and ``calfsm run`` the root to ERROR) for the rest
+    of the process, which silenced the warnings later tests look for in ``caplog``
+    whenever a soak test ran before them in the same process (pytest-xdist's order)."""
+    root, ours = logging.getLogger(), logging.getLogger("calfsm")
+    levels = root.level, ours.level
+    yield
+    root.setLevel(levels[0])
+    ours.setLevel(levels[1])
 
 
 @pytest.fixture
