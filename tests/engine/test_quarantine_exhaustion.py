@@ -9,6 +9,7 @@ waiting for that kind get a retryable 503 at once, and the next generation serve
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -27,6 +28,7 @@ from tests.helpers.executor import (
     finish,
     make_executor,
     make_sim,
+    outcome,
 )
 from tests.helpers.streams import direct_runner
 
@@ -34,10 +36,7 @@ SEQ = 5
 PREFILL = TaskKind.PREFILL_IDS
 
 
-def _outcome(ex, handle):
-    if not ex.config.threaded:
-        StepScheduler(ex, seed=3).run_until(handle.done)
-    return handle.exception(20)
+_outcome = functools.partial(outcome, seed=3)
 
 
 def _recovered(ex, generation):

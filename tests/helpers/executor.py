@@ -305,10 +305,11 @@ def top_logprobs(row: Any, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(z[i])) for i in order[:k] if np.isfinite(z[i])]
 
 
-def outcome(ex: DeviceExecutor, handle: Any, timeout: float = 20.0) -> Any:
-    """The job's error, or None if it succeeded (step mode: drive it there first)."""
+def outcome(ex: DeviceExecutor, handle: Any, timeout: float = 20.0, *, seed: int = 2) -> Any:
+    """The job's error, or None if it succeeded (step mode: drive it there first, on a
+    scheduler of ``seed``)."""
     if not ex.config.threaded:
-        StepScheduler(ex, seed=2).run_until(handle.done)
+        StepScheduler(ex, seed=seed).run_until(handle.done)
     return handle.exception(timeout)
 
 
