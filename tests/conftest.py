@@ -12,8 +12,10 @@ so the README's command and ``.ci/run`` run the same suite:
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
+from collections.abc import Iterator
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -38,10 +40,51 @@ for _name, _profile in PROFILES.items():
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or DEFAULT_PROFILE)
 
 
+#: the files that run longest (``python -m pytest -q --durations=60`` on 2 cores, most
+#: first): collected first, so that under pytest-xdist (``--dist loadfile
+#: --no-loadscope-reorder``) they start at once on their workers while the many short
+#: files fill the others, instead of one of them starting last and running alone
+LONG_FIRST = (
+    "tests/generate/test_streams_stateful.py",       # one hypothesis machine, ~2 min
+    "tests/tools/test_soak_cli.py",                  # the 60 s soak leak test and more
+    "tests/test_bench_smoke.py",
+    "tests/engine/test_every_call_faults.py",
+    "tests/serve/test_ray_serve.py",                 # a local Ray cluster
+    "tests/api/test_executor.py",
+    "tests/drivers/test_conformance_package.py",     # pytest in subprocesses
+    "tests/engine/test_batching.py",
+    "tests/serve/test_serve_deadlines.py",
+    "tests/native/test_sanitizers.py",               # two sanitizer builds
+    "tests/tools/test_cli.py",
+    "tests/native/test_conformance_instant.py",
+    "tests/serve/test_serve_probes.py",
+    "tests/tools/test_soak.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The files of :data:`LONG_FIRST` first, in its order; the rest as collected."""
+    rank = {path: i for i, path in enumerate(LONG_FIRST)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::", 1)[0], len(rank)))
+
+
 @pytest.fixture(autouse=True)
 def _fresh_log_limits() -> None:
     """Each test sees its first warnings: the process-wide log rate limits start over."""
     lograte.reset()
+
+
+@pytest.fixture(autouse=True)
+def _log_levels_restored() -> Iterator[None]:
+    """Each test starts with the log levels it found: ``calfsm soak`` run in-process sets
+    the ``calfsm`` logger to CRITICAL (and ``calfsm run`` the root to ERROR) for the rest
+    of the process, which silenced the warnings later tests look for in ``caplog``
+    whenever a soak test ran before them in the same process (pytest-xdist's order)."""
+    root, ours = logging.getLogger(), logging.getLogger("calfsm")
+    levels = root.level, ours.level
+    yield
+    root.setLevel(levels[0])
+    ours.setLevel(levels[1])
 
 
 @pytest.fixture

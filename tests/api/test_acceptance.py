@@ -28,16 +28,16 @@ import numpy as np
 import pytest
 
 from calfsm.drivers import refmodel
-from calfsm.drivers.sim import SimDriver
 from calfsm.engine.job import InferenceResult, JobHandle, Request
 from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.tools import cli
-from calfsm.tools.direct import DirectRunner, golden_prompts
+from calfsm.tools.direct import golden_prompts
 from tests.helpers import refmodel_pure as pure
 from tests.helpers.executor import MODES, TINY, calls, make_executor, make_sim, two_in_flight
+from tests.helpers.streams import golden_tokens
 
 N_TOKENS = 16
 QWEN = builtin_manifest("qwen3-b1")
@@ -49,8 +49,7 @@ LENGTHS = (1, 2, 15, 16, 17, 127, 128, 1024, 4095, 4096, 40959)
 @pytest.fixture(scope="module")
 def golden_direct() -> list[list[int]]:
     """The golden's tokens through the direct path (tiny manifest, as test_golden)."""
-    runner = DirectRunner(SimDriver(TINY, trace=False), TINY)
-    return [runner.generate(i, p, N_TOKENS) for i, p in enumerate(golden_prompts())]
+    return golden_tokens(golden_prompts(), N_TOKENS, seq_per_prompt=True)
 
 
 def _assert_clean(ex: DeviceExecutor, failed: int = 0) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import gc
 import logging
 import queue
@@ -47,14 +48,14 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
     outcome,
+    prefill,
     settle,
 )
 
 SEQ = 7
 
 
-def _prefill(tokens=(1, 2, 3), seq=SEQ, **kw):
-    return Request.prefill(seq, list(tokens), **kw)
+_prefill = functools.partial(prefill, seq=SEQ)
 
 
 def _assert_clean(ex: DeviceExecutor) -> None:
@@ -71,7 +72,7 @@ def _assert_clean(ex: DeviceExecutor) -> None:
 def test_prefill_then_decode_matches_reference(mode):
     from calfsm.drivers import refmodel
     with make_executor(mode) as ex:
-        r = finish(ex, ex.enqueue(_prefill([1, 2, 3])))
+        r = finish(ex, ex.enqueue(_prefill(tokens=[1, 2, 3])))
         hashes = refmodel.chain([1, 2, 3])
         want = refmodel.logits_bf16(hashes[-1], TINY.submodel(TaskKind.DECODE).vocab)
         np.testing.assert_array_equal(

@@ -11,6 +11,7 @@ both ways here with a gated ``wait``; one in flight and two on Ping/Pong.
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
 from typing import Any
@@ -34,6 +35,7 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
     outcome,
+    prefill,
     settle,
     two_in_flight,
 )
@@ -49,8 +51,7 @@ PROMPT_BOUND = TIMEOUT / 4
 SEQ = 5
 
 
-def _prefill(seq=SEQ, tokens=(1, 2, 3)):
-    return Request.prefill(seq, list(tokens))
+_prefill = functools.partial(prefill, seq=SEQ)
 
 
 def _on_closing(ex) -> threading.Event:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 #: tests/drivers modules that are calfsm's own, not the shipped suite's
-OWN = ("test_sim.py", "test_registry.py", "test_conformance_package.py", "test_faultplan.py")
+OWN = ("test_sim.py", "test_registry.py", "test_faultplan.py", "test_conformance_package.py")
 
 
 def _pytest(*args: str, cwd: Path) -> subprocess.CompletedProcess:

@@ -33,13 +33,10 @@ from tests.helpers.executor import (
     hold_on_device,
     make_executor,
     make_sim,
+    prefill,
 )
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def _prefill(seq: int, n: int = 4) -> Request:
-    return Request.prefill(seq, list(range(1, n + 1)))
 
 
 class Caller(threading.Thread):
@@ -102,8 +99,8 @@ def test_blocked_enqueues_are_admitted_first_come_first_served():
     gated = GatedDriver(make_sim("threaded"))
     with make_executor("threaded", driver=gated, slots_per_engine=1,
                        admission_timeout_s=60) as ex:
-        held = hold_on_device(ex, gated, _prefill(0))
-        callers = _queue_callers(ex, [_prefill(s) for s in (3, 1, 2)])
+        held = hold_on_device(ex, gated, prefill(0, range(1, 5)))
+        callers = _queue_callers(ex, [prefill(s, range(1, 5)) for s in (3, 1, 2)])
         assert all(c.is_alive() for c in callers)       # nobody passed the held slot
         gated.gate.set()
         held.result(10)
@@ -121,8 +118,8 @@ def test_a_blocked_enqueue_goes_on_when_a_sequence_reset_frees_the_kv():
     lets it through at once, long before its 60 s admission deadline."""
     sim = make_sim("threaded", kv_capacity=16)
     with make_executor("threaded", driver=sim, admission_timeout_s=60) as ex:
-        ex.enqueue(_prefill(0, 12)).result(10)
-        caller = Caller(ex, _prefill(1, 8))
+        ex.enqueue(prefill(0, range(1, 13))).result(10)
+        caller = Caller(ex, prefill(1, range(1, 9)))
         assert eventually(lambda: ex.stats().admitting == 1), ex.stats()
         t0 = time.monotonic()
         ex.reset_sequence(0)
@@ -134,8 +131,8 @@ def test_a_blocked_enqueue_gives_up_at_its_admission_deadline():
     gated = GatedDriver(make_sim("threaded"))
     with make_executor("threaded", driver=gated, slots_per_engine=1,
                        admission_timeout_s=0.2) as ex:
-        held = hold_on_device(ex, gated, _prefill(0))
-        handle = Caller(ex, _prefill(1)).returned()
+        held = hold_on_device(ex, gated, prefill(0, range(1, 5)))
+        handle = Caller(ex, prefill(1, range(1, 5))).returned()
         err = handle.exception(5)
         assert isinstance(err, DeadlineExceeded) and err.stage == "admission", err
         assert (err.seq_id, err.http_status) == (1, 504)
@@ -148,7 +145,7 @@ def _events_of_a_blocked_enqueue(admission_s: float) -> int:
     that never comes (FI04) and then gives up."""
     with make_executor("threaded", faults=always("kv_can_allocate", "refuse"),
                        admission_timeout_s=admission_s) as ex:
-        caller = CountingCaller(ex, _prefill(1))
+        caller = CountingCaller(ex, prefill(1, range(1, 5)))
         err = caller.returned(30).exception(5)
         assert isinstance(err, DeadlineExceeded) and err.stage == "admission", err
         return caller.events
@@ -176,8 +173,8 @@ def test_close_returns_every_blocked_enqueue():
     gated = GatedDriver(make_sim("threaded"))
     ex = make_executor("threaded", driver=gated, slots_per_engine=1,
                        admission_timeout_s=60, shutdown_timeout_s=2)
-    hold_on_device(ex, gated, _prefill(0))
-    callers = _queue_callers(ex, [_prefill(s) for s in (1, 2)])
+    hold_on_device(ex, gated, prefill(0, range(1, 5)))
+    callers = _queue_callers(ex, [prefill(s, range(1, 5)) for s in (1, 2)])
     closer = threading.Thread(target=ex.close, daemon=True)
     closer.start()
     for c in callers:
@@ -198,7 +195,7 @@ def test_a_blocked_enqueue_on_a_virtual_clock_nobody_advances_gives_up_in_real_t
                                                   warmup=False))
     try:
         t0 = time.monotonic()
-        handle = Caller(ex, _prefill(1)).returned()
+        handle = Caller(ex, prefill(1, range(1, 5))).returned()
         waited = time.monotonic() - t0
         err = handle.exception(5)
         assert isinstance(err, DeadlineExceeded), err

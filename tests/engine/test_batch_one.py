@@ -22,8 +22,9 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import FinishReason
 from calfsm.manifest import builtin_manifest
-from tests.generate.test_streams import GREEDY, PROMPTS, assert_freed, run_streams, settle
+from tests.generate.test_streams import GREEDY, PROMPTS, assert_freed, run_streams
 from tests.helpers.executor import calls, drive, make_executor
+from tests.helpers.streams import golden_tokens, settle
 
 B8 = builtin_manifest("tiny-b8")
 
@@ -32,10 +33,7 @@ pytestmark = pytest.mark.timeout(60)
 
 @pytest.fixture(scope="module")
 def golden() -> list[list[int]]:
-    from calfsm.tools.direct import DirectRunner
-    tiny = builtin_manifest("tiny")
-    runner = DirectRunner(SimDriver(tiny, trace=False), tiny)
-    return [runner.generate(0, p, GREEDY.max_tokens) for p in PROMPTS]
+    return golden_tokens(PROMPTS, GREEDY.max_tokens)
 
 
 def test_streams_on_a_batch_graph_one_row_per_job_equal_the_goldens(mode, golden):

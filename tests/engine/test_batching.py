@@ -36,6 +36,7 @@ from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.tools.direct import DirectRunner, golden_prompts
 from tests.generate.test_streams import assert_freed, run_streams
 from tests.helpers.executor import batching, drive, write_batch_evidence
+from tests.helpers.streams import direct_runner, golden_tokens
 
 B8 = builtin_manifest("tiny-b8")
 TINY = builtin_manifest("tiny")
@@ -51,12 +52,12 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture(scope="module")
 def runner() -> DirectRunner:
-    return DirectRunner(SimDriver(TINY, trace=False), TINY)
+    return direct_runner()
 
 
 @pytest.fixture(scope="module")
-def golden(runner) -> list[list[int]]:
-    return [runner.generate(0, p, N_TOKENS) for p in PROMPTS]
+def golden() -> list[list[int]]:
+    return golden_tokens(PROMPTS, N_TOKENS)
 
 
 class StepLog:

@@ -29,7 +29,6 @@ import httpx
 import pytest
 
 from calfsm.drivers.faults import FaultPlan, FaultRule
-from calfsm.drivers.sim import SimDriver
 from calfsm.engine.observe import JobEnded, Observer
 from calfsm.errors import (
     CODE_TABLE,
@@ -46,7 +45,6 @@ from calfsm.generate.streams import FinishReason
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.serve import realtime_sim
-from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import (
     TINY,
     GatedDriver,
@@ -55,6 +53,7 @@ from tests.helpers.executor import (
     make_sim,
     reference_stream,
 )
+from tests.helpers.streams import direct_runner
 from tests.serve.test_serve import MODEL, poll, serve, sse_events
 
 pytestmark = pytest.mark.timeout(60)
@@ -171,7 +170,7 @@ def test_a_device_refusing_every_csr_write_is_out_of_service_at_its_first_failed
 def test_a_one_off_csr_refusal_drains_at_once_and_the_stream_resumes_on_the_next_generation(
         mode):
     prompt = [3, 1, 4]
-    want = reference_stream(DirectRunner(SimDriver(TINY, trace=False), TINY), prompt,
+    want = reference_stream(direct_runner(), prompt,
                             SamplingParams(max_tokens=4))
     plan = FaultPlan.of(FaultRule("set_csr", "code", code=NOT_FOUND, nth=8))
     with make_executor(mode, faults=plan) as ex:

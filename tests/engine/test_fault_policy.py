@@ -4,6 +4,7 @@ out end to end (an artifact error rolls the model back; a busy device requeues).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -25,7 +26,7 @@ from calfsm.errors import (
 )
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.runtime.sync import THREADS
-from tests.helpers.executor import TINY, make_executor, renamed
+from tests.helpers.executor import TINY, make_executor, outcome, renamed
 
 SEQ = 5
 
@@ -229,10 +230,7 @@ def test_recovery_policy_takes_zero():
 # ---- decisions carried out by an executor ---------------------------------------------
 
 
-def _outcome(ex, handle):
-    if not ex.config.threaded:
-        StepScheduler(ex, seed=3).run_until(handle.done)
-    return handle.exception(20)
+_outcome = functools.partial(outcome, seed=3)
 
 
 def _settle(ex, predicate):

@@ -25,8 +25,9 @@ from calfsm.generate.streams import FinishReason
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
-from calfsm.tools.direct import DirectRunner, golden_prompts
+from calfsm.tools.direct import golden_prompts
 from tests.helpers.executor import TINY, HeldReset, drive, make_executor, make_sim
+from tests.helpers.streams import direct_runner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -38,7 +39,7 @@ GREEDY = SamplingParams(max_tokens=N_TOKENS)
 
 @pytest.fixture(scope="module")
 def want() -> list[list[int]]:
-    runner = DirectRunner(SimDriver(TINY, trace=False), TINY)
+    runner = direct_runner()
     return [runner.generate(0, p, N_TOKENS) for p in PROMPTS]
 
 

@@ -35,16 +35,14 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
     outcome,
+    prefill,
     settle,
     two_in_flight,
     write_evidence,
 )
+from tests.helpers.streams import direct_runner
 
 N_TOKENS = 500      # two streams: 1000 tokens in all
-
-
-def _prefill(seq, tokens=(1, 2, 3)):
-    return Request.prefill(seq, list(tokens))
 
 
 class InflightProbe:
@@ -121,7 +119,7 @@ def _two(mode: str, tmp_path: Path, driver: Any = None, **config: Any) -> Any:
 
 @pytest.fixture(scope="module")
 def runner() -> DirectRunner:
-    return DirectRunner(SimDriver(TINY, trace=False), TINY)
+    return direct_runner()
 
 
 def _streams(ex: Any, prompts: list[list[int]], n: int) -> list[Any]:
@@ -206,7 +204,7 @@ def test_a_fault_on_ping_while_pong_is_in_flight_fails_only_its_job(mode, tmp_pa
         assert isinstance(err, Exception) and err.category is ErrorCategory.DEVICE, err
         r = finish(ex, good)
         assert not isinstance(r, Exception), r
-        ref = DirectRunner(SimDriver(TINY, trace=False), TINY)
+        ref = direct_runner()
         ref.prefill(1, [2])
         assert np.array_equal(np.asarray(r.logits).reshape(-1),
                               np.asarray(ref.decode(1, 6, 1)).reshape(-1)), "cross-talk"
@@ -321,7 +319,7 @@ def _four_sequences(ex, seqs, decodes):
     one caller thread per sequence; step mode, one round of jobs at a time. The errors."""
     if ex.config.threaded:
         def chat(seq):
-            r = ex.enqueue(_prefill(seq, (1 + seq, 2, 3))).result(30)
+            r = ex.enqueue(prefill(seq, (1 + seq, 2, 3))).result(30)
             for pos in range(3, 3 + decodes):
                 r = ex.enqueue(Request.decode(seq, r.greedy(), pos)).result(30)
             return r
@@ -329,7 +327,7 @@ def _four_sequences(ex, seqs, decodes):
         for c in callers:
             c.join(60)
         return [c.error for c in callers if c.error is not None or c.is_alive()]
-    handles = [ex.enqueue(_prefill(s, (1 + s, 2, 3))) for s in seqs]
+    handles = [ex.enqueue(prefill(s, (1 + s, 2, 3))) for s in seqs]
     errors = []
     for pos in range(3, 4 + decodes):
         StepScheduler(ex, seed=pos).run_until(
@@ -353,9 +351,9 @@ def test_defect_max_inflight_2_runs_one_and_says_why(mode, caplog):
                                                       prefill_per_token_s=1e-3)))
     with make_executor(mode, driver=gated, max_inflight=2) as ex:
         try:
-            first = hold_on_device(ex, gated, _prefill(seq=0, tokens=[1] * 2000))
-            refused = ex.enqueue(_prefill(seq=9, tokens=(1_000_000,)))  # not in the vocab
-            behind = ex.enqueue(_prefill(seq=1))
+            first = hold_on_device(ex, gated, prefill(seq=0, tokens=[1] * 2000))
+            refused = ex.enqueue(prefill(seq=9, tokens=(1_000_000,)))  # not in the vocab
+            behind = ex.enqueue(prefill(seq=1))
             if mode == "step":
                 ex.steps.submit()       # a second submit while job 1 is on the device
             else:                       # the submitter's chance to send job 3 beside
@@ -383,11 +381,11 @@ def test_defect_max_inflight_2_runs_one_and_says_why(mode, caplog):
 def test_defect_max_inflight_2_keeps_serving_after_a_full_reset(mode):
     with make_executor(mode, max_inflight=2,
                        recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
-        assert outcome(ex, ex.enqueue(_prefill(seq=1))) is None
+        assert outcome(ex, ex.enqueue(prefill(seq=1))) is None
         assert ex.recover("operator asked")
         settle(ex, lambda: ex.generation == 2)
         assert ex.lifecycle_state == "Ready" and ex.health().ready
         for seq in (2, 3, 4, 5):                  # before: each failed UNSUPPORTED
-            assert outcome(ex, ex.enqueue(_prefill(seq=seq))) is None, seq
+            assert outcome(ex, ex.enqueue(prefill(seq=seq))) is None, seq
         assert ex.stats().recoveries == 1 and ex.generation == 2
         assert ex.health().ready and ex.health().max_inflight == 1

@@ -9,12 +9,12 @@ waiting for that kind get a retryable 503 at once, and the next generation serve
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
 
 from calfsm.drivers.faults import FaultPlan, FaultRule
-from calfsm.drivers.sim import SimDriver
 from calfsm.engine.job import Request
 from calfsm.engine.recovery import Decision, FaultPolicy
 from calfsm.errors import CalrtCode, ErrorCategory
@@ -22,25 +22,22 @@ from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.runtime.sync import THREADS
-from calfsm.tools.direct import DirectRunner
 from tests.engine.test_buffers import make_pool
 from tests.helpers.executor import (
-    TINY,
     GatedDriver,
     eventually,
     finish,
     make_executor,
     make_sim,
+    outcome,
 )
+from tests.helpers.streams import direct_runner
 
 SEQ = 5
 PREFILL = TaskKind.PREFILL_IDS
 
 
-def _outcome(ex, handle):
-    if not ex.config.threaded:
-        StepScheduler(ex, seed=3).run_until(handle.done)
-    return handle.exception(20)
+_outcome = functools.partial(outcome, seed=3)
 
 
 def _recovered(ex, generation):
@@ -55,7 +52,7 @@ def _recovered(ex, generation):
 
 def _serves_like_the_reference(ex):
     """A prefill and a decode on a fresh sequence equal the direct path bit for bit."""
-    ref = DirectRunner(SimDriver(TINY, trace=False), TINY)
+    ref = direct_runner()
     want_prefill = ref.prefill(40, [7, 8, 9])
     want_decode = ref.decode(40, 11, 3)
     got_prefill = finish(ex, ex.enqueue(Request.prefill(40, [7, 8, 9])))

@@ -3,6 +3,7 @@ threaded mode, the error budget, no-reset and failed-reset escalation, model swi
 
 from __future__ import annotations
 
+import functools
 import json
 
 import attrs
@@ -27,36 +28,26 @@ from calfsm.errors import (
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
-from tests.helpers.executor import TINY, GatedDriver, calls, make_executor, make_sim
+from tests.helpers.executor import (
+    TINY,
+    GatedDriver,
+    calls,
+    make_executor,
+    make_sim,
+    outcome,
+    prefill,
+    renamed,
+    settle,
+)
 
 SEQ = 5
 
 
 
-def _job(seq=SEQ, tokens=(1, 2, 3)):
-    return Request.prefill(seq, list(tokens))
+_job = functools.partial(prefill, seq=SEQ)
 
 
 _prefill = _job     # the name the kv_release tests (once in test_defects.py) use
-
-
-def settle(ex, predicate=None, timeout=20.0):
-    """Step mode: run the scheduler until idle and Ready/Failed; threaded: wait for it."""
-    if not ex.config.threaded:
-        sched = StepScheduler(ex, seed=1)
-        sched.run_until(lambda: ex.lifecycle_state in ("Ready", "Failed")
-                        and ex.idle()
-                        and (predicate is None or predicate()))
-        return
-    ex.wait_lifecycle("Ready", "Failed", timeout=timeout)
-    if predicate is not None:
-        assert ex.wait_until(predicate, timeout)
-
-
-def outcome(ex, handle):
-    if not ex.config.threaded:
-        StepScheduler(ex, seed=2).run_until(handle.done)
-    return handle.exception(20)
 
 
 def _recovered_and_serving(ex, generation=2):
@@ -277,17 +268,9 @@ def test_wedged_device_never_looks_healthy():
 
 # ---- model switch --------------------------------------------------------------------
 
-def _renamed(manifest, suffix):
-    data = manifest.to_dict()
-    for sub in data["submodels"]:
-        sub["exact_name"] += suffix
-    data["name"] = manifest.name + suffix
-    return type(manifest).from_dict(data)
-
-
 def test_model_switch_to_a_good_artifact(mode):
     with make_executor(mode, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
-        new = _renamed(TINY, "_v2")
+        new = renamed(TINY, "_v2")
         ex.driver.add_calbin(Calbin.from_manifest(new)) if hasattr(
             ex.driver, "add_calbin") else None
         ex.switch_model(new)
@@ -298,7 +281,7 @@ def test_model_switch_to_a_good_artifact(mode):
 
 def test_model_switch_host_side_mismatch_keeps_old_serving(mode):
     with make_executor(mode) as ex:
-        new = _renamed(TINY, "_v2")
+        new = renamed(TINY, "_v2")
         broken = Calbin.from_manifest(new).replace_model(
             new.submodels[1].exact_name, name=new.submodels[1].exact_name + "x")
         with pytest.raises(ManifestError) as e:
@@ -313,7 +296,7 @@ def test_model_switch_broken_artifact_rolls_back_and_names_problem(mode):
     plan = FaultPlan.of(FaultRule("configure", "code", nth=2,
                                   code=int(CalrtCode.INVALID_CALBIN)))
     with make_executor(mode, faults=plan, recovery=RecoveryPolicy(grace_period_s=0.01)) as ex:
-        new = _renamed(TINY, "_v2")
+        new = renamed(TINY, "_v2")
         with pytest.raises(ManifestError) as e:
             ex.switch_model(new)
         msg = str(e.value)
@@ -329,7 +312,7 @@ def test_switch_needs_configuration_reset(mode):
     drv = make_sim(mode, capabilities=caps)
     with make_executor(mode, driver=drv) as ex:
         with pytest.raises(Exception, match="configuration or full reset"):
-            ex.switch_model(_renamed(TINY, "_v2"))
+            ex.switch_model(renamed(TINY, "_v2"))
         assert ex.lifecycle_state == "Ready"
 
 

@@ -23,7 +23,6 @@ from calfsm.generate.logprobs import RowLogprobs
 from calfsm.generate.processors import BanTokens, TokenHistory, ban_tokens, logit_bias
 from calfsm.generate.sampling import Sampler, SamplingParams, native_sampling_available
 from calfsm.generate.streams import FinishReason, GenerationResult, TokenEvent
-from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import (
@@ -34,6 +33,7 @@ from tests.helpers.executor import (
     reference_seen,
     top_logprobs,
 )
+from tests.helpers.streams import settled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -67,7 +67,7 @@ def run(ex, prompt: list[int], params: SamplingParams
         ) -> tuple[GenerationResult, list[TokenEvent]]:
     """A one-shot stream to its end (its sequence released); its result and events."""
     s = ex.generate(prompt, params)
-    drive(ex, lambda: s.done() and s.sequence.state == SequenceState.RELEASED)
+    drive(ex, settled(s))
     return s.result(0), list(s)
 
 

@@ -27,7 +27,7 @@ from hypothesis import strategies as st
 
 from calfsm import PromptCacheConfig
 from calfsm.drivers.calrt import CalrtDriver
-from calfsm.drivers.sim import LatencyModel, SimDriver
+from calfsm.drivers.sim import LatencyModel
 from calfsm.engine.observe import JobAccepted, Observer
 from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -38,6 +38,8 @@ from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import TINY, drive, make_sim, reference_stream, settle
+from tests.helpers.streams import direct_runner
+from tests.helpers.streams import settled as ended_and_released
 
 VOCAB = TINY.submodel(TaskKind.DECODE).vocab
 GREEDY = SamplingParams(max_tokens=8)
@@ -55,7 +57,7 @@ def device(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="module")
 def runner() -> DirectRunner:
     """A fresh run of each prompt on the direct path: the reference."""
-    return DirectRunner(SimDriver(TINY, trace=False), TINY)
+    return direct_runner()
 
 
 def make_driver(device: str, mode: str, **kw: Any) -> Any:
@@ -439,7 +441,7 @@ def test_prompt_cache_must_be_a_config_or_none():
 def test_off_by_default_every_sequence_is_released():
     with make("step", cache=None) as ex:
         s = ex.generate(tokens(20, 1), GREEDY)
-        drive(ex, lambda: s.done() and s.sequence.state == SequenceState.RELEASED)
+        drive(ex, ended_and_released(s))
         assert ex.prompt_cache_stats() is None
         assert ex.epoch.kv.sequences() == ()
 

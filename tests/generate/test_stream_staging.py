@@ -43,6 +43,7 @@ from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.tools.direct import DirectRunner, golden_prompts
 from tests.helpers.executor import TINY, make_executor, reference_stream
+from tests.helpers.streams import direct_runner, settled
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -55,7 +56,7 @@ GREEDY = SamplingParams(max_tokens=N_TOKENS)
 @pytest.fixture(scope="module")
 def runner() -> DirectRunner:
     """The direct synchronous path on its own simulated device: the reference."""
-    return DirectRunner(SimDriver(TINY, trace=False), TINY)
+    return direct_runner()
 
 
 # ---- helpers ------------------------------------------------------------------------
@@ -123,10 +124,6 @@ def stage_behind_the_step_on_device(sched: HoldingScheduler, ex: DeviceExecutor)
     sched.run(lambda: not ex.steps.can_run_deferred(), hold={"complete"})
     assert len(ex.on_device()) == 1 and not ex.steps.can_submit()
     assert leased(ex) == 2, f"no step was staged: {ex.epoch.pool.stats()}"
-
-
-def settled(stream: Stream) -> Callable[[], bool]:
-    return lambda: stream.done() and stream.sequence.state == SequenceState.RELEASED
 
 
 def read_all(stream: Stream, result: GenerationResult) -> None:

@@ -33,7 +33,7 @@ import pytest
 
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.faults import FaultPlan, FaultRule
-from calfsm.drivers.sim import LatencyModel, SimDriver
+from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -63,6 +63,7 @@ from tests.helpers.executor import (
     make_sim,
     reference_stream,
 )
+from tests.helpers.streams import direct_runner, golden_tokens, settle
 
 N_TOKENS = 16
 CONTRACT = TINY.submodel(TaskKind.DECODE)
@@ -87,22 +88,15 @@ pytestmark = pytest.mark.timeout(60)
 @pytest.fixture(scope="module")
 def runner() -> DirectRunner:
     """The direct synchronous path on its own simulated device: the reference."""
-    return DirectRunner(SimDriver(TINY, trace=False), TINY)
+    return direct_runner()
 
 
 @pytest.fixture(scope="module")
-def golden(runner) -> list[list[int]]:
-    return [runner.generate(0, p, N_TOKENS) for p in PROMPTS]
+def golden() -> list[list[int]]:
+    return golden_tokens(PROMPTS, N_TOKENS)
 
 
 reference = reference_stream
-
-
-def settle(ex: DeviceExecutor, stream: Stream, seed: int = 0) -> GenerationResult:
-    """Drive until ``stream`` ended and its one-shot sequence was released."""
-    drive(ex, lambda: stream.done() and stream.sequence.state == SequenceState.RELEASED,
-          seed=seed)
-    return stream.result(0)
 
 
 def generate(ex: DeviceExecutor, prompt: list[int], params: SamplingParams, *,

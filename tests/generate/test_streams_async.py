@@ -31,7 +31,7 @@ from calfsm.generate.streams import FinishReason, Stream
 from calfsm.machines.sequence import SequenceState
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
-from calfsm.tools.direct import DirectRunner, golden_prompts
+from calfsm.tools.direct import golden_prompts
 from tests.generate.test_streams import GREEDY, PROMPT, PROMPTS, assert_freed, assert_id_reused
 from tests.helpers.executor import (
     TINY,
@@ -42,14 +42,14 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
 )
+from tests.helpers.streams import direct_runner, golden_tokens
 
 pytestmark = pytest.mark.timeout(60)
 
 
 @pytest.fixture(scope="module")
 def golden() -> list[list[int]]:
-    runner = DirectRunner(SimDriver(TINY, trace=False), TINY)
-    return [runner.generate(0, p, 16) for p in PROMPTS[:12]]
+    return golden_tokens(PROMPTS[:12], 16)
 
 
 async def pump(ex: DeviceExecutor, done: Callable[[], bool], seed: int = 0) -> None:
@@ -616,7 +616,7 @@ def short_gil_turns():
 def loop_workload() -> tuple[list[list[int]], list[list[int]]]:
     """The 200 streams' prompts and the reference's 6 tokens for each."""
     prompts = golden_prompts(N_STREAMS, max_len=64, seed=3)
-    runner = DirectRunner(SimDriver(TINY, trace=False), TINY)
+    runner = direct_runner()
     return prompts, [runner.generate(0, p, 6) for p in prompts]
 
 

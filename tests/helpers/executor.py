@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ from calfsm.plan.batching import MAX_ROWS_OBSERVATION
 from calfsm.plan.batching import REQUIRED_CAPABILITIES as BATCH_CAPABILITIES
 from calfsm.plan.capabilities import Evidence, Verdict, device_identity
 from calfsm.plan.inflight import REQUIRED_CAPABILITY
+from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
 
 MODES = ("step", "threaded")
@@ -87,6 +89,12 @@ def make_executor(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
         drv.submitted.clear()
         drv.waiting.clear()
     return ex
+
+
+def prefill(seq: int, tokens: Iterable[int] = (1, 2, 3), **kw: Any) -> Request:
+    """A prefill request of ``tokens`` on sequence ``seq`` (the job-level tests' unit of
+    work); ``kw`` goes to :meth:`Request.prefill`."""
+    return Request.prefill(seq, list(tokens), **kw)
 
 
 def finish(ex: DeviceExecutor, handle: Any, timeout: float = 30.0) -> Any:
@@ -297,10 +305,11 @@ def top_logprobs(row: Any, k: int) -> list[tuple[int, float]]:
     return [(int(i), float(z[i])) for i in order[:k] if np.isfinite(z[i])]
 
 
-def outcome(ex: DeviceExecutor, handle: Any, timeout: float = 20.0) -> Any:
-    """The job's error, or None if it succeeded (step mode: drive it there first)."""
+def outcome(ex: DeviceExecutor, handle: Any, timeout: float = 20.0, *, seed: int = 2) -> Any:
+    """The job's error, or None if it succeeded (step mode: drive it there first, on a
+    scheduler of ``seed``)."""
     if not ex.config.threaded:
-        StepScheduler(ex, seed=2).run_until(handle.done)
+        StepScheduler(ex, seed=seed).run_until(handle.done)
     return handle.exception(timeout)
 
 

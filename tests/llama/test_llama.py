@@ -67,6 +67,7 @@ from tests.helpers.executor import (
     make_sim,
     reference_stream,
 )
+from tests.helpers.streams import direct_runner
 
 ROOT = Path(__file__).resolve().parents[2]
 VOCAB = 1024
@@ -248,7 +249,7 @@ def test_a_sampler_chain_applies_its_processors_then_chooses(mode, params):
     """The chain's tokens are the reference rows sampled after the processors (which
     see the prompt and the accepted tokens); no banned token, no repeat; ``reset``
     starts the draw from its seed again."""
-    want = reference_stream(DirectRunner(SimDriver(TINY, trace=False), TINY), PROMPT,
+    want = reference_stream(direct_runner(), PROMPT,
                             attrs.evolve(params, max_tokens=8))
     with make_executor(mode) as ex, LlamaContext(ex) as ctx:
         chain = SamplerChain(params, ctx.n_vocab, prompt=PROMPT)

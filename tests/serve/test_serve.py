@@ -25,7 +25,6 @@ import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calfsm.drivers.sim import SimDriver
 from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
@@ -33,8 +32,8 @@ from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.serve import ByteTokenizer, ServerConfig, create_app, realtime_sim
 from calfsm.serve.connections import ConnectionLimits, uvicorn_config
 from calfsm.serve.tokenizer import IncrementalDecoder, chat_prompt, token_bytes, token_label
-from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import log_softmax, reference_seen, reference_stream, top_logprobs
+from tests.helpers.streams import direct_runner
 
 TINY = builtin_manifest("tiny")
 CONTRACT = TINY.submodel(TaskKind.DECODE)
@@ -92,7 +91,7 @@ def serve(executor: DeviceExecutor, limits: ConnectionLimits | None = None,
 def reference(prompt: list[int], params: SamplingParams) -> list[int]:
     """What a choice must give: the direct path's logits sampled by a fresh sampler of
     ``params``, with the stream's finish rules (stop tokens, max_tokens, max_seq)."""
-    return reference_stream(DirectRunner(SimDriver(TINY, trace=False), TINY), prompt, params)
+    return reference_stream(direct_runner(), prompt, params)
 
 
 def sse_events(lines: Iterator[str]) -> list[dict[str, Any] | str]:
@@ -293,7 +292,7 @@ def test_openai_client_sees_openai_errors(oai):
 
 def scored(prompt: list[int], params: SamplingParams) -> list[tuple[int, Any]]:
     """Each token a choice must give, with the reference row its sampler saw."""
-    return reference_seen(DirectRunner(SimDriver(TINY, trace=False), TINY), prompt, params)
+    return reference_seen(direct_runner(), prompt, params)
 
 
 def offsets(tokens: list[int]) -> list[int]:

@@ -11,13 +11,12 @@ from typing import Any
 import openai
 import pytest
 
-from calfsm.drivers.sim import SimDriver
 from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.serve.tokenizer import ByteTokenizer
-from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import reference_stream
 from tests.helpers.serve_load import start_serve
+from tests.helpers.streams import direct_runner
 
 TINY = builtin_manifest("tiny")
 TOK = ByteTokenizer(TINY.submodel(TaskKind.DECODE).vocab)
@@ -41,7 +40,7 @@ def oai() -> Any:
 def reference_tokens(i: int) -> list[int]:
     """Choice ``i``'s tokens without a stop: the seeded run of ``SEED + i``."""
     params = SamplingParams(temperature=0.9, seed=SEED + i, max_tokens=MAX_TOKENS)
-    runner = DirectRunner(SimDriver(TINY, trace=False), TINY)
+    runner = direct_runner()
     return reference_stream(runner, TOK.encode(PROMPT), params)
 
 
