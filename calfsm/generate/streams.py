@@ -1228,8 +1228,9 @@ def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenize
 def _checked_prompt(seq_id: int | None, prompt: Seq[int] | str,
                     params: SamplingParams | None, tokenizer: Any,
                     priority: Any) -> Request:
-    """A stream's prompt as the prefill request that checks it and the priority (text
-    needs the executor's tokenizer, and so do stop strings)."""
+    """A stream's prompt as the prefill request that types it and checks the priority
+    (text needs the executor's tokenizer, and so do stop strings); its length and ids
+    are :func:`judge_stream`'s to judge."""
     if params is not None and params.stop and tokenizer is None:
         raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
                               "stream's text, which needs the executor's tokenizer "
@@ -1237,11 +1238,7 @@ def _checked_prompt(seq_id: int | None, prompt: Seq[int] | str,
                               seq_id=seq_id)
     if isinstance(prompt, str):
         prompt = encode_prompt(tokenizer, prompt)
-    checked = Request.prefill(0 if seq_id is None else seq_id, prompt, priority=priority)
-    if not len(checked.tokens):
-        raise InvalidArgument("a stream needs a prompt of at least one token",
-                              stage="request", seq_id=seq_id)
-    return checked
+    return Request.prefill(0 if seq_id is None else seq_id, prompt, priority=priority)
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,
