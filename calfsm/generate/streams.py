@@ -501,7 +501,7 @@ class Stream:
         self.sequence = sequence
         checked, params = judge_stream(prompt, params, tokenizer, priority, epoch.model,
                                        position=sequence.position - cached, seq_id=seq_id)
-        self.prompt = tuple(int(t) for t in checked.tokens)
+        self.prompt = tuple(checked.tokens.tolist())
         #: every step's admission priority (checked with the prompt)
         self.priority: int = checked.priority
         _check_options(deadline_s, max_resumes, cached,
@@ -539,7 +539,7 @@ class Stream:
         #: this stream's id in the executor (calfsm/generate/liverequests.py)
         self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
         self.parent_id = parent             #: the id grouping it with others (n > 1), or None
-        first = Request.prefill(sequence.seq_id, self.prompt[cached:],
+        first = Request.prefill(sequence.seq_id, checked.tokens[cached:].copy(),
                                 past_len=sequence.position, target=self._flow.row(),
                                 deadline_s=self._left(), request_id=self.request_id,
                                 priority=self.priority)
