@@ -20,12 +20,13 @@ the stream's logits processors, in this order:
 history the sampler is given), so the frequency and presence penalties ignore the
 prompt, as vLLM's do; the repetition penalty reads both.
 
-Cost: only the distinct ids seen are touched (an index gather and scatter of them), so
-no temporary of the vocabulary's size is made. The prompt's distinct ids are found once;
-the output is counted incrementally (one dict update per token). A history shorter than
-what was counted (a resumed stream replays its last token with the tokens before it) is
-counted again from the prompt, so every token counts exactly once for the row it
-precedes.
+Cost: only the distinct ids seen are touched (one index gather and scatter of them per
+penalty), so no temporary of the vocabulary's size is made. The prompt's distinct ids are
+found once; the output is counted incrementally (one dict update per token), and only
+when a penalty reads the counts (``min_tokens`` alone reads the history's length). A
+history shorter than what was counted (a resumed stream replays its last token with the
+tokens before it) is counted again from the prompt, so every token counts exactly once
+for the row it precedes.
 """
 
 from __future__ import annotations
@@ -39,48 +40,53 @@ __all__ = ["Penalties"]
 _F32 = np.dtype(np.float32)
 
 
+def _room(a: np.ndarray, n: int) -> np.ndarray:
+    """``a``, or a longer copy of it when its ``n`` values fill it."""
+    return a if n < a.shape[0] else np.resize(a, max(2 * n, 16))
+
+
 class Penalties:
     """The state of one stream's penalties and ``min_tokens`` mask (see the module).
     Not shared between streams or threads."""
 
-    __slots__ = ("_counted", "_counts", "_extra", "_freq", "_ids", "_mask", "_min",
-                 "_n", "_pres", "_prompt", "_prompt_ids", "_prompt_len", "_rep", "_slot")
+    __slots__ = ("_counted", "_counts", "_freq", "_ids", "_mask", "_min", "_n", "_pres",
+                 "_prompt", "_prompt_len", "_reads", "_rep", "_seen", "_seen_n", "_slot")
 
     def __init__(self, *, repetition: float, frequency: float, presence: float,
                  min_tokens: int, stop_ids: Sequence[int], prompt_len: int) -> None:
         self._rep = np.float32(repetition) if repetition != 1.0 else None
         self._freq = np.float32(frequency) if frequency else None
         self._pres = np.float32(presence) if presence else None
+        #: a penalty reads the tokens (else only ``min_tokens``, which reads their number)
+        self._reads = not (self._rep is None and self._freq is None and self._pres is None)
         self._min = min_tokens
         self._mask = np.array(sorted(set(stop_ids)), np.intp)
         self._prompt_len = prompt_len
         self._prompt: frozenset[int] | None = None
-        self._prompt_ids = np.empty(0, np.intp)
+        #: the repetition penalty's ids: the prompt's distinct ids, then the output's
+        #: that are not in the prompt (the first ``_seen_n``)
+        self._seen = np.empty(0, np.intp)
+        self._seen_n = 0
         self._reset()
 
-    @property
-    def counts_output(self) -> bool:
-        """Whether it reads the tokens at all."""
-        return bool(self._rep is not None or self._freq is not None
-                    or self._pres is not None or self._min)
-
     def _reset(self) -> None:
-        #: the output counted so far: history length, id -> slot, ids, counts, the
-        #: output ids not in the prompt (the repetition penalty's other half)
+        #: the output counted so far: history length, id -> slot, ids, counts (float32,
+        #: as the frequency penalty reads them)
         self._counted = self._prompt_len
         self._slot: dict[int, int] = {}
         self._ids = np.empty(16, np.intp)
-        self._counts = np.empty(16, np.int64)
+        self._counts = np.empty(16, _F32)
         self._n = 0
-        self._extra: list[int] = []
+        if self._prompt is not None:
+            self._seen_n = len(self._prompt)
 
     def _count(self, tokens: Sequence[int]) -> None:
         n = len(tokens)
         p = self._prompt_len
         if self._prompt is None:
-            prompt = [int(t) for t in tokens[:p]] if p else []
-            self._prompt = frozenset(prompt)
-            self._prompt_ids = np.array(sorted(self._prompt), np.intp)
+            self._prompt = frozenset(int(t) for t in tokens[:p]) if p else frozenset()
+            self._seen = np.array(sorted(self._prompt), np.intp)
+            self._seen_n = len(self._prompt)
         if n < self._counted:
             self._reset()           # a replay: the tokens before the replayed one
         slot, prompt = self._slot, self._prompt
@@ -89,14 +95,15 @@ class Penalties:
             j = slot.get(t)
             if j is None:
                 j = slot[t] = self._n
-                if j == self._ids.shape[0]:
-                    self._ids = np.resize(self._ids, 2 * j)
-                    self._counts = np.resize(self._counts, 2 * j)
+                self._ids = _room(self._ids, j)
+                self._counts = _room(self._counts, j)
                 self._ids[j] = t
                 self._counts[j] = 0
                 self._n += 1
                 if t not in prompt:
-                    self._extra.append(t)
+                    self._seen = _room(self._seen, self._seen_n)
+                    self._seen[self._seen_n] = t
+                    self._seen_n += 1
             self._counts[j] += 1
         self._counted = max(n, p)
 
@@ -107,19 +114,19 @@ class Penalties:
     def apply(self, row: np.ndarray, tokens: Sequence[int]) -> None:
         """Change ``row`` (float32, the vocabulary) in place for the token after
         ``tokens`` (the prompt, then the output)."""
-        self._count(tokens)
+        if self._reads:
+            self._count(tokens)
         rep = self._rep
-        if rep is not None:
-            for ids in (self._prompt_ids, np.array(self._extra, np.intp)):
-                if ids.shape[0]:
-                    x = row[ids]
-                    row[ids] = np.where(x > 0, x / rep, x * rep)
+        if rep is not None and self._seen_n:
+            ids = self._seen[:self._seen_n]
+            x = row[ids]
+            row[ids] = np.where(x > 0, x / rep, x * rep)
         n = self._n
         if n and (self._freq is not None or self._pres is not None):
             ids = self._ids[:n]
             x = row[ids]
             if self._freq is not None:
-                x -= self._freq * self._counts[:n].astype(_F32)
+                x -= self._freq * self._counts[:n]
             if self._pres is not None:
                 x -= self._pres
             row[ids] = x

@@ -501,7 +501,7 @@ class Stream:
         self.sequence = sequence
         checked, params = judge_stream(prompt, params, tokenizer, priority, epoch.model,
                                        position=sequence.position - cached, seq_id=seq_id)
-        self.prompt = tuple(int(t) for t in checked.tokens)
+        self.prompt = tuple(checked.tokens.tolist())
         #: every step's admission priority (checked with the prompt)
         self.priority: int = checked.priority
         _check_options(deadline_s, max_resumes, cached,
@@ -539,7 +539,7 @@ class Stream:
         #: this stream's id in the executor (calfsm/generate/liverequests.py)
         self.request_id: str = ex.live_requests.add(request_id, "stream", self, parent=parent)
         self.parent_id = parent             #: the id grouping it with others (n > 1), or None
-        first = Request.prefill(sequence.seq_id, self.prompt[cached:],
+        first = Request.prefill(sequence.seq_id, checked.tokens[cached:].copy(),
                                 past_len=sequence.position, target=self._flow.row(),
                                 deadline_s=self._left(), request_id=self.request_id,
                                 priority=self.priority)
@@ -1228,8 +1228,9 @@ def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenize
 def _checked_prompt(seq_id: int | None, prompt: Seq[int] | str,
                     params: SamplingParams | None, tokenizer: Any,
                     priority: Any) -> Request:
-    """A stream's prompt as the prefill request that checks it and the priority (text
-    needs the executor's tokenizer, and so do stop strings)."""
+    """A stream's prompt as the prefill request that types it and checks the priority
+    (text needs the executor's tokenizer, and so do stop strings); its length and ids
+    are :func:`judge_stream`'s to judge."""
     if params is not None and params.stop and tokenizer is None:
         raise InvalidArgument("SamplingParams.stop: stop strings are matched on the "
                               "stream's text, which needs the executor's tokenizer "
@@ -1237,11 +1238,7 @@ def _checked_prompt(seq_id: int | None, prompt: Seq[int] | str,
                               seq_id=seq_id)
     if isinstance(prompt, str):
         prompt = encode_prompt(tokenizer, prompt)
-    checked = Request.prefill(0 if seq_id is None else seq_id, prompt, priority=priority)
-    if not len(checked.tokens):
-        raise InvalidArgument("a stream needs a prompt of at least one token",
-                              stage="request", seq_id=seq_id)
-    return checked
+    return Request.prefill(0 if seq_id is None else seq_id, prompt, priority=priority)
 
 
 def max_new_tokens(params: SamplingParams, max_seq: int, position: int,
