@@ -50,7 +50,7 @@ from typing import Any
 
 import attrs
 
-from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.errors import InvalidArgument
 from calfsm.generate.arguments import (
     MAX_N,
     ContextLimits,
@@ -411,8 +411,8 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                                              limits.max_tokens_cap, room),
                 logprobs=logprobs, min_tokens=min_tokens, ignore_eos=ignore_eos,
                 **penalties))
-    except CalfsmError as e:            # SamplingParams names the field in its message
-        raise _bad(e.message, e.message.split(" ", 1)[0]) from None
+    except InvalidArgument as e:        # SamplingParams names the field it refuses
+        raise _bad(e.message, e.field) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
                           stream, include_usage, n, logprobs, priority, continuous)
 
