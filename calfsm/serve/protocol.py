@@ -127,6 +127,11 @@ class GenerationPlan:
     #: carries the usage so far
     continuous_usage: bool = False
 
+    @property
+    def prompt_tokens(self) -> int:
+        """The usage's ``prompt_tokens``: each prompt once, however many choices it has."""
+        return sum(len(self.prompts[i]) for i in range(0, len(self.prompts), self.n))
+
 
 def _bad(message: str, param: str | None) -> ApiError:
     return ApiError(400, message, code="invalid_argument", param=param)
