@@ -46,6 +46,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from runs import add_smoke_option  # noqa: E402
+
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
 from calfsm.engine.admission import Admission  # noqa: E402
@@ -169,9 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--capacity", type=int, default=2, help="jobs admitted at once")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--manifest", default="tiny")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds, one run of 20 jobs: checks it still runs (the test "
-                         "suite's), its figures mean nothing and no target is judged")
+    add_smoke_option(ap, "a few seconds, one run of 20 jobs, no target judged")
     args = ap.parse_args(argv)
     if args.smoke:
         args.jobs, args.runs, SETTLE_S[0] = 20, 1, 0.0

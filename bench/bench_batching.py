@@ -46,7 +46,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runs import print_summary, repeat  # noqa: E402
+from runs import add_smoke_option, print_summary, repeat  # noqa: E402
 
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
@@ -153,9 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one run, 20 tokens")
     p.add_argument("--no-check", dest="check", action="store_false",
                    help="skip the reference check of the batched tokens")
-    p.add_argument("--smoke", action="store_true",
-                   help="a few seconds, one run of 8 streams x 10 tokens: checks it still "
-                        "runs (the test suite's), its figures mean nothing")
+    add_smoke_option(p, "a few seconds, one run of 8 streams x 10 tokens")
     args = p.parse_args(argv)
     if args.quick:
         args.runs, args.tokens = 1, 20

@@ -31,6 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runs import add_smoke_option
+
 from calfsm.drivers.base import Calbin
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.faults import FaultPlan, FaultRule
@@ -67,9 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--reps", type=int, default=7)
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second, 50 steps x 2 reps: checks it still runs (the test "
-                         "suite's), its figures mean nothing")
+    add_smoke_option(ap, "a second, 50 steps x 2 reps")
     args = ap.parse_args(argv)
     if args.smoke:
         args.steps, args.reps = 50, 2

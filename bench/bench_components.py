@@ -42,6 +42,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import numpy as np
+from runs import add_smoke_option
 
 from calfsm import _native
 from calfsm.drivers.sim import SimDriver
@@ -157,9 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer repeats and runs")
     ap.add_argument("--runs", type=int, default=None,
                     help="runs of the logits rows (default 5, --quick 2)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second or two, every row once with few calls: checks it still "
-                         "runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a second or two, every row once with few calls")
     args = ap.parse_args(argv)
     repeat = 1 if args.smoke else 5 if args.quick else 15
     runs = 1 if args.smoke else args.runs or (2 if args.quick else 5)

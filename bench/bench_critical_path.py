@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from runs import add_smoke_option
+
 from calfsm.clock import RealClock
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
@@ -208,9 +210,7 @@ def main() -> int:
     ap.add_argument("--hops", action="store_true",
                     help="after the runs, one more stream run with the path split hop by "
                          "hop (output check, sampling, queueing, the submitter's wake-up)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second or two, one run of 10 tokens with --hops: checks it still "
-                         "runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a second or two, one run of 10 tokens with --hops")
     add_load_option(ap)
     args = ap.parse_args()
     if args.smoke:

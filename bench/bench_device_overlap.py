@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import time
 
+from runs import add_smoke_option
+
 from calfsm.clock import RealClock
 from calfsm.drivers.base import EngineSlot, JobTag
 from calfsm.drivers.calrt import CalrtDriver
@@ -95,9 +97,7 @@ def main() -> None:
     ap.add_argument("--jobs", type=int, default=200)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--driver", choices=("sim", "calrt", "both"), default="both")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second or two, one run of 10 jobs at 2 ms on both drivers: checks "
-                         "it still runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a second or two, one run of 10 jobs at 2 ms on both drivers")
     args = ap.parse_args()
     if args.smoke:
         args.jobs, args.runs, args.decode_ms, args.driver = 10, 1, 2.0, "both"

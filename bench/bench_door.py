@@ -28,6 +28,7 @@ import time
 from contextlib import AsyncExitStack
 
 import httpx
+from runs import add_smoke_option
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n"
 MODEL = "qwen3-b1"
@@ -168,10 +169,8 @@ def main() -> int:
     ap.add_argument("--idle", type=int, default=5000, help="idle connections")
     ap.add_argument("--slow", type=int, default=300, help="slow-header and slow-body ones")
     ap.add_argument("--others", type=int, default=20, help="clients beside the hog")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds: a handful of each on tiny with 0.5 s timeouts and 4 "
-                         "sequences; checks it still runs (the test suite's), its figures "
-                         "mean nothing")
+    add_smoke_option(ap, "a few seconds: a handful of each on tiny with 0.5 s timeouts and 4 "
+                         "sequences")
     args = ap.parse_args()
     model, held_n, extra = MODEL, 64, []
     if args.smoke:

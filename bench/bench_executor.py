@@ -59,6 +59,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runs import add_smoke_option
+
 from calfsm.clock import RealClock
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.engine.job import Request
@@ -386,9 +388,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--profile", action="store_true", help="cProfile the executor per job")
     ap.add_argument("--profile-jobs", type=int, default=3000)
     ap.add_argument("--top", type=int, default=25)
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds, 2 blocks of a few steps and a short profile: checks "
-                         "it still runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a few seconds, 2 blocks of a few steps and a short profile")
     args = ap.parse_args(argv)
     if args.smoke:
         args.blocks, args.profile, args.profile_jobs, args.top = 2, True, 50, 5

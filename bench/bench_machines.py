@@ -41,6 +41,7 @@ try:
 except ImportError:  # run as a script from a checkout: make the package importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from runs import add_smoke_option
 from transitions import Machine
 
 from calfsm.machines import JOB_MACHINE
@@ -109,9 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--reps", type=int, default=21, help="interleaved repetitions")
     parser.add_argument("--jobs", type=int, default=2000, help="lifecycles per batch")
-    parser.add_argument("--smoke", action="store_true",
-                        help="a second, 1 rep of 50 lifecycles: checks it still runs (the "
-                             "test suite's), its figures mean nothing")
+    add_smoke_option(parser, "a second, 1 rep of 50 lifecycles")
     args = parser.parse_args(argv)
     populations = (10, 50) if args.smoke else (100, 2000)
     if args.smoke:

@@ -33,6 +33,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runs import add_smoke_option
+
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.engine.job import Request
 from calfsm.engine.observe import JobEnded, Observer
@@ -97,9 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--manifest", default="tiny")
     ap.add_argument("--blocks", type=int, default=8, help="interleaved blocks (even)")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second or two, 2 blocks of 20 jobs and 1 stream: checks it still "
-                         "runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a second or two, 2 blocks of 20 jobs and 1 stream")
     args = ap.parse_args(argv)
     manifest = builtin_manifest(args.manifest)
     jobs, streams = (20, 1) if args.smoke else (300, 4) if args.quick else (1000, 12)

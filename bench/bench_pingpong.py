@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from runs import add_smoke_option
 
 from calfsm.clock import RealClock
 from calfsm.drivers.sim import LatencyModel, SimDriver
@@ -155,9 +156,7 @@ def main() -> int:
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--decode-ms", type=float, default=10.0)
     ap.add_argument("--share", type=float, default=0.3, help="transfer share of a job")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds, one run of 2 blocks of 8 steps: checks it still runs "
-                         "(the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a few seconds, one run of 2 blocks of 8 steps")
     args = ap.parse_args()
     runs = 1 if args.quick or args.smoke else args.runs
     steps, blocks = (8, 2) if args.smoke else (60, 2) if args.quick else (150, 4)

@@ -41,6 +41,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runs import add_smoke_option
+
 from tests.helpers.serve_load import Prober, answers, pct, start_load, start_serve
 
 
@@ -74,9 +76,7 @@ def main() -> int:
                     help="pause after a 429/503 (default: its retry-after-ms)")
     ap.add_argument("--quick", action="store_true", help="idle and 512 clients, 2 rounds")
     ap.add_argument("--serve-args", default="", help="extra calfsm serve options")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds: idle and 8 clients, one round of 1 s each; checks it "
-                         "still runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a few seconds: idle and 8 clients, one round of 1 s each")
     args = ap.parse_args()
     counts = [512] if args.quick else [int(x) for x in args.clients.split(",")]
     rounds = 2 if args.quick else args.rounds

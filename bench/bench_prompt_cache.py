@@ -52,7 +52,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from runs import print_summary, repeat  # noqa: E402
+from runs import add_smoke_option, print_summary, repeat  # noqa: E402
 
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
@@ -185,9 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chats", type=int, default=16)
     p.add_argument("--quick", action="store_true",
                    help="one run, 4 chats of 4 turns with 20-token answers")
-    p.add_argument("--smoke", action="store_true",
-                   help="a few seconds, one run of 2 chats of 3 short turns: checks it still "
-                        "runs (the test suite's), its figures mean nothing")
+    add_smoke_option(p, "a few seconds, one run of 2 chats of 3 short turns")
     args = p.parse_args(argv)
     shape = Shape(system=500, user=50, answer=100, turns=10)
     if args.quick:

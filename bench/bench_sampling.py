@@ -36,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import ml_dtypes
 import numpy as np
+from runs import add_smoke_option
 
 from calfsm.drivers import refmodel
 from calfsm.generate.sampling import SamplingParams, native_sampling_available
@@ -130,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="fewer repeats and runs")
     ap.add_argument("--runs", type=int, default=None, help="runs (default 5, --quick 2)")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second or two, every row once with a few calls: checks it still "
-                         "runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a second or two, every row once with a few calls")
     args = ap.parse_args(argv)
     repeat = 1 if args.smoke else 3 if args.quick else 7
     runs = 1 if args.smoke else args.runs or (2 if args.quick else 5)

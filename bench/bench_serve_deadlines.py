@@ -35,6 +35,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runs import add_smoke_option
+
 from tests.helpers.serve_load import pct, start_serve
 
 CLIENTS, TOKENS = 64, 100
@@ -98,9 +100,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=1)
     ap.add_argument("--serve-args", default="", help="extra calfsm serve options")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds, one round of 8 clients x 10 tokens on 4 sequences: "
-                         "checks it still runs (the test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a few seconds, one round of 8 clients x 10 tokens on 4 sequences")
     args = ap.parse_args()
     if args.smoke:
         global CLIENTS, TOKENS

@@ -52,6 +52,8 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from runs import add_smoke_option
+
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
 from calfsm.manifest import TaskKind, builtin_manifest
@@ -166,10 +168,8 @@ def main() -> int:
                          "directory both paths read")
     ap.add_argument("--batch-row-share", type=float, default=0.0,
                     help="what each row past the first adds to a batch decode step")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds: 1 and 2 clients, 2 rounds of 8 tokens on tiny at 2 ms "
-                         "a decode; checks it still runs and the tokens agree (the test "
-                         "suite's), its figures mean nothing")
+    add_smoke_option(ap, "a few seconds: 1 and 2 clients, 2 rounds of 8 tokens on tiny at 2 ms"
+                         " a decode, the tokens checked to agree")
     args = ap.parse_args()
     counts = [1, 8] if args.quick else [int(x) for x in args.clients.split(",")]
     rounds = 2 if args.quick else args.rounds

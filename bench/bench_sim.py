@@ -28,6 +28,7 @@ import time
 import tracemalloc
 
 import numpy as np
+from runs import add_smoke_option
 
 from calfsm.drivers import refmodel
 from calfsm.drivers.sim import SimDriver
@@ -69,9 +70,7 @@ def alloc_per_step(fn, steps: int) -> tuple[float, int]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--smoke", action="store_true",
-                    help="a second, 20 steps each: checks it still runs (the test suite's), "
-                         "its figures mean nothing")
+    add_smoke_option(ap, "a second, 20 steps each")
     args = ap.parse_args()
     if args.smoke:
         args.steps = 20

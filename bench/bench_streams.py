@@ -53,6 +53,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_executor import PROMPT, DirectPath, ExecutorPath, _pct, _sim, interleaved_blocks
 from cpuload import add_load_option, cpu_load
+from runs import add_smoke_option
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
@@ -271,9 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, default=6, help="A/B blocks per latency (even)")
     ap.add_argument("--runs", type=int, default=1, help="whole runs; ranges over them")
     ap.add_argument("--quick", action="store_true", help="a quarter of the steps")
-    ap.add_argument("--smoke", action="store_true",
-                    help="a few seconds, 2 blocks of a few steps: checks it still runs (the "
-                         "test suite's), its figures mean nothing")
+    add_smoke_option(ap, "a few seconds, 2 blocks of a few steps")
     add_load_option(ap)
     args = ap.parse_args(argv)
     if args.smoke:

@@ -1,8 +1,9 @@
-"""What every benchmark prints: each run's figures as it ends, then each figure's median
-and range over the runs."""
+"""What every benchmark shares: its ``--smoke`` option, and what it prints (each run's
+figures as it ends, then each figure's median and range over the runs)."""
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from collections.abc import Callable
 
@@ -24,3 +25,11 @@ def print_summary(runs: list[dict[str, float]], *, width: int = 28) -> None:
         vals = [r[k] for r in runs]
         print(f"  {k:{width}} median {statistics.median(vals):9.3f}   range "
               f"{min(vals):.3f}-{max(vals):.3f}")
+
+
+def add_smoke_option(ap: argparse.ArgumentParser, what: str) -> None:
+    """``--smoke``: ``what`` (seconds, the smallest run through every path), which
+    tests/test_bench_smoke.py runs for every script; its figures mean nothing."""
+    ap.add_argument("--smoke", action="store_true",
+                    help=f"{what}: checks it still runs (the test suite's), its figures "
+                         "mean nothing")

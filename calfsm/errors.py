@@ -289,11 +289,18 @@ def _dash(value: object) -> str:
 
 
 class InvalidArgument(CalfsmError):
-    """The request itself is wrong (bad lengths, shapes, out-of-range slices)."""
+    """The request itself is wrong (bad lengths, shapes, out-of-range slices).
+    ``field``, when known, names the argument refused (e.g. ``temperature``), so a
+    server answers with it as ``param`` without reading the message."""
 
     http_status = 400
     grpc_code = "INVALID_ARGUMENT"
     default_category = ErrorCategory.REQUEST
+    _CONTEXT_FIELDS = (*CalfsmError._CONTEXT_FIELDS, "field")
+
+    def __init__(self, message: str, *, field: str | None = None, **context: Any) -> None:
+        super().__init__(message, **context)
+        self.field = field
 
 
 class FailedPrecondition(CalfsmError):

@@ -32,12 +32,13 @@ def _bad(message: str) -> InvalidArgument:
     return InvalidArgument(message, stage="request")
 
 
-def token_id(value: Any, where: str) -> int:
+def token_id(value: Any, where: str, *, field: str | None = None) -> int:
     """``value`` as a token id (an integer >= 0, numpy's too, not a bool), else an
-    InvalidArgument naming ``where`` (sampling's checks share it)."""
+    InvalidArgument naming ``where`` (sampling's checks share it; ``field``: the argument
+    it belongs to, the error's ``field``)."""
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 0:
-        raise _bad(f"{where} must be a token id (an integer >= 0), got "
-                   f"{reprlib.repr(value)}")
+        raise InvalidArgument(f"{where} must be a token id (an integer >= 0), got "
+                              f"{reprlib.repr(value)}", stage="request", field=field)
     return int(value)
 
 

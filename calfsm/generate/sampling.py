@@ -115,35 +115,36 @@ _U64 = np.dtype(np.uint64)
 # ---- validation -------------------------------------------------------------------------
 
 
-def _bad(message: str) -> InvalidArgument:
-    return InvalidArgument(message, stage="request")
+def _bad(message: str, field: str) -> InvalidArgument:
+    return InvalidArgument(message, stage="request", field=field)
 
 
 def _int(value: Any, field: str, low: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise _bad(f"{field} must be an integer, got {reprlib.repr(value)}")
+        raise _bad(f"{field} must be an integer, got {reprlib.repr(value)}", field)
     value = int(value)
     if value < low:
-        raise _bad(f"{field} must be >= {low}, got {value}")
+        raise _bad(f"{field} must be >= {low}, got {value}", field)
     return value
 
 
 def _number(value: Any, field: str) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
-        raise _bad(f"{field} must be a number, got {reprlib.repr(value)}")
+        raise _bad(f"{field} must be a number, got {reprlib.repr(value)}", field)
     try:
         value = float(value)
     except OverflowError:           # an int beyond the floats
         value = math.inf
     if not math.isfinite(value):
-        raise _bad(f"{field} must be finite, got {value}")
+        raise _bad(f"{field} must be finite, got {value}", field)
     return value
 
 
 def _token_ids(values: Any, field: str) -> tuple[int, ...]:
     if isinstance(values, str | bytes) or not isinstance(values, Sequence | np.ndarray):
-        raise _bad(f"{field} must be a sequence of token ids, got {reprlib.repr(values)}")
-    return tuple(token_id(v, f"{field}[{i}]") for i, v in enumerate(values))
+        raise _bad(f"{field} must be a sequence of token ids, got {reprlib.repr(values)}",
+                   field)
+    return tuple(token_id(v, f"{field}[{i}]", field=field) for i, v in enumerate(values))
 
 
 def _stop_strings(values: Any) -> tuple[str, ...]:
@@ -152,15 +153,15 @@ def _stop_strings(values: Any) -> tuple[str, ...]:
         values = (values,)
     if isinstance(values, bytes) or not isinstance(values, Sequence):
         raise _bad(f"stop must be a string or a sequence of strings, got "
-                   f"{reprlib.repr(values)}")
+                   f"{reprlib.repr(values)}", "stop")
     if len(values) > MAX_STOP_STRINGS:
-        raise _bad(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(values)}")
+        raise _bad(f"stop: at most {MAX_STOP_STRINGS} strings, got {len(values)}", "stop")
     for i, s in enumerate(values):
         if not isinstance(s, str):
-            raise _bad(f"stop[{i}] must be a string, got {reprlib.repr(s)}")
+            raise _bad(f"stop[{i}] must be a string, got {reprlib.repr(s)}", "stop")
         if not 1 <= len(s) <= MAX_STOP_CHARS:
             raise _bad(f"stop[{i}] must hold 1 to {MAX_STOP_CHARS} characters, got "
-                       f"{len(s)}")
+                       f"{len(s)}", "stop")
     return tuple(values)
 
 
@@ -211,12 +212,12 @@ class SamplingParams:
     def __attrs_post_init__(self) -> None:
         t = _number(self.temperature, "temperature")
         if t < 0:
-            raise _bad(f"temperature must be >= 0 (0 is greedy), got {t}")
+            raise _bad(f"temperature must be >= 0 (0 is greedy), got {t}", "temperature")
         _set(self, "temperature", t)
         _set(self, "top_k", _int(self.top_k, "top_k", 0))
         p = _number(self.top_p, "top_p")
         if not 0.0 < p <= 1.0:
-            raise _bad(f"top_p must be in (0, 1], got {p}")
+            raise _bad(f"top_p must be in (0, 1], got {p}", "top_p")
         _set(self, "top_p", p)
         if self.seed is not None:
             _set(self, "seed", _int(self.seed, "seed", 0))
@@ -225,15 +226,16 @@ class SamplingParams:
         seqs = self.stop_sequences
         if isinstance(seqs, str | bytes) or not isinstance(seqs, Sequence | np.ndarray):
             raise _bad(f"stop_sequences must be a sequence of token-id sequences, got "
-                       f"{reprlib.repr(seqs)}")
+                       f"{reprlib.repr(seqs)}", "stop_sequences")
         if len(seqs) > MAX_STOP_SEQUENCES:
-            raise _bad(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, got {len(seqs)}")
+            raise _bad(f"stop_sequences: at most {MAX_STOP_SEQUENCES}, got {len(seqs)}",
+                       "stop_sequences")
         checked = []
         for i, seq in enumerate(seqs):
             ids = _token_ids(seq, f"stop_sequences[{i}]")
             if not 1 <= len(ids) <= MAX_STOP_LENGTH:
                 raise _bad(f"stop_sequences[{i}] must hold 1 to {MAX_STOP_LENGTH} token "
-                           f"ids, got {len(ids)}")
+                           f"ids, got {len(ids)}", "stop_sequences")
             checked.append(ids)
         # a one-token sequence is a stop token; the longer ones need the tail matcher
         stops = (*stops, *(ids[0] for ids in checked if len(ids) == 1))
@@ -245,42 +247,46 @@ class SamplingParams:
         for field in ("presence_penalty", "frequency_penalty"):
             v = _number(getattr(self, field), field)
             if not -MAX_PENALTY <= v <= MAX_PENALTY:
-                raise _bad(f"{field} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}")
+                raise _bad(f"{field} must be in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {v}",
+                           field)
             _set(self, field, v)
         r = _number(self.repetition_penalty, "repetition_penalty")
         if not r > 0:
-            raise _bad(f"repetition_penalty must be > 0 (1 is off), got {r}")
+            raise _bad(f"repetition_penalty must be > 0 (1 is off), got {r}",
+                       "repetition_penalty")
         _set(self, "repetition_penalty", r)
         m = _int(self.min_tokens, "min_tokens", 0)
         if m > self.max_tokens:
-            raise _bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {m}")
+            raise _bad(f"min_tokens must be <= max_tokens ({self.max_tokens}), got {m}",
+                       "min_tokens")
         _set(self, "min_tokens", m)
         if not isinstance(self.ignore_eos, bool | np.bool_):
-            raise _bad(f"ignore_eos must be a boolean, got {reprlib.repr(self.ignore_eos)}")
+            raise _bad(f"ignore_eos must be a boolean, got {reprlib.repr(self.ignore_eos)}",
+                       "ignore_eos")
         _set(self, "ignore_eos", bool(self.ignore_eos))
         procs = self.logits_processors
         if isinstance(procs, str | bytes) or not isinstance(procs, Sequence):
             raise _bad(f"logits_processors must be a sequence of callables, got "
-                       f"{reprlib.repr(procs)}")
+                       f"{reprlib.repr(procs)}", "logits_processors")
         for i, fn in enumerate(procs):
             if not callable(fn):
                 raise _bad(f"logits_processors[{i}] must be callable(tokens, row) -> None, "
-                           f"got {reprlib.repr(fn)}")
+                           f"got {reprlib.repr(fn)}", "logits_processors")
         _set(self, "logits_processors", tuple(procs))
         if self.logprobs is not None:
             k = _int(self.logprobs, "logprobs", 0)
             if k > MAX_LOGPROBS:
-                raise _bad(f"logprobs must be <= {MAX_LOGPROBS}, got {k}")
+                raise _bad(f"logprobs must be <= {MAX_LOGPROBS}, got {k}", "logprobs")
             _set(self, "logprobs", k)
         if self.sampler is not None:
             if not callable(self.sampler):
                 raise _bad(f"sampler must be callable(logits) -> int, got "
-                           f"{reprlib.repr(self.sampler)}")
+                           f"{reprlib.repr(self.sampler)}", "sampler")
             set_ = [f for f, default in (("temperature", 0.0), ("top_k", 0), ("top_p", 1.0),
                                          ("seed", None)) if getattr(self, f) != default]
             if set_:
                 raise _bad(f"a sampler replaces the built-in sampling: leave "
-                           f"{', '.join(set_)} at the default")
+                           f"{', '.join(set_)} at the default", "sampler")
 
     @property
     def greedy(self) -> bool:

@@ -402,10 +402,9 @@ class _Server:
         return choices
 
     def _usage(self, plan: GenerationPlan, ends: list[Piece]) -> dict[str, Any]:
-        prompt = sum(len(plan.prompts[i]) for i in range(0, len(plan.prompts), plan.n))
         # each prompt counted once, as prompt_tokens: by its first choice
         cached = sum(p.cached_tokens for p in ends if p.index % plan.n == 0)
-        return usage(prompt, sum(p.completion_tokens for p in ends), cached)
+        return usage(plan.prompt_tokens, sum(p.completion_tokens for p in ends), cached)
 
     async def _collect(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                        shape: Shape, client: str) -> Response:
@@ -486,8 +485,7 @@ class _Server:
         inc, lps = plan.include_usage, plan.logprobs is not None
         ends: list[Piece] = []
         # continuous_usage_stats: the usage so far on every chunk (tokens delivered)
-        prompt_tokens = sum(len(plan.prompts[i]) for i in range(0, len(plan.prompts), plan.n))
-        made = 0
+        prompt_tokens, made = plan.prompt_tokens, 0
 
         def so_far() -> dict[str, Any] | None:
             return usage(prompt_tokens, made) if plan.continuous_usage else None

@@ -50,7 +50,7 @@ from typing import Any
 
 import attrs
 
-from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.errors import InvalidArgument
 from calfsm.generate.arguments import (
     MAX_N,
     ContextLimits,
@@ -126,6 +126,11 @@ class GenerationPlan:
     #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
     #: carries the usage so far
     continuous_usage: bool = False
+
+    @property
+    def prompt_tokens(self) -> int:
+        """The usage's ``prompt_tokens``: each prompt once, however many choices it has."""
+        return sum(len(self.prompts[i]) for i in range(0, len(self.prompts), self.n))
 
 
 def _bad(message: str, param: str | None) -> ApiError:
@@ -411,8 +416,8 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                                              limits.max_tokens_cap, room),
                 logprobs=logprobs, min_tokens=min_tokens, ignore_eos=ignore_eos,
                 **penalties))
-    except CalfsmError as e:            # SamplingParams names the field in its message
-        raise _bad(e.message, e.message.split(" ", 1)[0]) from None
+    except InvalidArgument as e:        # SamplingParams names the field it refuses
+        raise _bad(e.message, e.field) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
                           stream, include_usage, n, logprobs, priority, continuous)
 

@@ -9,6 +9,7 @@ level this CPU runs.
 from __future__ import annotations
 
 import math
+import pickle
 import tracemalloc
 from collections import Counter
 
@@ -79,6 +80,22 @@ def test_every_field_is_validated_naming_it(field: str, value) -> None:
     assert field in e.value.message
     assert e.value.stage == "request" and e.value.category is ErrorCategory.REQUEST
     assert not e.value.retryable
+
+
+@pytest.mark.parametrize(("kw", "field"), [
+    ({"temperature": -0.5}, "temperature"), ({"top_k": -1}, "top_k"),
+    ({"stop_token_ids": [1, -1]}, "stop_token_ids"), ({"stop": [""]}, "stop"),
+    ({"stop_sequences": [()]}, "stop_sequences"), ({"presence_penalty": 3}, "presence_penalty"),
+    ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+    ({"sampler": lambda row: 0, "seed": 3}, "sampler"),
+])
+def test_the_error_carries_the_field_it_refuses(kw: dict, field: str) -> None:
+    """A server answers with ``field`` as ``param``: it never reads it off the message
+    (whose first word is ``stop[0]`` or ``a`` for some of these)."""
+    with pytest.raises(InvalidArgument) as e:
+        SamplingParams(**kw)
+    assert e.value.field == field
+    assert pickle.loads(pickle.dumps(e.value)).field == field
 
 
 def test_valid_values_are_kept_in_one_type() -> None:
