@@ -409,16 +409,17 @@ def _programming(what: str, e: Exception) -> Internal:
                     category=ErrorCategory.PROGRAMMING, stage="tokenizer")
 
 
-def encode_prompt(tokenizer: Any, text: str) -> list[int]:
+def encode_prompt(tokenizer: Any, text: str, **options: Any) -> list[int]:
     """A text prompt's token ids, by ``tokenizer`` (None: InvalidArgument, a text prompt
-    needs one). A tokenizer that fails with anything but a CalfsmError is a bug of its
-    own: Internal (category programming)."""
+    needs one); ``options`` go to its ``encode`` (``add_special_tokens=False`` for a
+    prompt a chat template rendered). A tokenizer that fails with anything but a
+    CalfsmError is a bug of its own: Internal (category programming)."""
     if tokenizer is None:
         raise InvalidArgument("a text prompt needs a tokenizer: DeviceExecutor(..., "
                               "tokenizer=...), or give the prompt as token ids",
                               stage="request")
     try:
-        return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, **options))
     except CalfsmError:
         raise
     except Exception as e:

@@ -106,15 +106,5 @@ def encode_chat(tokenizer: Tokenizer, text: str, *, templated: bool) -> list[int
     if isinstance(tokenizer, ByteTokenizer):
         return tokenizer.encode(text, field="messages")
     if templated and isinstance(tokenizer, HFTokenizer):
-        return encode_prompt(_NoSpecialTokens(tokenizer), text)
+        return encode_prompt(tokenizer, text, add_special_tokens=False)
     return encode_prompt(tokenizer, text)
-
-
-class _NoSpecialTokens:
-    """An :class:`HFTokenizer`'s encode, adding no special tokens."""
-
-    def __init__(self, tokenizer: HFTokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
