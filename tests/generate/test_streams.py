@@ -49,7 +49,7 @@ from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
-from calfsm.tools.direct import DirectRunner, golden_prompts
+from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import (
     TINY,
     GatedDriver,
@@ -63,14 +63,21 @@ from tests.helpers.executor import (
     make_sim,
     reference_stream,
 )
-from tests.helpers.streams import direct_runner, golden_tokens, settle
+from tests.helpers.streams import (
+    GREEDY,
+    N_TOKENS,
+    PROMPT,
+    PROMPTS,
+    assert_freed,
+    assert_id_reused,
+    direct_runner,
+    golden_tokens,
+    run_streams,
+    settle,
+)
 
-N_TOKENS = 16
 CONTRACT = TINY.submodel(TaskKind.DECODE)
 VOCAB, MAX_SEQ = CONTRACT.vocab, CONTRACT.max_seq
-PROMPTS = golden_prompts()
-PROMPT = PROMPTS[5]                  # 127 tokens
-GREEDY = SamplingParams(max_tokens=N_TOKENS)
 SEEDED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=N_TOKENS)
 DRAWS = {
     "temperature": SamplingParams(temperature=1.0, seed=1, max_tokens=N_TOKENS),
@@ -104,62 +111,10 @@ def generate(ex: DeviceExecutor, prompt: list[int], params: SamplingParams, *,
     return settle(ex, ex.generate(prompt, params, **kw), seed)
 
 
-def assert_freed(ex: DeviceExecutor) -> None:
-    """No lease, no open or waiting KV reservation, no sequence holding KV, the books
-    balanced, nothing queued or on the device. (Threaded: the completion side may still
-    be finishing the last job when its stream ends; a leak never settles.)"""
-    epoch = ex.epoch
-
-    def quiet() -> bool:
-        kv = epoch.kv.stats()
-        return (ex.idle() and epoch.pool.stats().leased == 0
-                and kv.open == ex.stats().admitting == 0)
-
-    drive(ex, quiet, timeout=10)
-    kv = epoch.kv.stats()
-    assert epoch.pool.stats().leased == 0, epoch.pool.stats()
-    assert kv.open == ex.stats().admitting == kv.budget_used == 0, kv
-    assert kv.reserved == kv.committed + kv.rolled_back + kv.unknown, kv
-    assert epoch.kv.sequences() == (), epoch.kv.sequences()
-    assert ex.idle()
-    assert ex.lifecycle_state == "Ready"
-
-
 def open_again(ex: DeviceExecutor, seq) -> None:
     """Until the sequence's last job has ended on its side too (threaded: a handle is
     done just before its done-callbacks run, the sequence's among them)."""
     drive(ex, lambda: seq.state == SequenceState.OPEN)
-
-
-def assert_id_reused(ex: DeviceExecutor, seq_id: int) -> None:
-    """The lowest free id comes back, with no KV."""
-    with ex.open_sequence() as seq:
-        assert seq.seq_id == seq_id and seq.position == 0
-        assert ex.epoch.kv.sequence_length(seq_id) == 0
-
-
-def run_streams(ex: DeviceExecutor, prompts: list[list[int]], params: SamplingParams, *,
-                lanes: int, seed: int = 0) -> dict[int, tuple[GenerationResult, list]]:
-    """Generate every prompt, ``lanes`` streams at a time; each result with the events
-    its consumer read."""
-    todo = list(enumerate(prompts))
-    live: dict[int, Stream] = {}
-    out: dict[int, tuple[GenerationResult, list]] = {}
-    sched = None if ex.config.threaded else StepScheduler(ex, seed)
-    while todo or live:
-        while todo and len(live) < lanes:
-            i, prompt = todo.pop(0)
-            live[i] = ex.generate(prompt, params)
-        if sched is None:
-            next(iter(live.values())).result(30)
-        else:
-            sched.run_until(lambda: any(s.done() for s in live.values()))
-        for i, s in list(live.items()):
-            if s.done():
-                out[i] = (s.result(0), list(s))
-                del live[i]
-    drive(ex, ex.idle, seed=seed)
-    return out
 
 
 # ---- greedy: the reference model ----------------------------------------------------
