@@ -59,6 +59,7 @@ from tests.helpers.executor import (
     drive,
     eventually,
     finish,
+    gated_executor,
     make_executor,
     make_sim,
     reference_stream,
@@ -355,22 +356,18 @@ def test_threaded_cancel_mid_stream(golden, who, k):
 
 def test_cancel_before_the_prefill_reaches_the_device(mode):
     """FI11 at the start: the stream's prefill waits behind a job held on the device."""
-    gated = GatedDriver(make_sim(mode))
-    with make_executor(mode, driver=gated) as ex:
-        try:
-            gated.gate.clear()
-            blocker = ex.enqueue_nowait(Request.prefill(200, [1, 2, 3]))
-            drive(ex, lambda: bool(ex.on_device()))
-            s = ex.generate(PROMPT, GREEDY)
-            assert ex.stats().queued == 1
-            assert s.cancel()
-            gated.gate.set()
-            drive(ex, blocker.done)
-            ex.reset_sequence(200)
-            _assert_cancelled(ex, s, [], [], jobs_cancelled=1)
-            assert _infers(ex, s.sequence.seq_id) == 0
-        finally:
-            gated.gate.set()
+    with gated_executor(mode) as (ex, gated):
+        gated.gate.clear()
+        blocker = ex.enqueue_nowait(Request.prefill(200, [1, 2, 3]))
+        drive(ex, lambda: bool(ex.on_device()))
+        s = ex.generate(PROMPT, GREEDY)
+        assert ex.stats().queued == 1
+        assert s.cancel()
+        gated.gate.set()
+        drive(ex, blocker.done)
+        ex.reset_sequence(200)
+        _assert_cancelled(ex, s, [], [], jobs_cancelled=1)
+        assert _infers(ex, s.sequence.seq_id) == 0
 
 
 def test_cancel_while_a_token_is_sampled_delivers_nothing_more(mode, golden):
@@ -552,68 +549,60 @@ def test_bounded_wait_queue_refuses_a_burst_at_once_with_429(mode):
     """``max_waiting=4`` with the device held: four of a burst of ten are accepted, six
     are refused in the call (the device never moves, so none of them could have
     waited); once the device is let go the four complete."""
-    gated = GatedDriver(make_sim(mode))
-    with make_executor(mode, driver=gated, max_waiting=4) as ex:
-        try:
-            gated.gate.clear()
-            blocker = ex.enqueue_nowait(Request.prefill(100, [1, 2, 3]))
-            drive(ex, lambda: bool(ex.on_device()))
-            accepted, refused = [], []
-            for seq in range(10):
-                try:
-                    accepted.append(ex.enqueue_nowait(Request.prefill(seq, [seq + 1] * 3)))
-                except ResourceExhausted as e:
-                    refused.append(e)
-            assert len(accepted) == 4 and len(refused) == 6
-            for e in refused:
-                assert e.http_status == 429 and e.retryable and e.grpc_code == \
-                    "RESOURCE_EXHAUSTED", e
-                assert e.retry_after_s is not None and e.retry_after_s > 0, e
-                assert "max_waiting 4" in e.message
-            # a stream refused by the full queue ends at once, with the same 429
-            s = ex.generate(PROMPT, GREEDY)
-            assert s.done()
-            assert isinstance(s.result(0).error, ResourceExhausted)
-            assert s.result(0).finish_reason == FinishReason.ERROR
-            gated.gate.set()
-            drive(ex, lambda: all(h.done() for h in [blocker, *accepted]) and ex.idle())
-            for h in [blocker, *accepted]:
-                assert h.result(0).token_count == 3
-            for seq in [100, *range(4)]:
-                ex.reset_sequence(seq)
-            assert_freed(ex)
-            assert ex.stats().succeeded == 5
-        finally:
-            gated.gate.set()
+    with gated_executor(mode, max_waiting=4) as (ex, gated):
+        gated.gate.clear()
+        blocker = ex.enqueue_nowait(Request.prefill(100, [1, 2, 3]))
+        drive(ex, lambda: bool(ex.on_device()))
+        accepted, refused = [], []
+        for seq in range(10):
+            try:
+                accepted.append(ex.enqueue_nowait(Request.prefill(seq, [seq + 1] * 3)))
+            except ResourceExhausted as e:
+                refused.append(e)
+        assert len(accepted) == 4 and len(refused) == 6
+        for e in refused:
+            assert e.http_status == 429 and e.retryable and e.grpc_code == \
+                "RESOURCE_EXHAUSTED", e
+            assert e.retry_after_s is not None and e.retry_after_s > 0, e
+            assert "max_waiting 4" in e.message
+        # a stream refused by the full queue ends at once, with the same 429
+        s = ex.generate(PROMPT, GREEDY)
+        assert s.done()
+        assert isinstance(s.result(0).error, ResourceExhausted)
+        assert s.result(0).finish_reason == FinishReason.ERROR
+        gated.gate.set()
+        drive(ex, lambda: all(h.done() for h in [blocker, *accepted]) and ex.idle())
+        for h in [blocker, *accepted]:
+            assert h.result(0).token_count == 3
+        for seq in [100, *range(4)]:
+            ex.reset_sequence(seq)
+        assert_freed(ex)
+        assert ex.stats().succeeded == 5
 
 
 # ---- sequences ----------------------------------------------------------------------
 
 def test_second_job_on_a_busy_sequence_is_refused(mode):
-    gated = GatedDriver(make_sim(mode))
-    with make_executor(mode, driver=gated) as ex:
-        try:
-            seq = ex.open_sequence()
-            gated.gate.clear()
-            h = seq.prefill([1, 2, 3])
-            drive(ex, lambda: bool(ex.on_device()))
-            assert seq.state == SequenceState.BUSY
-            with pytest.raises(FailedPrecondition, match="sequence 0 is Busy: one job at a"
-                                                         " time") as e:
-                seq.decode(4)
-            assert e.value.seq_id == 0 and not e.value.retryable
-            r = seq.generate([4, 5], GREEDY).result(0)        # a stream is refused too
-            assert r.finish_reason == FinishReason.ERROR
-            assert isinstance(r.error, FailedPrecondition) and r.tokens == ()
-            gated.gate.set()
-            drive(ex, h.done)
-            open_again(ex, seq)
-            assert h.result(0).token_count == 3 and seq.position == 3
-            seq.close()
-            assert ex.epoch.kv.sequence_length(0) == 0
-            assert_freed(ex)
-        finally:
-            gated.gate.set()
+    with gated_executor(mode) as (ex, gated):
+        seq = ex.open_sequence()
+        gated.gate.clear()
+        h = seq.prefill([1, 2, 3])
+        drive(ex, lambda: bool(ex.on_device()))
+        assert seq.state == SequenceState.BUSY
+        with pytest.raises(FailedPrecondition, match="sequence 0 is Busy: one job at a"
+                                                     " time") as e:
+            seq.decode(4)
+        assert e.value.seq_id == 0 and not e.value.retryable
+        r = seq.generate([4, 5], GREEDY).result(0)        # a stream is refused too
+        assert r.finish_reason == FinishReason.ERROR
+        assert isinstance(r.error, FailedPrecondition) and r.tokens == ()
+        gated.gate.set()
+        drive(ex, h.done)
+        open_again(ex, seq)
+        assert h.result(0).token_count == 3 and seq.position == 3
+        seq.close()
+        assert ex.epoch.kv.sequence_length(0) == 0
+        assert_freed(ex)
 
 
 def test_close_waits_for_a_job_cancelled_after_submit_then_releases_the_kv():
