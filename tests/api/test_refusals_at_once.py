@@ -33,7 +33,7 @@ from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.serve import ByteTokenizer, ServerConfig, create_app, realtime_sim
 from tests.helpers.executor import TINY, make_executor
-from tests.serve.test_serve import LiveServer
+from tests.helpers.serve import LiveServer
 
 CONTRACT = TINY.submodel(TaskKind.DECODE)
 VOCAB, MAX_SEQ = CONTRACT.vocab, CONTRACT.max_seq

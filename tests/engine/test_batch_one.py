@@ -22,9 +22,8 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import FinishReason
 from calfsm.manifest import builtin_manifest
-from tests.generate.test_streams import GREEDY, PROMPTS, assert_freed, run_streams
 from tests.helpers.executor import calls, drive, make_executor
-from tests.helpers.streams import golden_tokens, settle
+from tests.helpers.streams import GREEDY, PROMPTS, assert_freed, golden_tokens, run_streams, settle
 
 B8 = builtin_manifest("tiny-b8")
 

@@ -17,35 +17,26 @@ form while one runs).
 
 from __future__ import annotations
 
-import collections
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from calfsm.clock import RealClock
-from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.faults import FaultPlan, FaultRule
-from calfsm.drivers.sim import LatencyModel, SimDriver
-from calfsm.engine.observe import DeviceStep
+from calfsm.drivers.sim import SimDriver
 from calfsm.errors import Unavailable
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import FinishReason, Stream
-from calfsm.manifest import TaskKind, builtin_manifest
+from calfsm.manifest import builtin_manifest
 from calfsm.tools.direct import DirectRunner, golden_prompts
-from tests.generate.test_streams import assert_freed, run_streams
+from tests.helpers.batching import B8, batch_sizes, make_batched
 from tests.helpers.executor import batching, drive, write_batch_evidence
-from tests.helpers.streams import direct_runner, golden_tokens
+from tests.helpers.streams import assert_freed, direct_runner, golden_tokens, run_streams
 
-B8 = builtin_manifest("tiny-b8")
 TINY = builtin_manifest("tiny")
 PROMPTS = golden_prompts()
 N_TOKENS = 16
 GREEDY = SamplingParams(max_tokens=N_TOKENS)
-#: threaded mode: a real-time device whose batch step takes a few ms, so the rows of the
-#: other streams are queued while one runs
-REAL = LatencyModel.fixed(decode_s=0.002, prefill_per_token_s=1e-6, batch_row_share=0.05)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -60,52 +51,9 @@ def golden() -> list[list[int]]:
     return golden_tokens(PROMPTS, N_TOKENS)
 
 
-class StepLog:
-    """Rows per decode job the device ran (an observer of ``device_step``)."""
-
-    def __init__(self) -> None:
-        self.sizes: collections.Counter = collections.Counter()
-
-    def device_step(self, step: DeviceStep) -> None:
-        if step.kind is TaskKind.DECODE:
-            self.sizes[step.rows] += 1
-
-
-def make_driver(name: str, mode: str, faults: FaultPlan | None = None) -> Any:
-    """The simulated device or the native emulator on tiny-b8: a virtual clock in step
-    mode, real time with :data:`REAL` in threaded mode."""
-    faults = faults or FaultPlan.none()
-    if name == "sim":
-        kw: dict[str, Any] = {"clock": RealClock(), "latency": REAL} \
-            if mode == "threaded" else {}
-        return SimDriver(B8, seed=0, faults=faults, **kw)
-    if mode == "threaded":
-        return CalrtDriver(B8, faults=faults, latency=REAL)
-    return CalrtDriver.virtual(manifest_or_calbin=B8, faults=faults,
-                               latency=LatencyModel.virtual_default())
-
-
 @pytest.fixture(params=["sim", "emulator"])
 def device(request: pytest.FixtureRequest) -> str:
     return request.param
-
-
-def make_batched(mode: str, tmp_path: Path, *, faults: FaultPlan | None = None,
-                 evidence: bool = True, device: str = "sim", **config: Any
-                 ) -> DeviceExecutor:
-    """An executor on tiny-b8 whose evidence proves batching (``evidence=False``: none);
-    ``ex.steps_seen`` counts its decode jobs by rows from the end of the warm-up."""
-    drv = make_driver(device, mode, faults)
-    cfg = batching(tmp_path, drv) if evidence else {"evidence_dir": str(tmp_path)}
-    ex = DeviceExecutor(drv, B8, ExecutorConfig(threaded=mode == "threaded", **cfg,
-                                                **config))
-    ex.steps_seen = log = StepLog()        # type: ignore[attr-defined]
-    ex.add_observer(log)
-    return ex
-
-
-def batch_sizes(ex: DeviceExecutor) -> collections.Counter:
-    return ex.steps_seen.sizes             # type: ignore[attr-defined]
 
 
 def run_all(ex: DeviceExecutor, streams: list[Stream], seed: int = 0) -> None:

@@ -53,8 +53,8 @@ from tests.helpers.executor import (
     make_sim,
     reference_stream,
 )
+from tests.helpers.serve import MODEL, poll, serve, sse_events
 from tests.helpers.streams import direct_runner
-from tests.serve.test_serve import MODEL, poll, serve, sse_events
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -44,7 +44,7 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
 )
-from tests.serve.test_serve import MODEL, serve
+from tests.helpers.serve import MODEL, serve
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -22,7 +22,7 @@ from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.runtime.sync import THREADS
-from tests.engine.test_buffers import make_pool
+from tests.helpers.buffers import make_pool
 from tests.helpers.executor import (
     GatedDriver,
     eventually,

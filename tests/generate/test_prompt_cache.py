@@ -478,7 +478,7 @@ def test_a_chats_second_turn_through_the_server_reuses_the_first_turns_kv():
 
     from calfsm.serve import ByteTokenizer, realtime_sim
     from calfsm.serve.tokenizer import chat_prompt
-    from tests.serve.test_serve import reference, serve
+    from tests.helpers.serve import reference, serve
 
     tok = ByteTokenizer(VOCAB)
     ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,

@@ -23,7 +23,6 @@ from calfsm.generate.streams import FinishReason
 from calfsm.machines.job import BEFORE_SUBMIT
 from calfsm.request import Request
 from calfsm.tools.direct import DirectRunner
-from tests.generate.test_streams import assert_freed
 from tests.helpers.executor import (
     TINY,
     GatedDriver,
@@ -34,6 +33,7 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
 )
+from tests.helpers.streams import assert_freed
 
 PROMPT = [5, 9, 100, 7, 3]
 

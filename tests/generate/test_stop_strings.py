@@ -22,8 +22,8 @@ from calfsm.errors import CalrtCode, ErrorCategory, Internal, InvalidArgument
 from calfsm.generate.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from calfsm.generate.stopstrings import StopStrings
 from calfsm.generate.tokenizer import ByteTokenizer
-from tests.generate.test_streams import assert_freed
 from tests.helpers.executor import drive, make_executor
+from tests.helpers.streams import assert_freed
 from tests.helpers.tokenizer import PieceTokenizer, Script, hf_bpe
 
 pytestmark = pytest.mark.timeout(60)

@@ -27,7 +27,9 @@ reads exactly the result's tokens (none delivered after the end).
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
 import pytest
 
@@ -108,6 +110,18 @@ class Books(Observer):
         assert not twice, f"jobs with more than one outcome: {twice}"
 
 
+@contextmanager
+def booked(seed: int, **config: Any
+           ) -> Iterator[tuple[DeviceExecutor, Books, HoldingScheduler]]:
+    """A step-mode executor (``make_executor("step", **config)``) with :class:`Books`
+    watching it and a :class:`HoldingScheduler` of ``seed`` on it; closed on the way out."""
+    ex = make_executor("step", **config)
+    books = Books()
+    ex.add_observer(books)
+    with ex:
+        yield ex, books, HoldingScheduler(ex, seed=seed)
+
+
 def leased(ex: DeviceExecutor) -> int:
     return ex.epoch.pool.stats().leased
 
@@ -167,11 +181,7 @@ def test_staging_behind_a_step_failed_in_a_drain_takes_no_slot_and_every_stream_
             2: reference_stream(runner, PROMPT_C, GREEDY)}
     # B's third step (its prefill, then decodes at 128 and 129) meets the fault
     plan = FaultPlan.of(FaultRule("infer", "ccu_exception", seq_id=1, nth=3))
-    ex = make_executor("step", faults=plan, slots_per_engine=1)
-    books = Books()
-    ex.add_observer(books)
-    with ex:
-        sched = HoldingScheduler(ex, seed=0)
+    with booked(0, faults=plan, slots_per_engine=1) as (ex, books, sched):
         a = ex.generate(PROMPT_A, GREEDY)
         b = ex.generate(PROMPT_B, GREEDY)
         assert (a.sequence.seq_id, b.sequence.seq_id) == (0, 1)
@@ -233,11 +243,7 @@ def _staged_on_seq0(ex: DeviceExecutor, sched: HoldingScheduler, past_len: int) 
 
 def test_a_stream_cancelled_with_its_next_step_staged_gives_the_slot_back(runner):
     want = reference_stream(runner, PROMPT_A, GREEDY)
-    ex = make_executor("step")
-    books = Books()
-    ex.add_observer(books)
-    with ex:
-        sched = HoldingScheduler(ex, seed=1)
+    with booked(1) as (ex, books, sched):
         s = ex.generate(PROMPT_A, GREEDY)
         start = len(PROMPT_A)
         _staged_on_seq0(ex, sched, start + 2)          # two tokens delivered so far
@@ -260,11 +266,7 @@ def test_a_stream_ending_at_a_stop_token_with_its_next_step_staged_gives_the_slo
     stop = ref[4]                                     # the token the step at +3 gives
     assert stop not in ref[:4]
     params = SamplingParams(max_tokens=N_TOKENS, stop_token_ids=(stop,))
-    ex = make_executor("step")
-    books = Books()
-    ex.add_observer(books)
-    with ex:
-        sched = HoldingScheduler(ex, seed=2)
+    with booked(2) as (ex, books, sched):
         s = ex.generate(PROMPT_A, params)
         start = len(PROMPT_A)
         _staged_on_seq0(ex, sched, start + 3)
@@ -286,11 +288,7 @@ def test_a_stream_ending_at_max_tokens_gives_back_any_step_staged_after_its_last
     use). Held here so that it does: the stream still ends ``length`` and that slot comes
     back with it."""
     want = reference_stream(runner, PROMPT_A, GREEDY)
-    ex = make_executor("step")
-    books = Books()
-    ex.add_observer(books)
-    with ex:
-        sched = HoldingScheduler(ex, seed=3)
+    with booked(3) as (ex, books, sched):
         s = ex.generate(PROMPT_A, GREEDY)
         start = len(PROMPT_A)
         last = start + N_TOKENS - 2                     # the decode that gives token 8
@@ -317,11 +315,7 @@ def test_a_stream_ending_at_max_tokens_gives_back_any_step_staged_after_its_last
 def test_a_drain_with_a_stream_step_staged_gives_the_slot_back_and_the_stream_resumes(
         runner):
     want = reference_stream(runner, PROMPT_A, GREEDY)
-    ex = make_executor("step")
-    books = Books()
-    ex.add_observer(books)
-    with ex:
-        sched = HoldingScheduler(ex, seed=4)
+    with booked(4) as (ex, books, sched):
         s = ex.generate(PROMPT_A, GREEDY)
         start = len(PROMPT_A)
         _staged_on_seq0(ex, sched, start + 2)
@@ -375,12 +369,9 @@ def _through_a_failing_release(runner, error: Exception | None = None,
     want = reference_stream(runner, prompt, GREEDY)
     drv = FailingApply(SimDriver(TINY, seed=0, faults=FaultPlan.none(), trace=True),
                        len(prompt) + 6, error)
-    with make_executor("step", driver=drv) as ex:
-        books = Books()
-        ex.add_observer(books)
+    with booked(0, driver=drv) as (ex, books, sched):
         if observer is not None:
             ex.add_observer(observer(ex))
-        sched = HoldingScheduler(ex, 0)
         stream = ex.generate(prompt, GREEDY)
         sched.run(settled(stream))
         result = stream.result(0)

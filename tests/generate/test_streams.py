@@ -49,7 +49,7 @@ from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
-from calfsm.tools.direct import DirectRunner, golden_prompts
+from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import (
     TINY,
     GatedDriver,
@@ -59,18 +59,26 @@ from tests.helpers.executor import (
     drive,
     eventually,
     finish,
+    gated_executor,
     make_executor,
     make_sim,
     reference_stream,
 )
-from tests.helpers.streams import direct_runner, golden_tokens, settle
+from tests.helpers.streams import (
+    GREEDY,
+    N_TOKENS,
+    PROMPT,
+    PROMPTS,
+    assert_freed,
+    assert_id_reused,
+    direct_runner,
+    golden_tokens,
+    run_streams,
+    settle,
+)
 
-N_TOKENS = 16
 CONTRACT = TINY.submodel(TaskKind.DECODE)
 VOCAB, MAX_SEQ = CONTRACT.vocab, CONTRACT.max_seq
-PROMPTS = golden_prompts()
-PROMPT = PROMPTS[5]                  # 127 tokens
-GREEDY = SamplingParams(max_tokens=N_TOKENS)
 SEEDED = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, seed=7, max_tokens=N_TOKENS)
 DRAWS = {
     "temperature": SamplingParams(temperature=1.0, seed=1, max_tokens=N_TOKENS),
@@ -104,62 +112,10 @@ def generate(ex: DeviceExecutor, prompt: list[int], params: SamplingParams, *,
     return settle(ex, ex.generate(prompt, params, **kw), seed)
 
 
-def assert_freed(ex: DeviceExecutor) -> None:
-    """No lease, no open or waiting KV reservation, no sequence holding KV, the books
-    balanced, nothing queued or on the device. (Threaded: the completion side may still
-    be finishing the last job when its stream ends; a leak never settles.)"""
-    epoch = ex.epoch
-
-    def quiet() -> bool:
-        kv = epoch.kv.stats()
-        return (ex.idle() and epoch.pool.stats().leased == 0
-                and kv.open == ex.stats().admitting == 0)
-
-    drive(ex, quiet, timeout=10)
-    kv = epoch.kv.stats()
-    assert epoch.pool.stats().leased == 0, epoch.pool.stats()
-    assert kv.open == ex.stats().admitting == kv.budget_used == 0, kv
-    assert kv.reserved == kv.committed + kv.rolled_back + kv.unknown, kv
-    assert epoch.kv.sequences() == (), epoch.kv.sequences()
-    assert ex.idle()
-    assert ex.lifecycle_state == "Ready"
-
-
 def open_again(ex: DeviceExecutor, seq) -> None:
     """Until the sequence's last job has ended on its side too (threaded: a handle is
     done just before its done-callbacks run, the sequence's among them)."""
     drive(ex, lambda: seq.state == SequenceState.OPEN)
-
-
-def assert_id_reused(ex: DeviceExecutor, seq_id: int) -> None:
-    """The lowest free id comes back, with no KV."""
-    with ex.open_sequence() as seq:
-        assert seq.seq_id == seq_id and seq.position == 0
-        assert ex.epoch.kv.sequence_length(seq_id) == 0
-
-
-def run_streams(ex: DeviceExecutor, prompts: list[list[int]], params: SamplingParams, *,
-                lanes: int, seed: int = 0) -> dict[int, tuple[GenerationResult, list]]:
-    """Generate every prompt, ``lanes`` streams at a time; each result with the events
-    its consumer read."""
-    todo = list(enumerate(prompts))
-    live: dict[int, Stream] = {}
-    out: dict[int, tuple[GenerationResult, list]] = {}
-    sched = None if ex.config.threaded else StepScheduler(ex, seed)
-    while todo or live:
-        while todo and len(live) < lanes:
-            i, prompt = todo.pop(0)
-            live[i] = ex.generate(prompt, params)
-        if sched is None:
-            next(iter(live.values())).result(30)
-        else:
-            sched.run_until(lambda: any(s.done() for s in live.values()))
-        for i, s in list(live.items()):
-            if s.done():
-                out[i] = (s.result(0), list(s))
-                del live[i]
-    drive(ex, ex.idle, seed=seed)
-    return out
 
 
 # ---- greedy: the reference model ----------------------------------------------------
@@ -400,22 +356,18 @@ def test_threaded_cancel_mid_stream(golden, who, k):
 
 def test_cancel_before_the_prefill_reaches_the_device(mode):
     """FI11 at the start: the stream's prefill waits behind a job held on the device."""
-    gated = GatedDriver(make_sim(mode))
-    with make_executor(mode, driver=gated) as ex:
-        try:
-            gated.gate.clear()
-            blocker = ex.enqueue_nowait(Request.prefill(200, [1, 2, 3]))
-            drive(ex, lambda: bool(ex.on_device()))
-            s = ex.generate(PROMPT, GREEDY)
-            assert ex.stats().queued == 1
-            assert s.cancel()
-            gated.gate.set()
-            drive(ex, blocker.done)
-            ex.reset_sequence(200)
-            _assert_cancelled(ex, s, [], [], jobs_cancelled=1)
-            assert _infers(ex, s.sequence.seq_id) == 0
-        finally:
-            gated.gate.set()
+    with gated_executor(mode) as (ex, gated):
+        gated.gate.clear()
+        blocker = ex.enqueue_nowait(Request.prefill(200, [1, 2, 3]))
+        drive(ex, lambda: bool(ex.on_device()))
+        s = ex.generate(PROMPT, GREEDY)
+        assert ex.stats().queued == 1
+        assert s.cancel()
+        gated.gate.set()
+        drive(ex, blocker.done)
+        ex.reset_sequence(200)
+        _assert_cancelled(ex, s, [], [], jobs_cancelled=1)
+        assert _infers(ex, s.sequence.seq_id) == 0
 
 
 def test_cancel_while_a_token_is_sampled_delivers_nothing_more(mode, golden):
@@ -597,68 +549,60 @@ def test_bounded_wait_queue_refuses_a_burst_at_once_with_429(mode):
     """``max_waiting=4`` with the device held: four of a burst of ten are accepted, six
     are refused in the call (the device never moves, so none of them could have
     waited); once the device is let go the four complete."""
-    gated = GatedDriver(make_sim(mode))
-    with make_executor(mode, driver=gated, max_waiting=4) as ex:
-        try:
-            gated.gate.clear()
-            blocker = ex.enqueue_nowait(Request.prefill(100, [1, 2, 3]))
-            drive(ex, lambda: bool(ex.on_device()))
-            accepted, refused = [], []
-            for seq in range(10):
-                try:
-                    accepted.append(ex.enqueue_nowait(Request.prefill(seq, [seq + 1] * 3)))
-                except ResourceExhausted as e:
-                    refused.append(e)
-            assert len(accepted) == 4 and len(refused) == 6
-            for e in refused:
-                assert e.http_status == 429 and e.retryable and e.grpc_code == \
-                    "RESOURCE_EXHAUSTED", e
-                assert e.retry_after_s is not None and e.retry_after_s > 0, e
-                assert "max_waiting 4" in e.message
-            # a stream refused by the full queue ends at once, with the same 429
-            s = ex.generate(PROMPT, GREEDY)
-            assert s.done()
-            assert isinstance(s.result(0).error, ResourceExhausted)
-            assert s.result(0).finish_reason == FinishReason.ERROR
-            gated.gate.set()
-            drive(ex, lambda: all(h.done() for h in [blocker, *accepted]) and ex.idle())
-            for h in [blocker, *accepted]:
-                assert h.result(0).token_count == 3
-            for seq in [100, *range(4)]:
-                ex.reset_sequence(seq)
-            assert_freed(ex)
-            assert ex.stats().succeeded == 5
-        finally:
-            gated.gate.set()
+    with gated_executor(mode, max_waiting=4) as (ex, gated):
+        gated.gate.clear()
+        blocker = ex.enqueue_nowait(Request.prefill(100, [1, 2, 3]))
+        drive(ex, lambda: bool(ex.on_device()))
+        accepted, refused = [], []
+        for seq in range(10):
+            try:
+                accepted.append(ex.enqueue_nowait(Request.prefill(seq, [seq + 1] * 3)))
+            except ResourceExhausted as e:
+                refused.append(e)
+        assert len(accepted) == 4 and len(refused) == 6
+        for e in refused:
+            assert e.http_status == 429 and e.retryable and e.grpc_code == \
+                "RESOURCE_EXHAUSTED", e
+            assert e.retry_after_s is not None and e.retry_after_s > 0, e
+            assert "max_waiting 4" in e.message
+        # a stream refused by the full queue ends at once, with the same 429
+        s = ex.generate(PROMPT, GREEDY)
+        assert s.done()
+        assert isinstance(s.result(0).error, ResourceExhausted)
+        assert s.result(0).finish_reason == FinishReason.ERROR
+        gated.gate.set()
+        drive(ex, lambda: all(h.done() for h in [blocker, *accepted]) and ex.idle())
+        for h in [blocker, *accepted]:
+            assert h.result(0).token_count == 3
+        for seq in [100, *range(4)]:
+            ex.reset_sequence(seq)
+        assert_freed(ex)
+        assert ex.stats().succeeded == 5
 
 
 # ---- sequences ----------------------------------------------------------------------
 
 def test_second_job_on_a_busy_sequence_is_refused(mode):
-    gated = GatedDriver(make_sim(mode))
-    with make_executor(mode, driver=gated) as ex:
-        try:
-            seq = ex.open_sequence()
-            gated.gate.clear()
-            h = seq.prefill([1, 2, 3])
-            drive(ex, lambda: bool(ex.on_device()))
-            assert seq.state == SequenceState.BUSY
-            with pytest.raises(FailedPrecondition, match="sequence 0 is Busy: one job at a"
-                                                         " time") as e:
-                seq.decode(4)
-            assert e.value.seq_id == 0 and not e.value.retryable
-            r = seq.generate([4, 5], GREEDY).result(0)        # a stream is refused too
-            assert r.finish_reason == FinishReason.ERROR
-            assert isinstance(r.error, FailedPrecondition) and r.tokens == ()
-            gated.gate.set()
-            drive(ex, h.done)
-            open_again(ex, seq)
-            assert h.result(0).token_count == 3 and seq.position == 3
-            seq.close()
-            assert ex.epoch.kv.sequence_length(0) == 0
-            assert_freed(ex)
-        finally:
-            gated.gate.set()
+    with gated_executor(mode) as (ex, gated):
+        seq = ex.open_sequence()
+        gated.gate.clear()
+        h = seq.prefill([1, 2, 3])
+        drive(ex, lambda: bool(ex.on_device()))
+        assert seq.state == SequenceState.BUSY
+        with pytest.raises(FailedPrecondition, match="sequence 0 is Busy: one job at a"
+                                                     " time") as e:
+            seq.decode(4)
+        assert e.value.seq_id == 0 and not e.value.retryable
+        r = seq.generate([4, 5], GREEDY).result(0)        # a stream is refused too
+        assert r.finish_reason == FinishReason.ERROR
+        assert isinstance(r.error, FailedPrecondition) and r.tokens == ()
+        gated.gate.set()
+        drive(ex, h.done)
+        open_again(ex, seq)
+        assert h.result(0).token_count == 3 and seq.position == 3
+        seq.close()
+        assert ex.epoch.kv.sequence_length(0) == 0
+        assert_freed(ex)
 
 
 def test_close_waits_for_a_job_cancelled_after_submit_then_releases_the_kv():

@@ -32,7 +32,6 @@ from calfsm.machines.sequence import SequenceState
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.tools.direct import golden_prompts
-from tests.generate.test_streams import GREEDY, PROMPT, PROMPTS, assert_freed, assert_id_reused
 from tests.helpers.executor import (
     TINY,
     GatedDriver,
@@ -42,7 +41,15 @@ from tests.helpers.executor import (
     make_executor,
     make_sim,
 )
-from tests.helpers.streams import direct_runner, golden_tokens
+from tests.helpers.streams import (
+    GREEDY,
+    PROMPT,
+    PROMPTS,
+    assert_freed,
+    assert_id_reused,
+    direct_runner,
+    golden_tokens,
+)
 
 pytestmark = pytest.mark.timeout(60)
 

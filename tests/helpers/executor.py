@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,18 @@ def make_executor(mode: str, *, faults: FaultPlan | None = None, manifest=TINY,
         drv.submitted.clear()
         drv.waiting.clear()
     return ex
+
+
+@contextmanager
+def gated_executor(mode: str, **config: Any) -> Iterator[tuple[DeviceExecutor, GatedDriver]]:
+    """An executor on a :class:`GatedDriver` over :func:`make_sim`; the gate is opened
+    again on the way out, whatever happened, so ``close()`` never waits on a held job."""
+    gated = GatedDriver(make_sim(mode))
+    with make_executor(mode, driver=gated, **config) as ex:
+        try:
+            yield ex, gated
+        finally:
+            gated.gate.set()
 
 
 def prefill(seq: int, tokens: Iterable[int] = (1, 2, 3), **kw: Any) -> Request:

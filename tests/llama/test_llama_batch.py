@@ -19,7 +19,8 @@ from calfsm.drivers.sim import SimDriver
 from calfsm.llama import ABORTED, NO_KV_SLOT, SUCCESS, LlamaBatch, LlamaContext
 from calfsm.manifest import TaskKind
 from calfsm.tools.direct import DirectRunner, golden_prompts
-from tests.engine.test_batching import TINY, batch_sizes, make_batched
+from tests.helpers.batching import batch_sizes, make_batched
+from tests.helpers.executor import TINY
 
 PROMPTS = [list(p) for p in golden_prompts()[:4]]
 N_SEQ = len(PROMPTS)

@@ -31,7 +31,7 @@ from calfsm.errors import InvalidArgument
 from calfsm.manifest import builtin_manifest
 from calfsm.plan.batching import BatchPlan, plan_batching
 from calfsm.plan.capabilities import Evidence, EvidenceStore, Level
-from tests.tools.test_runners import runner
+from tests.helpers.vendor import runner
 
 B8 = builtin_manifest("tiny-b8")
 TINY = builtin_manifest("tiny")

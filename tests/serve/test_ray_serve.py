@@ -33,7 +33,7 @@ serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
 from calfsm.serve.ray_serve import ray_deployment  # noqa: E402
-from tests.serve.test_serve import MODEL, TOK, params_of, reference  # noqa: E402
+from tests.helpers.serve import MODEL, TOK, params_of, reference  # noqa: E402
 
 # the hang guard covers the test bodies only: the module's Ray start (ray.init and
 # serve.start, over a minute beside two busy processes on 2 cores) was charged to the

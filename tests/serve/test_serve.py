@@ -4,128 +4,54 @@ not, the text decodes to the reference model's greedy tokens and to seeded sampl
 its logits; stop sequences, ``n`` and batches of prompts; every client mistake is a 4xx
 with an OpenAI error body (never a 5xx); and the byte-level tokenizer is reversible.
 
-Faults, overload and disconnects are in ``tests/serve/test_serve_faults.py``. The harness here
-(:class:`LiveServer`, :func:`reference`) is shared with it.
+Faults, overload and disconnects are in ``tests/serve/test_serve_faults.py``. The harness
+(:class:`LiveServer`, :func:`reference`) is in ``tests/helpers/serve.py``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
-import socket
-import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import openai
 import pytest
-import uvicorn
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from calfsm.errors import InvalidArgument
-from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.executor import DeviceExecutor
 from calfsm.generate.sampling import SamplingParams
-from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.serve import ByteTokenizer, ServerConfig, create_app, realtime_sim
-from calfsm.serve.connections import ConnectionLimits, uvicorn_config
 from calfsm.serve.tokenizer import IncrementalDecoder, chat_prompt, token_bytes, token_label
-from tests.helpers.executor import log_softmax, reference_seen, reference_stream, top_logprobs
+from tests.helpers.executor import log_softmax, reference_seen, top_logprobs
+from tests.helpers.serve import (
+    GREEDY,
+    MAX_SEQ,
+    MODEL,
+    PROMPT_IDS,
+    PROMPT_TEXT,
+    TINY,
+    TOK,
+    VOCAB,
+    LiveServer,
+    live_fixtures,
+    params_of,
+    poll,
+    reference,
+    sse_events,
+)
 from tests.helpers.streams import direct_runner
-
-TINY = builtin_manifest("tiny")
-CONTRACT = TINY.submodel(TaskKind.DECODE)
-VOCAB, MAX_SEQ = CONTRACT.vocab, CONTRACT.max_seq
-TOK = ByteTokenizer(VOCAB)
-MODEL = "tiny"
 
 pytestmark = pytest.mark.timeout(60)
 
 
 # ---- harness ----------------------------------------------------------------------------
 
-class LiveServer:
-    """uvicorn serving ``app`` in a thread on a socket bound to 127.0.0.1:0, configured
-    as ``calfsm serve`` configures it (``uvicorn_config``, with ``limits``;
-    ``server_class``: ``uvicorn.Server`` or a subclass such as ``GracefulServer``)."""
-
-    def __init__(self, app: Any, limits: ConnectionLimits | None = None,
-                 server_class: type[uvicorn.Server] = uvicorn.Server) -> None:
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.bind(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.server = server_class(uvicorn_config(app, limits, log_level="warning",
-                                                  timeout_graceful_shutdown=5))
-        self.thread = threading.Thread(target=self.server.run,
-                                       kwargs={"sockets": [self.sock]}, daemon=True)
-        self.thread.start()
-        poll(lambda: self.server.started, 10, "uvicorn did not start")
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(15)
-        assert not self.thread.is_alive(), "uvicorn did not stop"
-        self.sock.close()
-
-
-def poll(predicate: Any, timeout: float, what: str, every: float = 0.01) -> Any:
-    """Bounded polling: ``predicate()``'s first truthy value within ``timeout`` s."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} within {timeout} s")
-        time.sleep(every)
-
-
-def serve(executor: DeviceExecutor, limits: ConnectionLimits | None = None,
-          **config: Any) -> LiveServer:
-    return LiveServer(create_app(executor, ServerConfig(**config)), limits)
-
-
-def reference(prompt: list[int], params: SamplingParams) -> list[int]:
-    """What a choice must give: the direct path's logits sampled by a fresh sampler of
-    ``params``, with the stream's finish rules (stop tokens, max_tokens, max_seq)."""
-    return reference_stream(direct_runner(), prompt, params)
-
-
-def sse_events(lines: Iterator[str]) -> list[dict[str, Any] | str]:
-    """The ``data:`` payloads of an SSE body, JSON-decoded (``"[DONE]"`` as is)."""
-    out: list[dict[str, Any] | str] = []
-    for line in lines:
-        if line.startswith("data: "):
-            data = line[6:]
-            out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
-@pytest.fixture(scope="module")
-def executor() -> Iterator[DeviceExecutor]:
-    # with the byte-level tokenizer, as ``calfsm serve`` builds it: stop strings are
-    # matched on the streams' text (tests/serve/test_serve_metrics.py serves an executor
-    # without one: stop strings as token-id sequences)
-    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
-                        ExecutorConfig(max_sequences=64), tokenizer=TOK)
-    yield ex
-    ex.close()
-
-
-@pytest.fixture(scope="module")
-def live(executor: DeviceExecutor) -> Iterator[LiveServer]:
-    srv = serve(executor)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live.url, timeout=30) as c:
-        yield c
+# with the byte-level tokenizer, as ``calfsm serve`` builds it: stop strings are matched on
+# the streams' text (tests/serve/test_serve_metrics.py serves an executor without one: stop
+# strings as token-id sequences)
+executor, live, client = live_fixtures(max_sequences=64)
 
 
 @pytest.fixture(scope="module")
@@ -134,19 +60,8 @@ def oai(live: LiveServer) -> openai.OpenAI:
                          timeout=30)
 
 
-PROMPT_TEXT = "The simulated device has no vocabulary: é, ü and 漢字 are bytes."
-PROMPT_IDS = [7, 300, 1023, 0, 42, 511]
-GREEDY = {"temperature": 0, "max_tokens": 12}
 SEEDED = {"temperature": 0.8, "top_p": 0.9, "seed": 11, "max_tokens": 12}
 SEEDED_K = SEEDED | {"top_k": 50}
-
-
-def params_of(body: dict[str, Any], index: int = 0) -> SamplingParams:
-    seed = body.get("seed")
-    return SamplingParams(temperature=body.get("temperature", 1.0),
-                          top_p=body.get("top_p", 1.0), top_k=body.get("top_k", 0),
-                          seed=None if seed is None else seed + index,
-                          max_tokens=body.get("max_tokens", 16))
 
 
 # ---- httpx --------------------------------------------------------------------------------

@@ -16,11 +16,10 @@ import pytest
 
 pytest.importorskip("jinja2")
 
-from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.executor import DeviceExecutor
 from calfsm.generate.chattemplate import ChatTemplate, load_chat_template
-from calfsm.serve import realtime_sim
 from calfsm.serve.tokenizer import chat_prompt
-from tests.serve.test_serve import MODEL, TINY, TOK, LiveServer, serve
+from tests.helpers.serve import MODEL, TOK, LiveServer, Serving, poll, serve, serve_executor
 
 DATA = Path(__file__).parents[1] / "generate" / "data" / "chat_templates"
 QWEN3 = json.loads((DATA / "qwen3" / "cases.json").read_text("utf-8"))["cases"]
@@ -38,8 +37,7 @@ ROUND_TRIP = [
 
 @pytest.fixture(scope="module")
 def executor() -> Iterator[DeviceExecutor]:
-    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
-                        ExecutorConfig(max_sequences=8), tokenizer=TOK)
+    ex = serve_executor(max_sequences=8)
     yield ex
     ex.close()
 
@@ -134,8 +132,6 @@ def test_malformed_tool_messages_are_400(builtin, bad):
 
 
 def test_calfsm_serve_chat_template_option(tmp_path):
-    from tests.serve.test_serve import poll
-    from tests.serve.test_serve_cli import Serving
     path = tmp_path / "t.jinja"
     path.write_text("{% for m in messages %}[{{ m.role }}]{{ m.content }}{% endfor %}"
                     "{% if add_generation_prompt %}[assistant]{% endif %}", "utf-8")

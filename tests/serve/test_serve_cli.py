@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import queue
 import re
-import signal
 import socket
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import httpx
@@ -27,69 +22,14 @@ from calfsm.errors import CalrtCode
 from calfsm.generate.promptcache import PromptCacheConfig
 from calfsm.serve import cli as serve_cli
 from calfsm.tools import cli
-from tests.serve.test_serve import TOK, params_of, poll, reference
+from tests.helpers.serve import START_S, TOK, Serving, params_of, poll, reference
+from tests.helpers.serve_load import free_port
 
 pytestmark = pytest.mark.timeout(180)
 #: a client's read timeout here only guards against a hang: these tests promise what the
 #: server answers, not how soon a loaded machine schedules it (a /ready that waited 2 s
 #: was a ReadTimeout at load 12). How fast probes are is test_serve_probes' to judge.
 HANG_S = 20.0
-#: how long a process's start-up (interpreter, imports, the device's warm-up) may take:
-#: the machine's time, not calfsm's (over 30 s to 'listening on' seen at load 17)
-START_S = 60.0
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Serving:
-    """``calfsm serve ARGS`` in a subprocess on 127.0.0.1 --port 0: the URL its
-    'listening on' line gives, and its stderr."""
-
-    def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "calfsm.tools.cli", "serve", "--manifest", "tiny", "--port",
-             "0", "--decode-ms", "1", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-            text=True, env=None if env is None else os.environ | env)
-        self.lines: queue.Queue[str | None] = queue.Queue()
-        self.stderr: list[str] = []
-        threading.Thread(target=self._read, daemon=True).start()
-        self.url = self._listening(START_S)
-
-    def _read(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.put(line)
-        self.lines.put(None)
-
-    def _listening(self, within: float) -> str:
-        deadline = time.monotonic() + within
-        while time.monotonic() < deadline:
-            try:
-                line = self.lines.get(timeout=max(0.01, deadline - time.monotonic()))
-            except queue.Empty:
-                break
-            if line is None:
-                break
-            self.stderr.append(line)
-            m = re.fullmatch(r"calfsm: listening on (http://127\.0\.0\.1:(\d+))\n", line)
-            if m:
-                assert int(m.group(2)) > 0
-                return m.group(1)
-        self.proc.kill()
-        raise AssertionError(f"no 'listening on' line within {within} s: {self.stderr}")
-
-    def stop(self) -> str:
-        """SIGINT; the rest of stderr (asserts exit status 0)."""
-        self.proc.send_signal(signal.SIGINT)
-        self.proc.wait(30)
-        while (line := self.lines.get(timeout=10)) is not None:
-            self.stderr.append(line)
-        assert self.proc.returncode == 0, self.stderr
-        return "".join(self.stderr)
 
 
 def _ready(url: str) -> bool:
@@ -139,7 +79,7 @@ def test_an_apps_start_up_loads_the_heavy_import_before_it_serves():
         import asyncio, sys
         from calfsm.serve import create_app, realtime_sim
         from calfsm.executor import DeviceExecutor
-        from tests.serve.test_serve import TINY
+        from tests.helpers.serve import TINY
         async def build():
             return await DeviceExecutor.create(realtime_sim(TINY, decode_ms=0), TINY)
         app = create_app(build)
@@ -219,7 +159,7 @@ def test_a_device_that_cannot_start_exits_3(tmp_path, capsys):
     plan = tmp_path / "plan.json"
     FaultPlan([FaultRule.always("configure", "code",
                                 code=int(CalrtCode.INVALID_CALBIN))]).save(plan)
-    rc = cli.main(["serve", "--manifest", "tiny", "--port", str(_free_port()),
+    rc = cli.main(["serve", "--manifest", "tiny", "--port", str(free_port()),
                    "--faults", str(plan)])
     err = capsys.readouterr().err
     assert rc == 3, err

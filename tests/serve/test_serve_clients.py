@@ -12,24 +12,19 @@ library to a numpy reference); a bad value of each field is a 400 naming it as `
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
 
-from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.serve import realtime_sim
-from tests.serve.test_serve import (
+from tests.helpers.serve import (
     MODEL,
     PROMPT_IDS,
     PROMPT_TEXT,
-    TINY,
     TOK,
-    LiveServer,
+    live_fixtures,
     reference,
-    serve,
     sse_events,
 )
 
@@ -86,26 +81,8 @@ CLIENT_BODIES = {
 }
 
 
-@pytest.fixture(scope="module")
-def executor() -> Iterator[DeviceExecutor]:
-    # as ``calfsm serve`` builds it: the byte-level tokenizer (stop strings on the text)
-    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
-                        ExecutorConfig(max_sequences=64), tokenizer=TOK)
-    yield ex
-    ex.close()
-
-
-@pytest.fixture(scope="module")
-def live(executor: DeviceExecutor) -> Iterator[LiveServer]:
-    srv = serve(executor)
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def client(live: LiveServer) -> Iterator[httpx.Client]:
-    with httpx.Client(base_url=live.url, timeout=30) as c:
-        yield c
+# as ``calfsm serve`` builds it: the byte-level tokenizer (stop strings on the text)
+executor, live, client = live_fixtures(max_sequences=64)
 
 
 def text_of(answer: dict[str, Any] | list[Any], chat: bool) -> str:

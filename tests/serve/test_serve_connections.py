@@ -25,8 +25,8 @@ from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.serve import ServerConfig, create_app, realtime_sim
 from calfsm.serve.connections import ConnectionLimits, uvicorn_config
+from tests.helpers.serve import MODEL, TINY, LiveServer, poll
 from tests.helpers.serve_logs import Records
-from tests.serve.test_serve import MODEL, TINY, LiveServer, poll
 
 pytestmark = pytest.mark.timeout(60)
 LIMIT = 0.5                 # every timeout of the test server, seconds

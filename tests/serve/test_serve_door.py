@@ -24,8 +24,8 @@ from calfsm.serve.auth import ApiKeys, fingerprint
 from calfsm.serve.bodies import json_depth
 from calfsm.serve.fairuse import ClientUsage
 from calfsm.serve.httperrors import MAX_MESSAGE, clip
+from tests.helpers.serve import MAX_SEQ, MODEL, TINY, TOK, LiveServer, params_of, poll, reference
 from tests.helpers.serve_logs import Records
-from tests.serve.test_serve import MAX_SEQ, MODEL, TINY, TOK, LiveServer, params_of, poll, reference
 
 pytestmark = pytest.mark.timeout(60)
 GREEDY = {"temperature": 0, "max_tokens": 5}

@@ -31,7 +31,7 @@ from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import FinishReason, Stream
 from calfsm.serve import realtime_sim
 from tests.helpers.executor import HeldReset
-from tests.serve.test_serve import (
+from tests.helpers.serve import (
     MODEL,
     TINY,
     TOK,

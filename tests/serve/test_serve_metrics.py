@@ -8,11 +8,10 @@ from collections.abc import Iterator
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.serve import realtime_sim
-from tests.serve.test_serve import (
+from tests.helpers.serve import (
     GREEDY,
     MODEL,
     PROMPT_IDS,
@@ -20,20 +19,12 @@ from tests.serve.test_serve import (
     TOK,
     params_of,
     reference,
+    samples,
     serve,
     sse_events,
 )
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
-    """(sample name, sorted labels) -> value, of every family in ``text``."""
-    out = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return out
 
 
 @pytest.fixture()

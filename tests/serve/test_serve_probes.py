@@ -34,9 +34,8 @@ from calfsm.errors import CalrtCode
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.serve import create_app, realtime_sim
 from tests.helpers.executor import GatedDriver, HeldReset
+from tests.helpers.serve import MODEL, TINY, TOK, params_of, poll, reference, samples, serve
 from tests.helpers.serve_load import Prober, answers, pct, start_load, start_serve
-from tests.serve.test_serve import MODEL, TINY, TOK, params_of, poll, reference, serve
-from tests.serve.test_serve_metrics import samples
 
 pytestmark = pytest.mark.timeout(90)
 GREEDY = {"temperature": 0, "max_tokens": 6}

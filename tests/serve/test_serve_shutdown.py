@@ -34,9 +34,17 @@ import pytest
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.serve import GracefulServer, ServerConfig, create_app, realtime_sim
 from tests.helpers.executor import HoldAfterWaits
+from tests.helpers.serve import (
+    MODEL,
+    TINY,
+    TOK,
+    LiveServer,
+    params_of,
+    poll,
+    reference,
+    samples,
+)
 from tests.helpers.serve_load import start_serve
-from tests.serve.test_serve import MODEL, TINY, TOK, LiveServer, params_of, poll, reference
-from tests.serve.test_serve_metrics import samples
 
 pytestmark = pytest.mark.timeout(90)
 GRACE = 2.0

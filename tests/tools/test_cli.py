@@ -437,7 +437,7 @@ def test_deep_json_in_any_loaded_file_exits_2_with_one_line(capsys, tmp_path, co
     deep.write_text("[" * 100_000 + "]" * 100_000)
     name, option = command
     if name.endswith(".py"):
-        from tests.tools.test_runners import runner
+        from tests.helpers.vendor import runner
         rc = runner(name.removesuffix(".py")).main([option, str(deep)])
     else:
         rc = cli.main([name, option, str(deep)])

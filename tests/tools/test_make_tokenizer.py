@@ -85,8 +85,7 @@ def test_qwen3_b8_meets_text_through_it(qwen_tokenizer):
 
 
 def test_calfsm_serve_tokenizer_option(qwen_tokenizer, qwen_tokenizer_dir):
-    from tests.serve.test_serve import poll
-    from tests.serve.test_serve_cli import Serving
+    from tests.helpers.serve import Serving, poll
     messages = [{"role": "system", "content": "Be brief."},
                 {"role": "user", "content": "What is a generator in Python?"}]
     srv = Serving("--manifest", "qwen3-b1", "--tokenizer", str(qwen_tokenizer_dir))

@@ -4,10 +4,8 @@ what EvidenceStore and ``calfsm capabilities`` read."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 
 import pytest
 
@@ -16,8 +14,8 @@ from calfsm.drivers.sim import SimDriver
 from calfsm.manifest import builtin_manifest
 from calfsm.plan.capabilities import Evidence, EvidenceStore, Level
 from calfsm.tools import cli
+from tests.helpers.vendor import runner
 
-VENDOR = Path(__file__).resolve().parents[2] / "examples" / "vendor"
 TINY_SHA = builtin_manifest("tiny").calbin_sha256
 DEVICES = {"sim": "sim", "calrt": "calrt:libcalrt_emu.so"}
 
@@ -30,13 +28,6 @@ EXPECTED = {
     "kv_after_failed_wait": {"kv_no_partial_update": True},
     "reset_semantics": {"reset_ccu": True, "reset_configuration": True, "reset_full": True},
 }
-
-
-def runner(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(f"vendor_{name}", VENDOR / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def run(name: str, out: Path, driver: str, *extra: str, given: SimDriver | None = None
