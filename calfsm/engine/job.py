@@ -143,13 +143,12 @@ class Successor(NamedTuple):
 class JobHandle:
     """The caller's view of one job: a future with cancel, deadline and asyncio support."""
 
-    __slots__ = ("_callbacks", "_canceller", "_error", "_job", "_latch", "_lock", "_result",
-                 "_sync", "context", "job_id")
+    __slots__ = ("_callbacks", "_canceller", "_error", "_latch", "_lock", "_result", "_sync",
+                 "context", "job_id")
 
     def __init__(self, job: JobContext, canceller: Callable[[JobContext], None],
                  sync: Sync) -> None:
         self.job_id = job.job_id
-        self._job = job
         #: the job's own record (generation, KV reservation, timings), to inspect; only
         #: the executor changes it (an attribute, not a property: it is read on every
         #: token's way)
@@ -170,21 +169,21 @@ class JobHandle:
     # ---- caller side ---------------------------------------------------------------
     @property
     def state(self) -> str:
-        return self._job.state
+        return self.context.state
 
     @property
     def seq_id(self) -> int:
-        return self._job.seq_id
+        return self.context.seq_id
 
     @property
     def request_id(self) -> str | None:
         """The request the job serves (calfsm/generate/liverequests.py)."""
-        return self._job.request_id
+        return self.context.request_id
 
     def describe(self) -> tuple[str, int]:
         """Its state and tokens so far, for ``executor.requests()``: a job gives its
         logits when it ends, no tokens."""
-        return self._job.state, 0
+        return self.context.state, 0
 
     def done(self) -> bool:
         return self._result is not None or self._error is not None
@@ -195,7 +194,7 @@ class JobHandle:
         dropped. Returns False if the job had already finished."""
         if self.done():
             return False
-        self._canceller(self._job)
+        self._canceller(self.context)
         return True
 
     def result(self, timeout: float | None = None) -> InferenceResult:
@@ -226,7 +225,7 @@ class JobHandle:
             return
         raise DeadlineExceeded(
             f"job {self.job_id} not finished within {timeout} s",
-            job_id=self.job_id, seq_id=self._job.seq_id, stage="result")
+            job_id=self.job_id, seq_id=self.context.seq_id, stage="result")
 
     def add_done_callback(self, fn: Callable[[JobHandle], None]) -> None:
         """Call ``fn(handle)`` when the job ends (at once if it already has)."""
@@ -244,7 +243,7 @@ class JobHandle:
             self = None                 # an error raised here must not hold the handle
 
     def __repr__(self) -> str:
-        return f"<JobHandle job={self.job_id} seq={self._job.seq_id} state={self.state}>"
+        return f"<JobHandle job={self.job_id} seq={self.context.seq_id} state={self.state}>"
 
     # ---- executor side -------------------------------------------------------------
     def _resolve(self, result: InferenceResult | None, error: CalfsmError | None) -> None:
@@ -258,7 +257,7 @@ class JobHandle:
             # The job ended: it lets go of its handle, so no JobContext <-> JobHandle
             # cycle outlives it (the cyclic collector's gen-0 passes would land on the
             # per-token latency).
-            job = self._job
+            job = self.context
             job.ended = True
             job.handle = None
         self._latch.release()

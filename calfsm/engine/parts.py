@@ -10,7 +10,7 @@ observers). What they all read is here: the driver and its clock, the lifecycle,
 fault policy and the two ways of acting on it, the timeouts, the hooks of whoever drives
 the steps, one lock over every queue, and the device lock (both from the lifecycle's
 :class:`~calfsm.engine.sync.Sync`: the engine names no thread primitive). All of them log as
-``calfsm.engine.pipeline``, the one logger an operator filters the core by.
+``calfsm.pipeline``, the one logger an operator filters the core by.
 
 The queue lock is re-entrant because an operation over several parts (a cancel, a drain
 taking every waiting job, the idle check) holds it across the parts' own short sections,

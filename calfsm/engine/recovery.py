@@ -190,11 +190,8 @@ class FaultPolicy:
         category's row of the table is not read: the job, which the table judges, ran
         well. It counts toward the failure streak, so a generation whose every row fails
         is still drained as one failing every job."""
-        limit = self.policy.failure_streak
-        with self._lock:
-            self._failed_in_a_row += 1
-            streak = self._failed_in_a_row
-        if limit and streak >= limit:
+        streak = self._failed_again()
+        if streak:
             return Verdict(Decision.DRAIN_AND_RESET,
                            f"generation fails every job: {streak} in a row failed, the "
                            f"last a row: {err}")
@@ -223,12 +220,20 @@ class FaultPolicy:
     def _fails_the_generation(self, err: CalfsmError) -> bool:
         """Count a job that failed with a code from the device; True once
         ``failure_streak`` of them came in a row."""
-        limit = self.policy.failure_streak
-        if not limit or err.calrt_code is None or err.calrt_code == _ALLOC_FAILED:
+        if err.calrt_code is None or err.calrt_code == _ALLOC_FAILED:
             return False
+        return bool(self._failed_again())
+
+    def _failed_again(self) -> int:
+        """Count one more failure in a row: how many came in a row once they reach
+        ``failure_streak``, else 0 (and always 0 when the streak is off)."""
+        limit = self.policy.failure_streak
+        if not limit:
+            return 0
         with self._lock:
             self._failed_in_a_row += 1
-            return self._failed_in_a_row >= limit
+            streak = self._failed_in_a_row
+        return streak if streak >= limit else 0
 
     def _spend_locked(self, now: float) -> bool:
         p = self.policy

@@ -86,10 +86,6 @@ class Submission:
     def has_completions(self) -> bool:
         return bool(self._complete_q)
 
-    def queue_deadlines(self) -> list[float]:
-        with self.core.lock:
-            return [j.queue_deadline for j in self._submit_q]
-
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
         with self.core.lock:
