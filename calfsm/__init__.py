@@ -38,7 +38,7 @@ from calfsm.errors import (
 from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Health
 from calfsm.generate.promptcache import PromptCacheConfig, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import (
+from calfsm.generate.stream import (
     FinishReason,
     GenerationResult,
     Sequence,

@@ -65,10 +65,12 @@ MOVED = {
     "soak_plots": "tools.soak_plots",
     "staging": "engine.readback",
     "stopstrings": "generate.stopstrings",
-    "streams": "generate.streams",
+    "streams": "generate.stream",
     "submission": "engine.submission",
     "tokenizer": "generate.tokenizer",
     "vendor_runner": "tools.vendor_runner",
+    # a module split inside its folder (its old path is public): streams -> stream
+    "generate.streams": "generate.stream",
 }
 
 

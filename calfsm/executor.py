@@ -50,7 +50,7 @@ from calfsm.generate.liverequests import LiveRequests, RequestInfo
 from calfsm.generate.livestreams import LiveStreams
 from calfsm.generate.promptcache import PromptCache, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import (
+from calfsm.generate.stream import (
     Sequence,
     SequenceAllocator,
     Stream,

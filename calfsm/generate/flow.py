@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A :class:`~calfsm.generate.streams.Stream` is the consumer's face (events, result, cancel); its
+A :class:`~calfsm.generate.stream.Stream` is the consumer's face (events, result, cancel); its
 :class:`Flow` holds what the next device step needs and nothing else: the step in flight
 and the position its token goes to, the successor prepared ahead while it runs (overlap
 scheduling: a slot leased, inputs written, the token a placeholder), the two logits rows

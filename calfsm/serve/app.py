@@ -73,7 +73,7 @@ from starlette.routing import Route
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.arguments import ContextLimits
-from calfsm.generate.streams import Stream
+from calfsm.generate.stream import Stream
 from calfsm.generate.tokenizer import Tokenizer
 from calfsm.manifest import TaskKind
 from calfsm.request import check_request_id
