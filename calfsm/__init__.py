@@ -38,14 +38,8 @@ from calfsm.errors import (
 from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Health
 from calfsm.generate.promptcache import PromptCacheConfig, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.stream import (
-    FinishReason,
-    GenerationResult,
-    Sequence,
-    Stream,
-    TokenEvent,
-    Usage,
-)
+from calfsm.generate.sequence import Sequence
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream, TokenEvent, Usage
 from calfsm.manifest import (
     DType,
     Manifest,

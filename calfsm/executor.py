@@ -50,13 +50,8 @@ from calfsm.generate.liverequests import LiveRequests, RequestInfo
 from calfsm.generate.livestreams import LiveStreams
 from calfsm.generate.promptcache import PromptCache, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.stream import (
-    Sequence,
-    SequenceAllocator,
-    Stream,
-    judge_stream,
-    max_new_tokens,
-)
+from calfsm.generate.sequence import Sequence, SequenceAllocator
+from calfsm.generate.stream import Stream, judge_stream, max_new_tokens
 from calfsm.generate.tokenizer import Tokenizer, check_tokenizer, encode_prompt
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.plan.batching import plan_batching

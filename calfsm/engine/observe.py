@@ -77,7 +77,7 @@ class StreamView(Protocol):
 
     prompt: tuple[int, ...]
     params: Any                         # calfsm.generate.sampling.SamplingParams
-    sequence: Any                       # calfsm.generate.stream.Sequence
+    sequence: Any                       # calfsm.generate.sequence.Sequence
 
     @property
     def started(self) -> float: ...
