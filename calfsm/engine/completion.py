@@ -96,12 +96,14 @@ class Completion:
                 self._completing -= 1
             self.core.hooks.changed()
 
-    def completion_timeout_s(self, job: JobContext) -> float:
+    def completion_timeout_s(self, job: JobContext, now: float | None = None) -> float:
         """How long the Wait of ``job`` may block (its execution deadline; a slice for a
-        job already given up)."""
+        job already given up); ``now``: the clock's time, if the caller has read it."""
         if job.ended:
             return self.core.t.zombie_wait_s
-        return max(0.0, job.execution_deadline - self.core.clock.now())
+        if now is None:
+            now = self.core.clock.now()
+        return max(0.0, job.execution_deadline - now)
 
     def complete(self, job: JobContext) -> None:
         """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
@@ -115,7 +117,7 @@ class Completion:
         slot = job.lease.slot
         zombie = job.ended         # already failed by its execution deadline
         t0 = clock.now()
-        rc = core.driver.wait(slot.out, self.completion_timeout_s(job))
+        rc = core.driver.wait(slot.out, self.completion_timeout_s(job, t0))
         t1 = clock.now()
         core.heartbeat["completion"] = t1
         job.timings.device_wait_ms += (t1 - t0) * 1e3

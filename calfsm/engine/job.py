@@ -215,7 +215,8 @@ class JobHandle:
     def exception(self, timeout: float | None = None) -> CalfsmError | None:
         """Block until the job ends; its error, or None if it succeeded. Nothing is
         raised here (only a timeout), so the error gains no traceback of this call."""
-        self._wait(timeout)
+        if self._result is None and self._error is None:     # not done(): wait
+            self._wait(timeout)
         return self._error
 
     def _wait(self, timeout: float | None) -> None:

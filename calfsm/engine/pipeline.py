@@ -271,8 +271,9 @@ class Pipeline:
             device.run_step(j, "queue", device.fail_queue_deadline)
         if expired:
             return True
-        if clock.virtual and faults.backoff_until > clock.now() and device.submittable():
-            clock.advance_to(faults.backoff_until)
+        backoff = faults.backoff_until       # 0: none (no clock read then)
+        if backoff and clock.virtual and backoff > clock.now() and device.submittable():
+            clock.advance_to(backoff)
         job = device.claim()
         if job is None:
             return False

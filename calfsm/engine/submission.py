@@ -88,6 +88,8 @@ class Submission:
 
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
+        if not self._submit_q:
+            return math.inf
         with self.core.lock:
             first = math.inf
             for j in self._submit_q:
@@ -179,7 +181,8 @@ class Submission:
     def submittable(self) -> bool:
         """A job is queued whose engine is free, an in-flight slot is free and the device
         takes work."""
-        return self._claimable() is not None
+        # the usual answer (nothing queued) without a call: the scheduler asks every step
+        return bool(self._submit_q) and self._claimable() is not None
 
     def _claimable(self) -> int | None:
         """Index of the queued job :meth:`claim` would take now (back-off aside), or None."""

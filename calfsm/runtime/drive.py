@@ -309,7 +309,9 @@ class Steps:
         p = self.pipeline
         admission, device = p.admission, p.device
         acts = []
-        if p.next_deadline() <= self.clock.now():
+        now = self.clock.now()
+        # Pipeline.next_deadline() unfolded (each part's own look, no lock between them)
+        if admission.first_deadline() <= now or device.first_queue_deadline() <= now:
             acts.append("expire")
         if admission.can_admit():
             acts.append("admit")
