@@ -86,6 +86,12 @@ class Admission:
     def has_parked(self) -> bool:
         return bool(self._parked)
 
+    def capacity_freed(self) -> None:
+        """The KV books or the pool gave something back: the admission step runs if a
+        job waits for it (a cheap check on every token's commit; no wake-up otherwise)."""
+        if self._parked:
+            self.core.hooks.job_parked()
+
     def parked(self) -> int:
         """Jobs in the admission queue (the head being admitted now included)."""
         with self.core.lock:
@@ -99,6 +105,15 @@ class Admission:
         """A job waits for admission and the device takes work (not Ready: the parked
         jobs wait for the next generation)."""
         return bool(self._parked) and self.core.life.state == READY
+
+    def due(self, now: float) -> tuple[bool, bool, bool]:
+        """What a step driver asks of admission at every step, in one look: (a parked
+        job's admission deadline passed by ``now``, :meth:`can_admit`,
+        :meth:`has_deferred`)."""
+        if not self._parked:
+            return False, False, bool(self._deferred)
+        return (self.first_deadline() <= now, self.core.life.state == READY,
+                bool(self._deferred))
 
     def fingerprint(self) -> int:
         """Changes whenever something that could let a parked job proceed changed (KV

@@ -91,6 +91,9 @@ class Pipeline:
         self.overlap = Overlap(core, self.admission)
         self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow,
                                      self.admission.defer)
+        #: the KV books or the pool gave something back (their ``on_freed``): the
+        #: admission's own check, with no hop between, as it runs at every token's commit
+        self.capacity_freed: Callable[[], None] = self.admission.capacity_freed
         #: who releases KV nobody is using when the device refuses room for a reservation
         #: (the executor's prompt cache; None: nobody). Called with no KV lock held
         self.kv_room: Callable[[], None] | None = None
@@ -212,12 +215,6 @@ class Pipeline:
             else:
                 self.outcomes.fail_before_submit(job, _copy(err))
         self.admission.hold(held)
-
-    def capacity_freed(self) -> None:
-        """The KV books or the pool gave something back: the admission step runs if a
-        job waits for it (a cheap check on every token's commit; no wake-up otherwise)."""
-        if self.admission.has_parked():
-            self.core.hooks.job_parked()
 
     def kv_full(self) -> None:
         """The device refused KV for a reservation (the KV books' ``on_full``): whoever

@@ -86,6 +86,15 @@ class Submission:
     def has_completions(self) -> bool:
         return bool(self._complete_q)
 
+    def due(self, now: float) -> tuple[bool, bool, bool]:
+        """What a step driver asks of the device side at every step, in one look: (a
+        queued job's queue deadline passed by ``now``, :meth:`submittable`,
+        :meth:`has_completions`)."""
+        if not self._submit_q:
+            return False, False, bool(self._complete_q)
+        return (self.first_queue_deadline() <= now, self._claimable() is not None,
+                bool(self._complete_q))
+
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
         if not self._submit_q:

@@ -81,6 +81,9 @@ class Flow:
         self.resumes = 0
         #: after a replay, the token the replay must reproduce (the last one delivered)
         self.replay_check: int | None = None
+        #: the stream will not go on (cancelled, or ending): nothing more is staged. Set
+        #: by the stream, holding the lock the two share
+        self.stopping = False
 
     @property
     def ended(self) -> bool:
@@ -109,13 +112,13 @@ class Flow:
             _fire(self, "advance")
 
     # ---- overlap: the successor prepared ahead -------------------------------------
-    def stage_next(self, make: Callable[[int, np.ndarray], Request],
-                   stopping: Callable[[], bool]) -> None:
-        """Prepare the decode that will carry the in-flight step's token. ``make(pos,
-        row)`` builds its request (token a placeholder); ``stopping()`` (lock held): the
-        stream will not go on. Runs deferred, off the completion path."""
+    def stage_next(self, *, deadline_s: float | None, priority: int,
+                   request_id: str | None) -> None:
+        """Prepare the decode that will carry the in-flight step's token (its token a
+        placeholder; the stream's ``deadline_s`` left, ``priority`` and ``request_id``).
+        Runs deferred, off the completion path."""
         with self._lock:
-            if stopping() or self.state not in (_F.PREFILLING, _F.DECODING):
+            if self.stopping or self.state not in (_F.PREFILLING, _F.DECODING):
                 return
             pos = self.next_pos
             inflight = self.inflight
@@ -126,11 +129,13 @@ class Flow:
         if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED) \
                 or inflight.done():
             return
-        staged = self._port.stage(make(pos, self.row()))
+        staged = self._port.stage(Request.decode(
+            self.seq_id, 0, pos, target=self.row(), deadline_s=deadline_s,
+            priority=priority, request_id=request_id))
         if staged is None:
             return
         with self._lock:
-            keep = not stopping() and self.state in (_F.PREFILLING, _F.DECODING) \
+            keep = not self.stopping and self.state in (_F.PREFILLING, _F.DECODING) \
                 and self.next_pos == pos and self._handed < pos and not self._taken(pos)
             if keep:
                 self._staged, self._staged_pos = staged, pos

@@ -40,9 +40,9 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import math
+import operator
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -256,6 +256,7 @@ class Stream:
             if self._ending:
                 return False
             self._cancelled = True
+            self._flow.stopping = True
             handle = self._flow.inflight
             waiting = self._listening or handle is None or handle.done()
         if handle is not None:
@@ -274,6 +275,7 @@ class Stream:
                 return False
             cancelled = self._cancelled     # the consumer's cancel came first: it stands
             self._cancelled = True
+            self._flow.stopping = True
             handle = self._flow.inflight
         # ended first, then the step cancelled: the step's own end (cancelled before
         # submit) must not become the stream's reason
@@ -320,7 +322,8 @@ class Stream:
 
     def __next__(self) -> TokenEvent:
         with self._lock:
-            self._lock.wait_for(lambda: self._events or self._result is not None)
+            if not self._events and self._result is None:
+                self._lock.wait_for(lambda: self._events or self._result is not None)
             if self._events:
                 return self._events.popleft()
             raise StopIteration
@@ -397,12 +400,8 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        seq_id, left, priority = self.sequence.seq_id, self._left(), self.priority
-        rid = self.request_id
-        self._flow.stage_next(
-            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
-                                            priority=priority, request_id=rid),
-            lambda: self._ending or self._cancelled)
+        self._flow.stage_next(deadline_s=self._left(), priority=self.priority,
+                              request_id=self.request_id)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
     def _continue(self, job: JobContext, logits: np.ndarray) -> Successor | None:
@@ -742,6 +741,7 @@ class Stream:
             if self._ending:
                 return
             self._ending = True
+            self._flow.stopping = True
             if error is not None:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
@@ -755,7 +755,7 @@ class Stream:
             delivered = self._delivered
             times = self._times[:delivered]
             ttft = times[0] - self._t0 if times else None
-            itl = tuple(b - a for a, b in itertools.pairwise(times))
+            itl = tuple(map(operator.sub, times[1:], times[:-1]))    # no call per token
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
                 Usage(len(self.prompt), delivered, self.cached), ttft, itl, error,

@@ -307,21 +307,21 @@ class Steps:
         timer). One look at the parts: the scheduler asks at every step, so this is on
         every token's way and asks each part once."""
         p = self.pipeline
-        admission, device = p.admission, p.device
-        acts = []
         now = self.clock.now()
-        # Pipeline.next_deadline() unfolded (each part's own look, no lock between them)
-        if admission.first_deadline() <= now or device.first_queue_deadline() <= now:
+        parked_expired, admit, deferred = p.admission.due(now)
+        queued_expired, submit, complete = p.device.due(now)
+        acts = []
+        if parked_expired or queued_expired:
             acts.append("expire")
-        if admission.can_admit():
+        if admit:
             acts.append("admit")
-        if device.submittable():
+        if submit:
             acts.append("submit")
-        if device.has_completions():
+        if complete:
             acts.append("complete")
         if self.control.recovery_due():
             acts.append("recover")
-        if admission.has_deferred():
+        if deferred:
             acts.append("deferred")
         return acts
 
