@@ -109,6 +109,11 @@ def _is_int_type(t: type) -> bool:
     return (issubclass(t, int) and not issubclass(t, bool)) or issubclass(t, np.integer)
 
 
+def _kept(values: Any) -> bool:
+    """``values`` is already what a request keeps: a plain 1-D ``int64`` array."""
+    return type(values) is np.ndarray and values.dtype == _I64 and values.ndim == 1
+
+
 def _int_array(values: Any, field: str) -> np.ndarray:
     """``values`` as a 1-D ``int64`` array, or InvalidArgument naming ``field``."""
     if isinstance(values, np.ndarray):
@@ -245,13 +250,16 @@ class Request:
         tokens = self.tokens
         if tokens is None:
             raise _bad("tokens missing", seq_id=seq_id)
-        _set(self, "tokens", _embeds(tokens) if kind is TaskKind.PREFILL_EMBEDS
-             else _int_array(tokens, "tokens"))
+        if kind is TaskKind.PREFILL_EMBEDS:
+            _set(self, "tokens", _embeds(tokens))
+        elif not _kept(tokens):         # a decode's own array is kept as it is, no call
+            _set(self, "tokens", _int_array(tokens, "tokens"))
         past, positions = self.past_len, self.positions
         if past is not None and type(past) is not int:
             _set(self, "past_len", past := _integer(past, "past_len"))
         if positions is not None:
-            _set(self, "positions", positions := _int_array(positions, "positions"))
+            if not _kept(positions):
+                _set(self, "positions", positions := _int_array(positions, "positions"))
             if past is None:
                 _set(self, "past_len", positions.item(0) if len(positions) else 0)
         else:
@@ -306,6 +314,10 @@ class Request:
     @classmethod
     def decode(cls, seq_id: int, token: int, position: int, **kw: Any) -> Request:
         """One decode step: ``token`` at ``position``."""
+        if type(token) is int and type(position) is int and 0 <= token <= _I64_MAX \
+                and 0 <= position <= _I64_MAX:     # the usual case, without two calls
+            return cls(seq_id, TaskKind.DECODE, np.array((token,), _I64),
+                       np.array((position,), _I64), position, **kw)
         return cls(seq_id, TaskKind.DECODE, _one(token, "token"),
                    _one(position, "position"), position, **kw)
 
