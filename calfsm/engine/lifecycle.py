@@ -21,9 +21,10 @@ known-good model when a new artifact does not come up. It applies the decisions 
 fault policy (:mod:`calfsm.engine.recovery`) and reaches the job pipeline only through the
 pipeline's public methods (fail what waits, is it drained, the device barrier).
 
-It never starts a thread or sleeps: when a recovery becomes due it calls
-``on_recovery_due`` (the thread runtime starts a recovery thread there; in step mode the
-scheduler runs :meth:`DeviceLifecycle.recover` as a step once :meth:`recovery_due` holds).
+It never starts a thread or sleeps: when a drain wants a recovery it tells the pipeline
+(``recovery_wanted``, which tells whoever drives it: the thread runtime starts a recovery
+thread; in step mode the scheduler runs :meth:`DeviceLifecycle.recover` as a step once
+:meth:`recovery_due` holds).
 """
 
 from __future__ import annotations
@@ -325,6 +326,8 @@ class PipelineControl(Protocol):
 
     def wake_waiters(self) -> None: ...
 
+    def recovery_wanted(self) -> None: ...
+
     def capacity_freed(self) -> None: ...
 
     def kv_full(self) -> None: ...
@@ -361,9 +364,6 @@ class DeviceLifecycle:
         self._roll_back = False
         self._drain_started = 0.0
         self._switch_lock = life.sync.lock()
-        #: called once per drain that wants an automatic recovery (the thread runtime
-        #: starts a recovery thread; step mode leaves it to the scheduler)
-        self.on_recovery_due: Callable[[], None] = lambda: None
 
     # ---- decisions -----------------------------------------------------------------
     def apply(self, verdict: Verdict) -> None:
@@ -398,7 +398,7 @@ class DeviceLifecycle:
             retry_after_s=self.policy.retry_after_s))
         self.pipeline.wake_waiters()
         if self.policy.auto_recover:
-            self.on_recovery_due()
+            self.pipeline.recovery_wanted()
         return True
 
     def slots_exhausted(self, kind: TaskKind, reason: str) -> None:

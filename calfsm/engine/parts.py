@@ -66,6 +66,11 @@ class Hooks:
         """Queues or in-flight accounting changed (drains and recovery wait for this).
         Called outside the queue lock, so it may take locks of its own."""
 
+    def recovery_wanted(self) -> None:
+        """A drain wants an automatic recovery, to run once the device drained (the
+        thread runtime starts a recovery thread; step mode: the scheduler runs it as a
+        step once ``DeviceLifecycle.recovery_due()`` holds)."""
+
 
 class PipelineTimeouts:
     """The timeouts of :class:`~calfsm.executor.ExecutorConfig` the steps use."""

@@ -86,7 +86,7 @@ class Pipeline:
                                 drain=drain, max_rows=max_rows,
                                 batch_window_s=batch_window_s)
         self.outcomes = Outcomes(core)
-        self.device = Submission(core, self.outcomes, lambda jobs: self.admission.hold(jobs))
+        self.device = Submission(core, self.outcomes, self._hold)
         self.admission = Admission(core, self.outcomes, self.device)
         self.overlap = Overlap(core, self.admission)
         self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow,
@@ -97,6 +97,12 @@ class Pipeline:
         #: who releases KV nobody is using when the device refuses room for a reservation
         #: (the executor's prompt cache; None: nobody). Called with no KV lock held
         self.kv_room: Callable[[], None] | None = None
+
+    def _hold(self, jobs: list[JobContext]) -> None:
+        """The device side met jobs that cannot run in this generation (it left Ready
+        under them): the admission parks them for the next one. A method, not the
+        admission's own, because the device side is built first."""
+        self.admission.hold(jobs)
 
     # ---- what the parts share, read by the lifecycle and the runtimes --------------
     @property
@@ -222,6 +228,10 @@ class Pipeline:
         room = self.kv_room
         if room is not None:
             room()
+
+    def recovery_wanted(self) -> None:
+        """A drain wants an automatic recovery: whoever drives the pipeline runs it."""
+        self.core.hooks.recovery_wanted()
 
     def wake_waiters(self) -> None:
         """Wake whoever waits for the pipeline to change (a drain, a close), so it sees

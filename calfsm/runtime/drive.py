@@ -85,7 +85,6 @@ class ThreadRuntime(_Runtime):
         self._yield = False
         self._close_deadline = math.inf
         self._stopping = False        # stop(): the admission thread may leave when idle
-        control.on_recovery_due = self._start_recovery
         life.on_change(self._wake_all)
 
     # ---- starting and stopping -----------------------------------------------------
@@ -262,9 +261,10 @@ class ThreadRuntime(_Runtime):
             self._admit_bell.wait(wait)
 
     # ---- recovery ------------------------------------------------------------------
-    def _start_recovery(self) -> None:
-        """A drain wants a recovery: run it on its own thread once drained. The thread
-        is started before it is recorded, so close() never joins an unstarted one."""
+    def recovery_wanted(self) -> None:
+        """A drain wants a recovery (a hook): run it on its own thread once drained. The
+        thread is started before it is recorded, so close() never joins an unstarted
+        one."""
         with self._recovery_lock:
             if self.life.closing:
                 return
