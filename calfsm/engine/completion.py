@@ -131,8 +131,8 @@ class Completion:
                 return
             self.device.wait_again(job)     # keep waiting: the device still owns it
             return
-        self.device.release_inflight(job)   # the device is free: the next job goes first
-        core.hooks.after_device_freed()
+        if self.device.release_inflight(job):   # the device is free: the next job first
+            core.hooks.hand_off()
         job.lease.mark_off_device()
         if zombie:
             self._late_completion(job, rc)
@@ -173,11 +173,12 @@ class Completion:
             if held[0]:
                 self.device.rows_following(-held[0])
                 held[0] = 0
+                core.hooks.hand_off()       # a batch held back for them may go now
 
         self.device.rows_following(len(rows))
         try:
-            self.device.release_inflight(leader, rows[1:])
-            core.hooks.after_device_freed()
+            if self.device.release_inflight(leader, rows[1:]):
+                core.hooks.hand_off()
             leader.lease.mark_off_device()
             self._end_rows(leader, rows, rc, zombie, t1, let_go)
         finally:
@@ -382,6 +383,7 @@ class Completion:
         if successor is not None:
             if later is None:
                 self._follow(job, successor)
+                self.core.hooks.hand_off()  # its next step may go before this one's end
             else:
                 self._follow(job, successor, defer=later.append)
 

@@ -1,4 +1,8 @@
-"""An *epoch* is everything calfsm builds for one model generation, and its golden check.
+"""An *epoch* is the resources of one model generation, and its golden check.
+
+One name for one thing: the *generation* is the number (``Lifecycle.generation``,
+``JobContext.generation``, ``Epoch.generation``), counted up by every configure; the
+:class:`Epoch` is what was built for that number. Nothing else is called an epoch.
 
 Configuring a model creates, together and only together: the resolved sub-model handles,
 the KV coordinator and the buffer pool, all stamped with one generation number. Recovery
@@ -47,7 +51,8 @@ WARMUP_DECODE = 2
 
 @attrs.define(eq=False)
 class Epoch:
-    """One configured generation: model handles, KV coordinator and buffer pool."""
+    """The resources of one generation (its number: :attr:`generation`): the model
+    handles, the KV coordinator and the buffer pool, built and retired together."""
 
     generation: int
     manifest: Manifest

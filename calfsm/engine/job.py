@@ -110,7 +110,7 @@ class JobContext:
     waiting: bool = False                # counted among the jobs waiting for the device
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
-    epoch: Any = None                    # the executor generation record it belongs to
+    epoch: Any = None                    # the resources of its generation (an Epoch)
     #: a stream's next step, decided on the completion side: called with the job and its
     #: float32 logits once its output is checked, before its KV commit (the next step's
     #: is chained after it) and before its handle resolves; run once. It only decides:

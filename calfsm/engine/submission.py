@@ -147,7 +147,6 @@ class Submission:
                 core.hooks.work_queued()
         if not queued:
             raise Cancelled("cancelled before submit", **job_ctx(job, stage))
-        core.hooks.after_work_queued()
 
     def unqueue(self, job: JobContext) -> bool:
         """Take a cancelled job out of the submit queue; False if it is not there."""
@@ -233,8 +232,6 @@ class Submission:
                 self._followed_at = core.clock.now()
                 if self._submit_q:
                     core.hooks.work_queued()
-        if n < 0:
-            core.hooks.after_work_queued()
 
     def _next_claim(self) -> int | None:
         """Index of the first queued job whose engine runs nothing now (ping/pong: one
@@ -582,11 +579,13 @@ class Submission:
             self.outcomes.finish(job, err, "failed")
 
     def release_inflight(self, job: JobContext,
-                         riders: list[JobContext] | None = None) -> None:
+                         riders: list[JobContext] | None = None) -> bool:
         """The job no longer occupies the device: off the on-device list (with the
         ``riders`` of its batch), its in-flight slot given back (idempotent), whoever
-        drives the pipeline told."""
+        drives the pipeline told. True if a queued job may be submitted at once (the
+        complete step then hands off: ``Hooks.hand_off``)."""
         core = self.core
+        hand_off = False
         with core.lock:
             for j in (job, *(riders or ())):
                 if j in self._on_device:
@@ -597,10 +596,11 @@ class Submission:
                 for engine, holder in list(self._engine_busy.items()):
                     if holder is job:
                         del self._engine_busy[engine]
-                core.hooks.device_freed(not core.life.closing and self.submittable_now())
+                hand_off = not core.life.closing and self.submittable_now()
                 if self._submit_q or core.life.closing:
                     core.hooks.work_queued()
         core.hooks.changed()
+        return hand_off
 
     # ---- the completion queue ------------------------------------------------------
     def pop_completion(self) -> JobContext | None:

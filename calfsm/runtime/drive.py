@@ -81,8 +81,6 @@ class ThreadRuntime(_Runtime):
         self._threads: list[threading.Thread] = []
         self._recoveries: list[threading.Thread] = []
         self._recovery_lock = threading.Lock()
-        self._completion_thread: threading.Thread | None = None
-        self._yield = False
         self._close_deadline = math.inf
         self._stopping = False        # stop(): the admission thread may leave when idle
         life.on_change(self._wake_all)
@@ -94,8 +92,6 @@ class ThreadRuntime(_Runtime):
                            ("admission", self._admission_loop)):
             t = threading.Thread(target=self._guard, args=(name, loop),
                                  name=f"calfsm-{name}", daemon=True)
-            if name == "completion":
-                self._completion_thread = t
             t.start()
             self._threads.append(t)
 
@@ -151,16 +147,6 @@ class ThreadRuntime(_Runtime):
 
     # ---- hooks (called by the pipeline) --------------------------------------------
     def work_queued(self) -> None:
-        # a stream's next step, queued by the completion thread while the device idles:
-        # let the submitter call infer before this thread goes on (delivering the token,
-        # returning the lease), as when it frees the device with a job queued
-        # (not while the submitter holds a batch back for the rows this thread is about
-        # to queue: it would only wait for a submit that comes after them)
-        if not self._yield and threading.current_thread() is self._completion_thread \
-                and self.pipeline.inflight < self.pipeline.max_inflight \
-                and self.pipeline.device.submittable():
-            self._submitted_bell.wait(0)      # only a submit after this ring counts
-            self._yield = True
         self._submit_bell.ring()
 
     def job_submitted(self) -> None:
@@ -169,17 +155,14 @@ class ThreadRuntime(_Runtime):
     def job_parked(self) -> None:
         self._admit_bell.ring()
 
-    def device_freed(self, hand_off: bool) -> None:
-        if hand_off and threading.current_thread() is self._completion_thread:
-            self._submitted_bell.wait(0)      # only a submit after this ring counts
-            self._yield = True
-
-    def after_device_freed(self) -> None:
-        if self._yield:
-            self._yield = False
+    def hand_off(self) -> None:
+        # only the complete step calls this, so this is the completion thread: it freed
+        # the device with a job queued, or queued a stream's next step. Let the
+        # submitter call infer before this thread goes on (delivering the token,
+        # returning the lease), bounded; not while the submitter holds a batch back for
+        # rows still to come (submittable() says no then: it would only wait for them)
+        if self.pipeline.device.submittable():
             self._submitted_bell.wait(_YIELD_TO_SUBMITTER_S)
-
-    after_work_queued = after_device_freed
 
     def changed(self) -> None:
         with self._cond:
@@ -238,6 +221,8 @@ class ThreadRuntime(_Runtime):
                     and job.ended:
                 p.completion.drop_completion(job)
                 return              # abandon a zombie: the device never let it go
+            # only a submit after this step began counts for its hand_off()
+            self._submitted_bell.wait(0)
             p.completion.run_completion(job)
 
     def _admission_loop(self) -> None:
