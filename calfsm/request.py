@@ -109,11 +109,6 @@ def _is_int_type(t: type) -> bool:
     return (issubclass(t, int) and not issubclass(t, bool)) or issubclass(t, np.integer)
 
 
-def _kept(values: Any) -> bool:
-    """``values`` is already what a request keeps: a plain 1-D ``int64`` array."""
-    return type(values) is np.ndarray and values.dtype == _I64 and values.ndim == 1
-
-
 def _int_array(values: Any, field: str) -> np.ndarray:
     """``values`` as a 1-D ``int64`` array, or InvalidArgument naming ``field``."""
     if isinstance(values, np.ndarray):
@@ -252,13 +247,15 @@ class Request:
             raise _bad("tokens missing", seq_id=seq_id)
         if kind is TaskKind.PREFILL_EMBEDS:
             _set(self, "tokens", _embeds(tokens))
-        elif not _kept(tokens):         # a decode's own array is kept as it is, no call
+        elif not (type(tokens) is np.ndarray and tokens.dtype == _I64 and tokens.ndim == 1):
+            # (a plain 1-D int64 array, a decode's own, is kept as it is, with no call)
             _set(self, "tokens", _int_array(tokens, "tokens"))
         past, positions = self.past_len, self.positions
         if past is not None and type(past) is not int:
             _set(self, "past_len", past := _integer(past, "past_len"))
         if positions is not None:
-            if not _kept(positions):
+            if not (type(positions) is np.ndarray and positions.dtype == _I64
+                    and positions.ndim == 1):
                 _set(self, "positions", positions := _int_array(positions, "positions"))
             if past is None:
                 _set(self, "past_len", positions.item(0) if len(positions) else 0)

@@ -251,7 +251,7 @@ class JobHandle:
         if error is not None:
             drop_tracebacks(error)
         with self._lock:
-            if self.done():
+            if self._result is not None or self._error is not None:     # done()
                 raise RuntimeError(f"job {self.job_id} resolved twice")
             self._result, self._error = result, error
             callbacks, self._callbacks = self._callbacks, []

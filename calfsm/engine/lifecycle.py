@@ -102,8 +102,10 @@ class Lifecycle:
         #: (:meth:`_moved`), ``epoch`` is set by :meth:`install`, ``closing`` by
         #: :meth:`begin_close`
         self.state: str = self._rec.state
-        #: the current generation's resources (None before the first one is built)
+        #: the current generation's resources (None before the first one is built), and
+        #: its number (0 before the first): both set by :meth:`install` alone
         self.epoch: Epoch | None = None
+        self.generation: int = self._rec.generation
         self.closing = False
         self._stopping = False
         #: clock seconds spent out of Ready since the first Ready, and since when the
@@ -119,10 +121,6 @@ class Lifecycle:
     def record(self) -> LifecycleRecord:
         """The machine's model (listeners of LIFECYCLE_MACHINE see this object)."""
         return self._rec
-
-    @property
-    def generation(self) -> int:
-        return self._rec.generation
 
     @property
     def reason(self) -> str | None:
@@ -238,7 +236,7 @@ class Lifecycle:
         """Make ``epoch`` the current generation (the only place the number moves)."""
         with self._lock:
             self.epoch = epoch
-            self._rec.generation = epoch.generation
+            self._rec.generation = self.generation = epoch.generation
 
     def warmed(self, manifest: Manifest, calbin: Calbin) -> None:
         """Warming -> Ready: this model is the known-good one now."""
