@@ -2,7 +2,9 @@
 show"): both answer with the reference model's tokens through Ray's proxy, and a replica
 whose device failed (an injected incompatible-driver code: the executor ends Failed) is
 found by its health check and replaced by a fresh one, after which every request is
-answered correctly again.
+answered correctly again. And (issue 38, item 5) two replicas behind the prompt-cache
+router keep at least 90% of the prompt-cache hits one replica gets on a multi-turn trace
+(both tests share the module's one Ray start: ~20 s).
 
 The first replica to start (it takes a marker file) gets the faulty device; each replica
 notes its pid, so the test sees the replacement. Needs the ``ray`` extra; skipped
@@ -32,8 +34,18 @@ os.environ.setdefault("RAY_SERVE_PROXY_READY_CHECK_TIMEOUT_S", "120")
 serve = pytest.importorskip("ray.serve")
 ray = pytest.importorskip("ray")
 
+from calfsm.serve import create_app  # noqa: E402
+from calfsm.serve.ray_route import routed_deployment  # noqa: E402
 from calfsm.serve.ray_serve import ray_deployment  # noqa: E402
-from tests.helpers.serve import MODEL, TOK, params_of, reference  # noqa: E402
+from tests.helpers.serve import (  # noqa: E402
+    MODEL,
+    TOK,
+    LiveServer,
+    params_of,
+    reference,
+    samples,
+    sse_events,
+)
 
 # the hang guard covers the test bodies only: the module's Ray start (ray.init and
 # serve.start, over a minute beside two busy processes on 2 cores) was charged to the
@@ -141,3 +153,97 @@ def test_two_replicas_answer_and_a_failed_one_is_replaced(local_ray, tmp_path):
             assert TOK.encode(r.json()["choices"][0]["text"]) == want
         assert c.get("/health").status_code == 200
     serve.delete("calfsm")
+
+
+# ---- issue 38, item 5: replicas that keep their prompt caches ---------------------------
+#: the trace: conversations, turns each, new prompt tokens per turn, tokens per answer
+CONVERSATIONS, TURNS, NEW_TOKENS, ANSWER = 6, 4, 40, 8
+#: each replica's prompt cache: room for every conversation (one replica alone keeps them
+#: all, so its hits are the most a trace can get and the routed replicas must match them)
+CACHE = (8, 4096)
+
+
+def cached_build() -> Any:
+    """A replica's executor: the tiny model in real time, its prompt cache on."""
+    from calfsm.executor import DeviceExecutor, ExecutorConfig
+    from calfsm.generate.promptcache import PromptCacheConfig
+    from calfsm.manifest import builtin_manifest
+    from calfsm.serve.realtime import realtime_sim
+
+    tiny = builtin_manifest("tiny")
+    return DeviceExecutor(realtime_sim(tiny, decode_ms=0.5), tiny, ExecutorConfig(
+        max_sequences=16, prompt_cache=PromptCacheConfig(*CACHE)))
+
+
+def run_trace(client: httpx.Client) -> tuple[list[list[int]], list[int]]:
+    """The multi-turn trace, turns interleaved across conversations (each turn's prompt
+    is the previous prompt, its answer and new tokens): every answer's tokens, and the
+    cached tokens each request's usage reports."""
+    import random
+
+    rng = random.Random(38)
+    prompts: list[list[int]] = [[] for _ in range(CONVERSATIONS)]
+    answers, cached = [], []
+    for _turn in range(TURNS):
+        for conv in range(CONVERSATIONS):
+            prompts[conv] += [rng.randrange(1, 1000) for _ in range(NEW_TOKENS)]
+            r = client.post("/v1/completions", json={
+                "model": MODEL, "prompt": prompts[conv], "temperature": 0,
+                "max_tokens": ANSWER})
+            assert r.status_code == 200, r.text
+            doc = r.json()
+            answer = TOK.encode(doc["choices"][0]["text"])
+            answers.append(answer)
+            cached.append(doc["usage"].get("prompt_tokens_details", {})
+                          .get("cached_tokens", 0))
+            prompts[conv] += answer
+    return answers, cached
+
+
+def test_routed_replicas_keep_their_prompt_caches(local_ray):
+    # one replica alone, in process: the hits the trace can get
+    single = cached_build()
+    live = LiveServer(create_app(single))
+    try:
+        with httpx.Client(base_url=live.url, timeout=30) as c:
+            want, single_cached = run_trace(c)
+        single_stats = single.prompt_cache_stats()
+    finally:
+        live.stop()
+        single.close()
+    assert single_stats.hits == CONVERSATIONS * (TURNS - 1)
+
+    serve.run(routed_deployment(cached_build, num_replicas=2, name="routed",
+                                routing_stats_period_s=0.5),
+              name="routed", route_prefix="/")
+    try:
+        with httpx.Client(base_url=local_ray, timeout=30) as c:
+            answers, cached = run_trace(c)
+            metrics = c.get("/metrics")
+            # a streamed answer comes through the front as it is sent
+            with c.stream("POST", "/v1/completions", json={
+                    "model": MODEL, "prompt": [4, 2], "temperature": 0, "max_tokens": 6,
+                    "stream": True}) as r:
+                assert r.status_code == 200
+                events = sse_events(r.iter_lines())
+    finally:
+        serve.delete("routed")
+    # the front forwards faithfully: the same tokens as one replica's
+    assert answers == want
+    assert events[-1] == "[DONE]"
+    streamed = "".join(e["choices"][0]["text"] for e in events[:-1] if e["choices"])
+    assert TOK.encode(streamed) == reference([4, 2], params_of({"temperature": 0,
+                                                                 "max_tokens": 6}))
+    # /metrics says which replica served from its cache, and the two kept >= 90% of the
+    # hits one replica gets (a router blind to the prompt sends about half of the turns
+    # to the replica that did not serve the one before: about 50%)
+    assert metrics.status_code == 200
+    got = samples(metrics.text)
+    hits = {dict(k[1])["replica"]: v for k, v in got.items()
+            if k[0] == "calfsm_replica_prompt_cache_hits_total"}
+    reused = {dict(k[1])["replica"]: v for k, v in got.items()
+              if k[0] == "calfsm_replica_prompt_cache_reused_tokens_total"}
+    assert len(hits) == 2 and all(v > 0 for v in hits.values()), hits
+    assert sum(hits.values()) / single_stats.hits >= 0.9, (hits, single_stats)
+    assert sum(reused.values()) == sum(cached) >= 0.9 * sum(single_cached)
+    assert sum(1 for n in cached if n) == sum(hits.values())
