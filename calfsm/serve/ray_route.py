@@ -63,9 +63,10 @@ from calfsm.executor import DeviceExecutor
 from calfsm.serve.app import ServerConfig, create_app, liveness
 from calfsm.serve.httperrors import ApiError
 
-__all__ = ["BLOCK_BYTES", "BLOCK_TOKENS", "CalfsmBackend", "CalfsmFront", "ForwardedRequest",
-           "HeldPrefixes", "PromptCacheRouter", "ReplicaCounters", "routed_deployment",
-           "routing_key"]
+__all__ = ["BLOCK_BYTES", "BLOCK_TOKENS", "CalfsmBackend", "CalfsmFront", "Candidate",
+           "ForwardedRequest", "HeldPrefixes", "PromptCacheRouter", "ReplicaCounters",
+           "ReplicaPrefixes", "rank", "replica_families", "routed_deployment", "routing_key",
+           "with_replica_counters"]
 
 log = logging.getLogger("calfsm.serve.ray_route")
 
@@ -221,14 +222,82 @@ _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_
 
 
 # ---- the router ---------------------------------------------------------------------
-@attrs.define(slots=True)
-class _Routed:
-    """What one router sent a replica since that replica's last report."""
+class ReplicaPrefixes:
+    """One router's view of one replica's prompt cache: the keys of the replica's last
+    report (:meth:`CalfsmBackend.record_routing_stats`), and those this router sent it
+    since (a key routed more than ``margin_s`` before a report is in it, or evicted)."""
 
-    held: HeldPrefixes = attrs.field(factory=HeldPrefixes)
-    at: list[tuple[float, tuple[int, ...]]] = attrs.field(factory=list)
-    report_at: float = -math.inf
-    reported: HeldPrefixes = attrs.field(factory=HeldPrefixes)
+    def __init__(self, margin_s: float = 2.0) -> None:
+        self.margin_s = margin_s
+        self.reported = HeldPrefixes()
+        self.report_at = -math.inf
+        self._routed = HeldPrefixes()
+        self._routed_at: list[tuple[float, tuple[int, ...]]] = []
+
+    def routed(self, key: tuple[int, ...], now: float) -> None:
+        if not key:
+            return
+        self._routed.add(key)
+        self._routed_at.append((now, key))
+        if len(self._routed_at) > _MAX_ROUTED:      # no report for long: the newest
+            self._keep_routed(self._routed_at[-_MAX_ROUTED:])
+
+    def report(self, stats: dict[str, Any] | None) -> None:
+        """The replica's routing stats as Ray last passed them (a report seen before,
+        or none, changes nothing)."""
+        at = (stats or {}).get("at")
+        if not isinstance(at, int | float) or at <= self.report_at:
+            return
+        self.report_at = at
+        self.reported = HeldPrefixes(stats.get("prefixes") or ())   # type: ignore[union-attr]
+        cutoff = at - self.margin_s
+        if self._routed_at and self._routed_at[0][0] < cutoff:
+            self._keep_routed([(t, k) for t, k in self._routed_at if t >= cutoff])
+
+    def _keep_routed(self, routed: list[tuple[float, tuple[int, ...]]]) -> None:
+        self._routed_at = routed
+        self._routed = HeldPrefixes(k for _, k in routed)
+
+    def match(self, key: tuple[int, ...]) -> int:
+        return max(self.reported.match(key), self._routed.match(key))
+
+    def held(self) -> int:
+        """Prefixes held: the reported ones and the routed ones not among them."""
+        return len(self.reported) + sum(1 for k in self._routed.chains()
+                                        if self.reported.match(k) < len(k))
+
+
+@attrs.frozen
+class Candidate:
+    """A replica as the router weighs it for one request."""
+
+    replica: Any
+    match: int      #: leading blocks of the request's key its prompt cache holds
+    held: int       #: prefixes its prompt cache holds
+    queue: int      #: requests it has ongoing (0 when unknown)
+
+
+def rank(candidates: list[Candidate], *, imbalanced_threshold: float = 8,
+         min_match_blocks: int = 1) -> list[list[Any]]:
+    """The replicas in Ray's ranks (Ray takes, rank by rank, the least loaded replica
+    that is not full): those holding the longest prefix first, the rest after, the
+    longer prefix first; when no replica holds ``min_match_blocks``, or the holder has
+    ``imbalanced_threshold`` more requests than the least loaded, one rank, those
+    holding the fewest prefixes first (on a tie of load, so new conversations spread)."""
+    if not candidates:
+        return []
+    by_room = [c.replica for c in sorted(candidates, key=lambda c: c.held)]
+    best = max(c.match for c in candidates)
+    if best < max(1, min_match_blocks):
+        return [by_room]
+    preferred = [c for c in candidates if c.match == best]
+    if min(c.queue for c in preferred) - min(c.queue for c in candidates) \
+            > imbalanced_threshold:
+        return [by_room]
+    rest = sorted((c for c in candidates if c.match < best),
+                  key=lambda c: (-c.match, c.held))
+    first = [c.replica for c in preferred]
+    return [first, [c.replica for c in rest]] if rest else [first]
 
 
 class PromptCacheRouter(RequestRouter):
@@ -236,20 +305,20 @@ class PromptCacheRouter(RequestRouter):
     prefix of the request's prompt (:func:`routing_key`; what the replicas report in
     their routing stats, and what this router sent them since), unless its queue is
     ``imbalanced_threshold`` requests longer than the shortest; otherwise the least
-    loaded replica (Ray's queue-length probe), the one holding the fewest prefixes on a
-    tie, so new conversations spread out."""
+    loaded replica (Ray's queue lengths), the one holding the fewest prefixes on a tie,
+    so new conversations spread out (:func:`rank`)."""
 
     def initialize_state(self, imbalanced_threshold: float = 8, min_match_blocks: int = 1,
                          report_margin_s: float = 2.0) -> None:
         """``request_router_kwargs``: ``imbalanced_threshold`` (ongoing requests above
         the least loaded replica at which a cached prefix no longer draws a request),
         ``min_match_blocks`` (blocks a prefix must share to count), ``report_margin_s``
-        (how long after routing a request its key is assumed to be in the replica's
-        next report)."""
+        (how long after routing a request its key is taken to be in the replica's
+        next report: delivery and the clocks' skew)."""
         self._imbalanced = imbalanced_threshold
-        self._min_match = max(1, int(min_match_blocks))
+        self._min_match = min_match_blocks
         self._margin = report_margin_s
-        self._state: dict[ReplicaID, _Routed] = {}
+        self._views: dict[ReplicaID, ReplicaPrefixes] = {}
 
     # -- Ray's hooks
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
@@ -259,72 +328,36 @@ class PromptCacheRouter(RequestRouter):
             # back off between rounds when every chosen replica is full (Ray's mixins
             # set this; without it the routing task would spin)
             pending_request.routing_context.should_backoff = True
-        if not candidate_replicas:
-            return []
         key = _key_of(pending_request)
-        held = {r.replica_id: self._view(r) for r in candidate_replicas}
-        by_room = sorted(candidate_replicas, key=lambda r: held[r.replica_id][1])
-        if not key:
-            return [by_room]
-        score = {r.replica_id: held[r.replica_id][0](key) for r in candidate_replicas}
-        best = max(score.values())
-        if best < self._min_match:
-            return [by_room]
-        preferred = [r for r in candidate_replicas if score[r.replica_id] == best]
-        queues = [self._queue(r) for r in candidate_replicas]
-        if min(self._queue(r) for r in preferred) - min(queues) > self._imbalanced:
-            return [by_room]
-        rest = sorted((r for r in candidate_replicas if score[r.replica_id] < best),
-                      key=lambda r: (-score[r.replica_id], held[r.replica_id][1]))
-        return [preferred, rest] if rest else [preferred]
+        candidates = []
+        for r in candidate_replicas:
+            view = self._view(r.replica_id)
+            view.report(r.routing_stats)
+            q = self.replica_queue_len_cache.get(r.replica_id)
+            candidates.append(Candidate(r, view.match(key) if key else 0, view.held(),
+                                        0 if q is None else q))
+        return rank(candidates, imbalanced_threshold=self._imbalanced,
+                    min_match_blocks=self._min_match)
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID,
                           result: Any) -> None:
-        key = _key_of(pending_request)
-        if key:
-            st = self._state.setdefault(replica_id, _Routed())
-            st.held.add(key)
-            st.at.append((time.time(), key))
-            if len(st.at) > _MAX_ROUTED:        # no report for long: keep the newest
-                del st.at[:len(st.at) - _MAX_ROUTED]
-                st.held = HeldPrefixes(k for _, k in st.at)
+        self._view(replica_id).routed(_key_of(pending_request), time.time())
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         live = {r.replica_id for r in replicas}
-        for gone in [rid for rid in self._state if rid not in live]:
-            del self._state[gone]
+        for gone in [rid for rid in self._views if rid not in live]:
+            del self._views[gone]
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
-        self._state.pop(replica_id, None)
+        self._views.pop(replica_id, None)
 
-    # -- ours
-    def _queue(self, replica: RunningReplica) -> int:
-        q = self.replica_queue_len_cache.get(replica.replica_id)
-        return 0 if q is None else q
-
-    def _view(self, replica: RunningReplica) -> tuple[Callable[[tuple[int, ...]], int], int]:
-        """(match function, entries held) of ``replica``: its last report and what this
-        router sent it since (routed keys older than the report by the margin are in
-        it, or evicted)."""
-        st = self._state.setdefault(replica.replica_id, _Routed())
-        stats = replica.routing_stats or {}
-        at = stats.get("at")
-        if isinstance(at, int | float) and at > st.report_at:
-            st.report_at = at
-            st.reported = HeldPrefixes(stats.get("prefixes") or ())
-            cutoff = at - self._margin
-            if st.at and st.at[0][0] < cutoff:
-                st.at = [(t, k) for t, k in st.at if t >= cutoff]
-                st.held = HeldPrefixes(k for _, k in st.at)
-        reported, routed = st.reported, st.held
-
-        def match(key: tuple[int, ...]) -> int:
-            return max(reported.match(key), routed.match(key))
-
-        new = sum(1 for k in routed.chains() if reported.match(k) < len(k))
-        return match, len(reported) + new
+    def _view(self, replica_id: ReplicaID) -> ReplicaPrefixes:
+        view = self._views.get(replica_id)
+        if view is None:
+            view = self._views[replica_id] = ReplicaPrefixes(self._margin)
+        return view
 
 
 def _key_of(pending: PendingRequest | None) -> tuple[int, ...]:
@@ -490,7 +523,7 @@ class CalfsmFront:
                                          code="unavailable", retry_after_s=1.0))
             return
         if metrics:
-            for message in _with_replica_counters(held, self.replicas.values()):
+            for message in with_replica_counters(held, self.replicas.values()):
                 await send(message)
 
 
@@ -531,7 +564,7 @@ def replica_families(replicas: Iterable[ReplicaCounters], openmetrics: bool) -> 
     return ("\n".join(out) + "\n").encode()
 
 
-def _with_replica_counters(messages: list[dict[str, Any]],
+def with_replica_counters(messages: list[dict[str, Any]],
                            replicas: Iterable[ReplicaCounters]) -> list[dict[str, Any]]:
     """A backend's buffered ``/metrics`` answer with the per-replica counters added
     (before OpenMetrics' ``# EOF``), its content-length set again."""

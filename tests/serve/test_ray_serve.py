@@ -235,8 +235,9 @@ def test_routed_replicas_keep_their_prompt_caches(local_ray):
     assert TOK.encode(streamed) == reference([4, 2], params_of({"temperature": 0,
                                                                  "max_tokens": 6}))
     # /metrics says which replica served from its cache, and the two kept >= 90% of the
-    # hits one replica gets (a router blind to the prompt sends about half of the turns
-    # to the replica that did not serve the one before: about 50%)
+    # hits and of the reused tokens one replica gets (18 of 18 and 1710 of 1710 tokens
+    # when measured; Ray's default router, blind to the prompt, got 12-14 hits and 900
+    # tokens: a turn it sends to the other replica reuses an older turn, or nothing)
     assert metrics.status_code == 200
     got = samples(metrics.text)
     hits = {dict(k[1])["replica"]: v for k, v in got.items()
@@ -245,5 +246,6 @@ def test_routed_replicas_keep_their_prompt_caches(local_ray):
               if k[0] == "calfsm_replica_prompt_cache_reused_tokens_total"}
     assert len(hits) == 2 and all(v > 0 for v in hits.values()), hits
     assert sum(hits.values()) / single_stats.hits >= 0.9, (hits, single_stats)
-    assert sum(reused.values()) == sum(cached) >= 0.9 * sum(single_cached)
+    assert sum(reused.values()) == sum(cached)
+    assert sum(cached) / sum(single_cached) >= 0.9, (reused, sum(single_cached))
     assert sum(1 for n in cached if n) == sum(hits.values())
