@@ -49,7 +49,7 @@ import logging
 import math
 import time
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Container, Iterable
 from typing import Any
 
 import attrs
@@ -148,10 +148,12 @@ class HeldPrefixes:
 
     def match(self, key: tuple[int, ...]) -> int:
         """Leading blocks of ``key`` some entry holds (hash ``i`` covers blocks 0..i)."""
-        n = 0
-        while n < len(key) and key[n] in self._count:
-            n += 1
-        return n
+        return _match(self._count, key)
+
+    def hashes(self) -> list[int]:
+        """Every block hash the entries hold, each once (a prefix the entries share,
+        such as a system prompt, is one run of hashes)."""
+        return list(self._count)
 
     def add(self, key: tuple[int, ...]) -> None:
         """``key`` was served: the entry sharing its longest prefix (the one the cache
@@ -222,14 +224,23 @@ _SCOPE_KEYS = ("type", "asgi", "http_version", "method", "scheme", "path", "raw_
 
 
 # ---- the router ---------------------------------------------------------------------
+def _match(hashes: Container[int], key: tuple[int, ...]) -> int:
+    n = 0
+    while n < len(key) and key[n] in hashes:
+        n += 1
+    return n
+
+
 class ReplicaPrefixes:
-    """One router's view of one replica's prompt cache: the keys of the replica's last
-    report (:meth:`CalfsmBackend.record_routing_stats`), and those this router sent it
-    since (a key routed more than ``margin_s`` before a report is in it, or evicted)."""
+    """One router's view of one replica's prompt cache: the block hashes of the
+    replica's last report (:meth:`CalfsmBackend.record_routing_stats`), and the keys
+    this router sent it since (a key routed more than ``margin_s`` before a report is in
+    it, or evicted)."""
 
     def __init__(self, margin_s: float = 2.0) -> None:
         self.margin_s = margin_s
-        self.reported = HeldPrefixes()
+        self.reported: frozenset[int] = frozenset()
+        self.reported_entries = 0
         self.report_at = -math.inf
         self._routed = HeldPrefixes()
         self._routed_at: list[tuple[float, tuple[int, ...]]] = []
@@ -249,7 +260,9 @@ class ReplicaPrefixes:
         if not isinstance(at, int | float) or at <= self.report_at:
             return
         self.report_at = at
-        self.reported = HeldPrefixes(stats.get("prefixes") or ())   # type: ignore[union-attr]
+        assert stats is not None
+        self.reported = frozenset(stats.get("hashes") or ())
+        self.reported_entries = int(stats.get("entries") or 0)
         cutoff = at - self.margin_s
         if self._routed_at and self._routed_at[0][0] < cutoff:
             self._keep_routed([(t, k) for t, k in self._routed_at if t >= cutoff])
@@ -259,12 +272,12 @@ class ReplicaPrefixes:
         self._routed = HeldPrefixes(k for _, k in routed)
 
     def match(self, key: tuple[int, ...]) -> int:
-        return max(self.reported.match(key), self._routed.match(key))
+        return max(_match(self.reported, key), self._routed.match(key))
 
     def held(self) -> int:
         """Prefixes held: the reported ones and the routed ones not among them."""
-        return len(self.reported) + sum(1 for k in self._routed.chains()
-                                        if self.reported.match(k) < len(k))
+        return self.reported_entries + sum(1 for k in self._routed.chains()
+                                           if _match(self.reported, k) < len(k))
 
 
 @attrs.frozen
@@ -444,13 +457,14 @@ class CalfsmBackend:
         self.held.drop_oldest(len(self.held) - st.max_sequences)
 
     async def record_routing_stats(self) -> dict[str, Any]:
-        """Ray's hook: the keys this replica's prompt cache holds, with the time they
-        were last seen to change (the same answer while they do not: Ray passes a
-        replica's stats to the routers only when they change)."""
+        """Ray's hook: the block hashes this replica's prompt cache holds (each once)
+        and its entries, with the time they were last seen to change (the same answer
+        while they do not: Ray passes a replica's stats to the routers only when they
+        change)."""
         self._refresh()
-        chains = self.held.chains()
-        if chains != self._report.get("prefixes"):
-            self._report = {"at": time.time(), "prefixes": chains}
+        hashes, entries = self.held.hashes(), len(self.held)
+        if hashes != self._report.get("hashes") or entries != self._report.get("entries"):
+            self._report = {"at": time.time(), "hashes": hashes, "entries": entries}
         return self._report
 
     def check_health(self) -> None:

@@ -93,16 +93,16 @@ def test_a_router_sees_what_it_routed_until_a_report_covers_it():
     view = ReplicaPrefixes(margin_s=2.0)
     view.routed((1, 2), now=100.0)
     assert view.match((1, 2, 3)) == 2 and view.held() == 1
-    view.report({"at": 101.0, "prefixes": [(1, 2)]})        # too soon to drop it
+    view.report({"at": 101.0, "hashes": [1, 2], "entries": 1})     # too soon to drop
     assert view.held() == 1 and view.match((1, 2)) == 2
     view.routed((5, 6), now=104.0)
-    view.report({"at": 103.0, "prefixes": []})              # (1, 2) was evicted since
+    view.report({"at": 103.0, "hashes": [], "entries": 0})  # (1, 2) was evicted since
     assert view.match((1, 2)) == 0 and view.match((5, 6)) == 2 and view.held() == 1
-    view.report({"at": 103.0, "prefixes": [(9,)]})          # a report seen: no change
+    view.report({"at": 103.0, "hashes": [9], "entries": 1})     # seen before: no change
     assert view.match((9,)) == 0
     view.report(None)
-    view.report({"at": 200.0, "prefixes": [(5, 6, 7)]})
-    assert view.match((5, 6, 7, 8)) == 3 and view.held() == 1
+    view.report({"at": 200.0, "hashes": [5, 6, 7, 1], "entries": 2})
+    assert view.match((5, 6, 7, 8)) == 3 and view.match((1, 3)) == 1 and view.held() == 2
 
 
 def test_ranks_put_the_longest_prefix_first_unless_its_replica_is_far_busier():
@@ -145,14 +145,15 @@ def test_a_backend_answers_forwarded_requests_and_reports_what_it_keeps():
     try:
         convs = [[c + 1] * (2 * BLOCK_TOKENS) for c in range(3)]
 
-        async def trace() -> list[tuple[dict[str, Any], ReplicaCounters]]:
+        async def trace() -> tuple[list[tuple[dict[str, Any], ReplicaCounters]],
+                                   list[int]]:
             out = [await call(backend, convs[0]), await call(backend, convs[1])]
             turn2 = convs[0] + TOK.encode(out[0][0]["choices"][0]["text"]) + [9] * 20
             out.append(await call(backend, turn2))          # a hit: conv 0's entry
             out.append(await call(backend, convs[2]))       # the cache (2) evicts conv 1
-            return out
+            return out, turn2
 
-        answers = asyncio.run(trace())
+        answers, turn2 = asyncio.run(trace())
         first, _ = answers[0]
         assert TOK.encode(first["choices"][0]["text"]) \
             == reference(convs[0], params_of({"temperature": 0, "max_tokens": 4}))
@@ -160,11 +161,13 @@ def test_a_backend_answers_forwarded_requests_and_reports_what_it_keeps():
         assert answers[2][1].reused_tokens \
             == answers[2][0]["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
         report = asyncio.run(backend.record_routing_stats())
-        held = HeldPrefixes(report["prefixes"])
-        assert len(held) == 2                               # conv 0's turn 2, conv 2
-        assert held.match(routing_key(COMPLETIONS, body(prompt=convs[1]))) == 0
-        assert held.match(routing_key(COMPLETIONS, body(prompt=convs[2]))) == 2
-        assert held.match(routing_key(COMPLETIONS, body(prompt=convs[0]))) == 2
+        view = ReplicaPrefixes()
+        view.report(report)
+        assert report["entries"] == 2                       # conv 0's turn 2, conv 2
+        assert view.match(routing_key(COMPLETIONS, body(prompt=convs[1]))) == 0
+        assert view.match(routing_key(COMPLETIONS, body(prompt=convs[2]))) == 2
+        assert view.match(routing_key(COMPLETIONS, body(prompt=turn2))) \
+            == len(routing_key(COMPLETIONS, body(prompt=turn2)))
         # an unchanged cache is the same report (Ray passes on only a change)
         assert asyncio.run(backend.record_routing_stats()) == report
     finally:
