@@ -26,7 +26,7 @@ request it serves as one prompt-cache entry (a turn that extends an earlier one 
 that entry's place, as the cache's own ``take``/``keep`` do), forgets its oldest ones as
 its cache reports evictions (the cache evicts the least recently used first), and all of
 them when a reset empties the cache. Every ``request_routing_stats_period_s`` Ray's
-controller collects those keys and passes them to every router; until the next report a
+controller collects their block hashes and passes them to every router; until the next report a
 router adds the keys it routed itself (as Ray's ``PrefixCacheAffinityRouter`` keeps a
 tree of routed prompts), so the second turn of a conversation follows the first at once.
 The keys are a mirror of the cache, not the cache: a request that failed before its
@@ -96,8 +96,8 @@ def _text(content: Any) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(p.get("text", "") if isinstance(p, dict) else "" for p in content
-                       if isinstance(p, dict) and isinstance(p.get("text", ""), str))
+        texts = (p.get("text") for p in content if isinstance(p, dict))
+        return "".join(t for t in texts if isinstance(t, str))
     return ""
 
 
@@ -514,7 +514,9 @@ class CalfsmFront:
                 return
             if not message.get("more_body"):
                 break
-        path = scope.get("path", "")
+        path, root = scope.get("path", ""), scope.get("root_path", "")
+        if root and path.startswith(root):      # under a route prefix
+            path = path[len(root):]
         fwd = ForwardedRequest({k: scope[k] for k in _SCOPE_KEYS if k in scope},
                                bytes(body), routing_key(path, bytes(body)))
         metrics = path == "/metrics" and scope.get("method") == "GET"

@@ -237,9 +237,9 @@ def test_routed_replicas_keep_their_prompt_caches(local_ray):
 
     serve.run(routed_deployment(cached_build, num_replicas=2, name="routed",
                                 routing_stats_period_s=0.5),
-              name="routed", route_prefix="/")
+              name="routed", route_prefix="/calfsm")     # keys under a route prefix too
     try:
-        with httpx.Client(base_url=local_ray, timeout=30) as c:
+        with httpx.Client(base_url=f"{local_ray}/calfsm", timeout=30) as c:
             got = [run_trace(c, 1, parallel=False), run_trace(c, 101, parallel=True)]
             metrics = c.get("/metrics")
             # a streamed answer comes through the front as it is sent
