@@ -139,7 +139,9 @@ class HeldPrefixes:
 
     def __init__(self, chains: Iterable[Iterable[int]] = ()) -> None:
         self._entries: OrderedDict[int, tuple[int, ...]] = OrderedDict()    # by last hash
-        self._count: dict[int, int] = {}        # hash -> entries holding it
+        self._owners: dict[int, set[int]] = {}      # hash -> the entries holding it
+        self._stamp: dict[int, int] = {}            # entry -> when it was last added
+        self._clock = 0
         for c in chains:
             self.add(tuple(c))
 
@@ -148,42 +150,38 @@ class HeldPrefixes:
 
     def match(self, key: tuple[int, ...]) -> int:
         """Leading blocks of ``key`` some entry holds (hash ``i`` covers blocks 0..i)."""
-        return _match(self._count, key)
+        return _match(self._owners, key)
 
     def hashes(self) -> list[int]:
         """Every block hash the entries hold, each once (a prefix the entries share,
         such as a system prompt, is one run of hashes)."""
-        return list(self._count)
+        return list(self._owners)
 
     def add(self, key: tuple[int, ...]) -> None:
         """``key`` was served: the entry sharing its longest prefix (the one the cache
-        would take) is replaced by ``key``, the most recently used."""
+        would take; the most recently used of equals) is replaced by ``key``, now the
+        most recently used."""
         if not key:
             return
-        best, best_n = None, 0
-        for last, chain in self._entries.items():
-            n = 0
-            for a, b in zip(chain, key, strict=False):
-                if a != b:
-                    break
-                n += 1
-            if n > best_n:
-                best, best_n = last, n
-        if best is not None:
-            self._remove(best)
-        if key[-1] in self._entries:
+        n = self.match(key)
+        if n:
+            owners = self._owners[key[n - 1]]
+            self._remove(max(owners, key=self._stamp.__getitem__))
+        if key[-1] in self._entries:        # the same key again (n was all of it)
             self._remove(key[-1])
         self._entries[key[-1]] = key
+        self._clock += 1
+        self._stamp[key[-1]] = self._clock
         for h in key:
-            self._count[h] = self._count.get(h, 0) + 1
+            self._owners.setdefault(h, set()).add(key[-1])
 
     def _remove(self, last: int) -> None:
+        del self._stamp[last]
         for h in self._entries.pop(last):
-            left = self._count[h] - 1
-            if left:
-                self._count[h] = left
-            else:
-                del self._count[h]
+            owners = self._owners[h]
+            owners.discard(last)
+            if not owners:
+                del self._owners[h]
 
     def drop_oldest(self, n: int) -> None:
         """Forget the ``n`` least recently used entries (the cache evicted as many)."""
@@ -192,7 +190,8 @@ class HeldPrefixes:
 
     def clear(self) -> None:
         self._entries.clear()
-        self._count.clear()
+        self._owners.clear()
+        self._stamp.clear()
 
     def chains(self) -> list[tuple[int, ...]]:
         return list(self._entries.values())
@@ -244,10 +243,12 @@ class ReplicaPrefixes:
         self.report_at = -math.inf
         self._routed = HeldPrefixes()
         self._routed_at: list[tuple[float, tuple[int, ...]]] = []
+        self._held: int | None = None       # held(), until a key or a report comes
 
     def routed(self, key: tuple[int, ...], now: float) -> None:
         if not key:
             return
+        self._held = None
         self._routed.add(key)
         self._routed_at.append((now, key))
         if len(self._routed_at) > _MAX_ROUTED:      # no report for long: the newest
@@ -256,11 +257,12 @@ class ReplicaPrefixes:
     def report(self, stats: dict[str, Any] | None) -> None:
         """The replica's routing stats as Ray last passed them (a report seen before,
         or none, changes nothing)."""
-        at = (stats or {}).get("at")
+        stats = stats or {}
+        at = stats.get("at")
         if not isinstance(at, int | float) or at <= self.report_at:
             return
         self.report_at = at
-        assert stats is not None
+        self._held = None
         self.reported = frozenset(stats.get("hashes") or ())
         self.reported_entries = int(stats.get("entries") or 0)
         cutoff = at - self.margin_s
@@ -276,8 +278,10 @@ class ReplicaPrefixes:
 
     def held(self) -> int:
         """Prefixes held: the reported ones and the routed ones not among them."""
-        return self.reported_entries + sum(1 for k in self._routed.chains()
-                                           if _match(self.reported, k) < len(k))
+        if self._held is None:
+            self._held = self.reported_entries + sum(
+                1 for k in self._routed.chains() if _match(self.reported, k) < len(k))
+        return self._held
 
 
 @attrs.frozen

@@ -87,6 +87,10 @@ def test_held_prefixes_mirror_the_cache_take_and_keep():
     assert held.chains() == [(1, 2, 3, 4)] and held.match((7, 8)) == 0
     held.clear()
     assert len(held) == 0 and held.match((1,)) == 0
+    # a key sharing even one block takes that entry's place, as the cache's take does
+    for key in ((1, 2), (4,), (1, 3), (1, 3, 5), (1, 3, 5)):
+        held.add(key)
+    assert held.chains() == [(4,), (1, 3, 5)] and sorted(held.hashes()) == [1, 3, 4, 5]
 
 
 def test_a_router_sees_what_it_routed_until_a_report_covers_it():
