@@ -348,7 +348,8 @@ class Completion:
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
         lease, job.lease = job.lease, None
-        self.outcomes.leave_waiting(job)
+        if job.waiting:             # (it left the waiting books when it was submitted)
+            self.outcomes.leave_waiting(job)
         if JOB_MACHINE.fire(job, "succeed"):
             self.outcomes.succeeded(job, InferenceResult(
                 job.job_id, job.seq_id, job.generation, job.kind, job.token_count, logits,

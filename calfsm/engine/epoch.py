@@ -62,9 +62,15 @@ class Epoch:
     kv: KvCoordinator
     pool: BufferPool
     retired: bool = False
+    #: the contracts asked for so far (every job's validation asks: one call, not two)
+    _contracts: dict[TaskKind, SubmodelContract] = attrs.field(factory=dict, init=False,
+                                                               repr=False)
 
     def contract(self, kind: TaskKind) -> SubmodelContract:
-        return self.model.submodel(kind)
+        c = self._contracts.get(kind)
+        if c is None:
+            c = self._contracts[kind] = self.model.submodel(kind)
+        return c
 
     def retire(self) -> None:
         """Fence this epoch off: its coordinator refuses work, its slots are retired."""

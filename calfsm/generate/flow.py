@@ -107,7 +107,7 @@ class Flow:
     def handed_on(self, handle: JobHandle, request: Request) -> None:
         """``request`` is the step in flight now (called with the lock held)."""
         self.inflight = handle
-        self.next_pos = request.past_len + request.token_count
+        self.next_pos = request.past_len + len(request.tokens)     # its token_count
         if request.kind is TaskKind.DECODE and self.state != _F.ENDED:
             _fire(self, "advance")
 

@@ -182,6 +182,8 @@ class Stream:
         self._clock = ex.clock
         now = self._clock.now()
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
+        #: the stream has a deadline of its own (its steps' are what is left of it)
+        self._timed = deadline_s is not None
         #: where the stream's own history (its prompt, then its tokens) begins
         self._start = sequence.position - cached
         self._max_new = max_new_tokens(params, self._max_seq, self._start, len(self.prompt))
@@ -400,7 +402,8 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        self._flow.stage_next(deadline_s=self._left(), priority=self.priority,
+        self._flow.stage_next(deadline_s=self._left() if self._timed else None,
+                              priority=self.priority,
                               request_id=self.request_id)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
@@ -511,7 +514,8 @@ class Stream:
                 return None, None, Successor(staged, token, then)
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
-                                 target=flow.staged_row(staged), deadline_s=self._left(),
+                                 target=flow.staged_row(staged),
+                                 deadline_s=self._left() if self._timed else None,
                                  priority=self.priority, request_id=self.request_id)
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
