@@ -13,8 +13,8 @@ Issue 35 counted 4.7x on main 662cf52 (stream 434, direct loop 91); the layout's
 restructuring left 3.96x (stream 360.6), and the token-path branch 3.28x (stream 298.1:
 the lifecycle's and the fault policy's trivial accessors made attributes, one look at
 each part per scheduler step, no callbacks to stage a step, a decode's arrays built
-inline, the parked queue's size kept). The bound is what was reached, with a little room for a call or two, so a
-change that lengthens the path again fails here. The goal is 2.5x; what is left of the
+inline, the parked queue's size kept). The bound is what was reached, with a little
+room for a call or two, so a change that lengthens the path again fails here. The goal is 2.5x; what is left of the
 way is mostly the buffer lease's checked writes, the KV books, the declared machines
 and the clock reads (see the closing note of that branch).
 """
