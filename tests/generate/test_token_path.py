@@ -14,9 +14,10 @@ restructuring left 3.96x (stream 360.6), and the token-path branch 3.28x (stream
 the lifecycle's and the fault policy's trivial accessors made attributes, one look at
 each part per scheduler step, no callbacks to stage a step, a decode's arrays built
 inline, the parked queue's size kept). The bound is what was reached, with a little
-room for a call or two, so a change that lengthens the path again fails here. The goal is 2.5x; what is left of the
-way is mostly the buffer lease's checked writes, the KV books, the declared machines
-and the clock reads (see the closing note of that branch).
+room for a call or two, so a change that lengthens the path again fails here. The goal
+is 2.5x; what is left of the way is mostly the buffer lease's checked writes, the KV
+books, the declared machines and the clock reads (see the closing note of that
+branch).
 """
 
 from __future__ import annotations
