@@ -18,6 +18,7 @@ from typing import Any
 
 from calfsm.drivers.base import OutputStatus
 from calfsm.engine.batchrows import row_logits
+from calfsm.engine.buffers import BufferSlot
 from calfsm.engine.job import InferenceResult, JobContext
 from calfsm.engine.outcomes import Outcomes, limited
 from calfsm.engine.parts import Core, job_ctx
@@ -137,7 +138,7 @@ class Completion:
         if zombie:
             self._late_completion(job, rc)
             return
-        logits = self._output(job, rc)
+        logits = self._output(job, rc, slot)
         if logits is None:
             return
         self._succeed(job, logits, t1)
@@ -281,11 +282,11 @@ class Completion:
             _fire(row, "quarantine")
             self.outcomes.finish(row, err, "quarantined")
 
-    def _output(self, job: JobContext, rc: int) -> Any:
-        """Read and check the output of a job whose Wait returned ``rc`` (the slices are
-        undone in the same device-lock section); None when the job ended on the way."""
+    def _output(self, job: JobContext, rc: int, slot: BufferSlot) -> Any:
+        """Read and check the output of a job whose Wait returned ``rc`` from ``slot``,
+        its lease's (the slices are undone in the same device-lock section); None when
+        the job ended on the way."""
         core = self.core
-        slot = job.lease.slot
         contract = slot.contract
         undo_error: CalfsmError | None = None
         with core.device_lock:      # no reset between the fence check and device calls

@@ -198,7 +198,9 @@ class Submission:
         if not (self._submit_q and self._inflight < core.max_inflight
                 and core.life.state == READY):
             return None
-        i = self._next_claim()
+        # the usual case without a call: no engine busy, no batch preferring decodes
+        i = 0 if not self._engine_busy and not (self._prefill_last and core.max_rows > 1) \
+            else self._next_claim()
         if i is None or (core.max_rows > 1 and self._hold_for_rows(self._submit_q[i])):
             return None
         return i
