@@ -344,11 +344,7 @@ class Compiled:
             grammar = _grammar(constraint, llg)
         except (ValueError, TypeError) as e:
             raise _bad(f"{type(constraint).__name__}: {e}") from None
-        error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise _bad(f"{type(constraint).__name__} is not supported: "
-                       f"{_first_lines(error)}")
-        m = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        m = llg.LLMatcher(tokenizer, grammar, log_level=0)     # never raises: is_error
         if m.is_error():
             raise _bad(f"{type(constraint).__name__} is not supported: "
                        f"{_first_lines(m.get_error())}")
