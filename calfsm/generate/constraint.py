@@ -39,6 +39,7 @@ allowed one, or a token the matcher refuses was forced by a user sampler) ends i
 from __future__ import annotations
 
 import json
+import logging
 import reprlib
 import threading
 import weakref
@@ -53,7 +54,9 @@ from calfsm.errors import CalfsmError, ErrorCategory, Internal, InvalidArgument
 
 __all__ = ["COUNTS", "Choice", "Compiled", "Constraint", "Grammar", "JsonObject", "JsonSchema",
            "Regex", "RowConstraint", "compile_constraint", "constraints_available",
-           "ll_tokenizer"]
+           "ll_tokenizer", "warm"]
+
+log = logging.getLogger("calfsm.constraint")
 
 _FIELD = "constraint"
 _F32 = np.dtype(np.float32)
@@ -284,6 +287,16 @@ def ll_tokenizer(tokenizer: Any, vocab: int) -> Any:
         raise _bad(f"the tokenizer has {made.vocab_size} ids, the model {vocab}")
     per[vocab] = made
     return made
+
+
+def warm(tokenizer: Any, vocab: int) -> None:
+    """Read ``tokenizer`` into llguidance now (a server at start-up: the first
+    constrained request then does not pay the ~1-8 s), if the extra is installed; a
+    tokenizer it cannot read is left for the requests to refuse."""
+    try:
+        ll_tokenizer(tokenizer, vocab)
+    except InvalidArgument as e:
+        log.info("constrained decoding is not warmed: %s", e.message)
 
 
 # ---- compiled constraints ---------------------------------------------------------------
