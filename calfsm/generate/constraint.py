@@ -304,8 +304,9 @@ def warm(tokenizer: Any, vocab: int) -> None:
 @attrs.frozen(eq=False)
 class Plan:
     """A mask made ready for the token path: ``kind`` ``keep`` (only ``ids`` allowed),
-    ``ban`` (``ids`` not allowed), ``add`` (``row`` is 0 / -inf, added), ``end`` (only
-    the grammar's end is allowed: no token is chosen) or ``dead`` (nothing is)."""
+    ``ban`` (``ids`` not allowed; ids in no particular order), ``add`` (``row`` is 0 /
+    -inf, added), ``end`` (only the grammar's end is allowed: no token is chosen) or
+    ``dead`` (nothing is)."""
 
     kind: str
     ids: np.ndarray | None = None
@@ -334,11 +335,22 @@ _ADD = np.array([-np.inf, 0.0], _F32)
 
 
 def _ids(u: np.ndarray) -> np.ndarray:
-    """The ids of the set bits of ``u``, ascending."""
+    """The ids of the set bits of ``u`` (uint32 words), in no particular order: the
+    lowest set bit of every word still holding one, until none does (as many passes as
+    the most bits in a word; each pass over the words left), so the cost follows the
+    ids, not the vocabulary."""
     nz = np.flatnonzero(u)
-    bits = np.unpackbits(u[nz].view(np.uint8), bitorder="little").reshape(-1, 32)
-    r, c = np.nonzero(bits)
-    return (nz[r] * 32 + c).astype(np.intp)
+    w = u[nz]
+    out = []
+    one = np.uint32(1)
+    while w.shape[0]:
+        low = w & (~w + one)
+        out.append(nz * 32 + np.bitwise_count(low - one))
+        w = w ^ low
+        more = w != 0
+        if not more.all():
+            w, nz = w[more], nz[more]
+    return np.concatenate(out).astype(np.intp) if out else np.empty(0, np.intp)
 
 
 class Compiled:

@@ -576,11 +576,9 @@ class Sampler:
         """A user sampler's token, against the constraint's plan."""
         kind, ids = plan.kind, plan.ids
         if kind == "keep":
-            i = int(np.searchsorted(ids, tok))
-            ok = i < ids.shape[0] and int(ids[i]) == tok
+            ok = bool((ids == tok).any())
         elif kind == "ban":
-            i = int(np.searchsorted(ids, tok))
-            ok = not (i < ids.shape[0] and int(ids[i]) == tok)
+            ok = not (ids == tok).any()
         else:
             ok = bool(plan.row[tok] == 0)
         if not ok:
