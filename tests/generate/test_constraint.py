@@ -38,7 +38,14 @@ from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import FinishReason, GenerationResult
 from calfsm.generate.tokenizer import ByteTokenizer
 from calfsm.manifest import TaskKind, builtin_manifest
-from tests.helpers.executor import TINY, drive, make_executor
+from tests.helpers.executor import (
+    TINY,
+    HoldAfterWaits,
+    drive,
+    eventually,
+    make_executor,
+    make_sim,
+)
 from tests.helpers.schemas import choices, regexes, schemas
 
 jsonschema = pytest.importorskip("jsonschema")
@@ -329,3 +336,23 @@ def test_the_masks_are_made_off_the_token_path(mode):
     assert_matches(results, ["[a-z]{40}"] * 4)
     made_ahead, made_late = COUNTS.ahead - ahead, COUNTS.late - late
     assert made_ahead >= 4 * 35 and made_late <= 4 * 4, (made_ahead, made_late)
+
+
+def test_the_mask_for_a_row_is_made_while_the_device_runs_its_step():
+    """Threaded: the device holds the step that gives the sixth token; the completion
+    side is blocked on it, so the mask for its row can only be made off the path, and
+    it is, before the device lets go."""
+    held = HoldAfterWaits(make_sim("threaded"))
+    with make_executor("threaded", driver=held, tokenizer=BYTES) as ex:
+        made = COUNTS.ahead + COUNTS.late
+        held.hold_after(5)
+        st = ex.generate("x", SamplingParams(max_tokens=30, constraint=Regex("[a-z]{20}")))
+        try:
+            assert held.held.wait(30)
+            assert eventually(lambda: COUNTS.ahead + COUNTS.late - made >= 5), \
+                COUNTS.ahead + COUNTS.late - made
+            assert not st.done()
+        finally:
+            held.gate.set()
+        r = st.result(30)
+    assert r.finish_reason == FinishReason.STOP and re.fullmatch("[a-z]{20}", r.text)
