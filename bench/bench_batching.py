@@ -59,7 +59,7 @@ DECODE_S = 0.010
 SHARE = 0.05
 ROWS = 8
 LATENCY = LatencyModel.fixed(decode_s=DECODE_S, prefill_per_token_s=2e-4,
-                             batch_row_share=SHARE)
+                             batch_row_share=SHARE, shape_cost="graph")
 STEP_S = DECODE_S * (1 + SHARE * (ROWS - 1))
 TIMEOUT_S = 600.0
 
