@@ -32,7 +32,7 @@ from calfsm.errors import (
     check,
     from_calrt,
 )
-from calfsm.manifest import Manifest, ModelGeneration, SubmodelContract, TaskKind
+from calfsm.manifest import GraphKey, Manifest, ModelGeneration, SubmodelContract, TaskKind
 
 __all__ = ["WARMUP_PROMPT", "WARMUP_SEQ", "Epoch", "build_epoch", "warm_up"]
 
@@ -57,6 +57,9 @@ class Epoch:
     kv: KvCoordinator
     pool: BufferPool
     retired: bool = False
+    #: every graph's handle by its key: shape buckets beside each kind's widest graph
+    #: (``handles``); the device lists and resolves them all (spec 10.2)
+    graph_handles: Mapping[GraphKey, Any] = attrs.field(factory=dict)
 
     def contract(self, kind: TaskKind) -> SubmodelContract:
         return self.model.submodel(kind)
@@ -107,10 +110,13 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     check(code, "get_all_models", generation=generation)
     device_models = manifest.resolve(listed or ())
     handles: dict[TaskKind, Any] = {}
+    graph_handles: dict[GraphKey, Any] = {}
     for sub in manifest.submodels:
         code, handle = driver.model(sub.exact_name)
         check(code, "model_lookup", generation=generation)
-        handles[sub.kind] = handle
+        graph_handles[sub.key] = handle
+        if sub is manifest.submodel(sub.kind):   # the widest graph takes every step
+            handles[sub.kind] = handle
     model = manifest.generation(generation, device_models)
     max_seq = max(s.max_seq for s in manifest.submodels)
     rows = max(1, batch_rows)
@@ -123,7 +129,8 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
         sync=sync, engines=engines, slots_per_engine=slots_per_engine,
         extra={TaskKind.DECODE: (slots_per_engine + 1) * rows - slots_per_engine}
         if rows > 1 else None)
-    return Epoch(generation, manifest, calbin, model, handles, kv, pool)
+    return Epoch(generation, manifest, calbin, model, handles, kv, pool,
+                 graph_handles=graph_handles)
 
 
 def expected_warmup_tokens(vocab: int) -> list[int]:

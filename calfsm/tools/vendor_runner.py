@@ -52,7 +52,9 @@ from calfsm.drivers.base import Calbin, EngineSlot, JobTag, OutputStatus
 from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalfsmError, InvalidArgument, code_name
 from calfsm.manifest import (
+    GraphKey,
     Manifest,
+    SubmodelContract,
     TaskKind,
     manifest_from_option,
 )
@@ -263,6 +265,8 @@ class Bench:
         self.calbin = Calbin.from_manifest(manifest)
         self.chain = Chain()
         self.models: dict[TaskKind, Any] = {}
+        #: every graph's handle by its key (shape buckets; the widest are ``models``)
+        self.graph_models: dict[GraphKey, Any] = {}
 
     def configure(self) -> int:
         """Configure the calbin and look the models up; the CalRT code."""
@@ -280,6 +284,12 @@ class Bench:
             if rc:
                 return int(rc)
             self.models[kind] = handle
+        self.graph_models = {}
+        for sub in self.manifest.submodels:
+            rc, handle = d.model(sub.exact_name)
+            if rc:
+                return int(rc)
+            self.graph_models[sub.key] = handle
         return 0
 
     def ensure_configured(self) -> tuple[bool, int]:
@@ -294,13 +304,16 @@ class Bench:
         """Let device time pass (virtual clock: advanced; real: slept), bounded."""
         self.driver.clock.sleep(min(max(seconds, 0.01), 5.0))
 
-    def slot(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO) -> Slot:
-        """New buffers for ``kind`` on ``engine``, every tensor mapped; raises the
-        classified error if the device refuses (a runner cannot go on without them)."""
+    def slot(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO,
+             graph: SubmodelContract | None = None) -> Slot:
+        """New buffers for ``kind`` on ``engine`` (of ``graph``, one of its shape buckets;
+        None: the kind's widest graph), every tensor mapped; raises the classified error
+        if the device refuses (a runner cannot go on without them)."""
         from calfsm.errors import check
         d = self.driver
-        sub = next(s for s in self.manifest.submodels if s.kind is kind)
-        rc, bufs = d.create_buffers(self.models[kind], engine)
+        sub = self.manifest.submodel(kind) if graph is None else graph
+        model = self.models[kind] if graph is None else self.graph_models[graph.key]
+        rc, bufs = d.create_buffers(model, engine)
         check(rc, "create_buffers")
         inp, out = bufs  # type: ignore[misc]
         tok = np.zeros(sub.token_or_embed.shape, sub.token_or_embed.dtype.host_dtype)
@@ -337,7 +350,7 @@ class Bench:
 
     def prompt(self, seq: int, n: int, offset: int = 0) -> list[int]:
         """A deterministic prompt of ``n`` tokens for ``seq``."""
-        vocab = next(s.vocab for s in self.manifest.submodels if s.kind is TaskKind.DECODE)
+        vocab = self.manifest.submodel(TaskKind.DECODE).vocab
         return [(seq * 7919 + offset * 104729 + i * 31 + 1) % vocab for i in range(n)]
 
     def probe_word(self, dec: Slot, seq: int, pos: int, candidates: dict[str, int]
@@ -366,7 +379,7 @@ def golden(driver: Driver, manifest: Manifest, *, prompts: int = 3, tokens: int 
            seq_base: int = 900, timeout_s: float = 30.0) -> dict[str, Any]:
     """A few fixed prompts through the direct path (the device must be configured),
     compared token for token with the reference model: ``{"passed": bool, ...}``."""
-    decode = next(s for s in manifest.submodels if s.kind is TaskKind.DECODE)
+    decode = manifest.submodel(TaskKind.DECODE)
     runner = None
     try:
         runner = DirectRunner(driver, manifest, timeout_s=timeout_s, configure=False)
