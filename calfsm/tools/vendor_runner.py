@@ -82,7 +82,8 @@ _DEFAULT_LATENCY = "virtual"
 def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
     """``virtual|real[:decode_ms=N,prefill_token_us=N,transfer_share=S]`` -> (real time?,
     the latency model). The base is the simulated device's plausible figures (16 GB/s
-    DMA, 0.2 ms per prefill token, 10 ms per decode); ``transfer_share`` (in [0, 1))
+    DMA, 0.2 ms per prefill token, 10 ms per decode) on a static calbin
+    (``shape_cost=graph`` unless ``shape_cost=rows``); ``transfer_share`` (in [0, 1))
     re-divides each job's time so that this share of it is transfers, half H2D and half
     D2H, its total unchanged (:class:`~calfsm.drivers.sim.LatencyModel`)."""
     kind, _, args = spec.partition(":")
@@ -91,7 +92,8 @@ def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
                               "followed by :decode_ms=N,prefill_token_us=N,transfer_share=S",
                               stage="runner")
     try:
-        model = LatencyModel.virtual_default().with_params(args, stage="runner")
+        model = attrs.evolve(LatencyModel.virtual_default(),
+                             shape_cost="graph").with_params(args, stage="runner")
     except InvalidArgument as e:
         raise InvalidArgument(f"--latency: {e.message}", stage="runner") from None
     return kind == "real", model
@@ -322,7 +324,7 @@ class Bench:
         check(d.map_buffer(inp, sub.token_or_embed.name, tok), "map_buffer")
         check(d.map_buffer(inp, sub.position.name, pos), "map_buffer")
         check(d.map_buffer(out, sub.logits.name, logits), "map_buffer")
-        return Slot(self, kind, EngineSlot(engine), self.models[kind], inp, out,
+        return Slot(self, kind, EngineSlot(engine), model, inp, out,
                     tok.reshape(-1), pos.reshape(-1), logits.reshape(-1),
                     sub.token_or_embed.name, sub.position.name,
                     (sub.csr_cur_seq, sub.csr_total_seq), sub.vocab, sub.rows)
