@@ -570,13 +570,13 @@ class BufferPool:
               engines: Sequence[EngineSlot] = (EngineSlot.AUTO,),
               slots_per_engine: int = 1,
               extra: Mapping[TaskKind, int] | None = None,
-              buckets: Mapping[str, tuple[Any, SubmodelContract]] | None = None
-              ) -> BufferPool:
+              buckets: Mapping[str, tuple[Any, SubmodelContract]] | None = None,
+              bucket_slots: int = 1) -> BufferPool:
         """Create every slot now: per (task kind, engine) ``slots_per_engine`` buffer sets
-        (and ``extra[kind]`` more), and per shape bucket (``buckets``: by exact name, the
-        graphs besides each kind's widest) and engine ``slots_per_engine`` more; host
-        arrays allocated and mapped once. Any failure destroys what was created and raises
-        the classified error (stage ``buffers`` or ``map``)."""
+        (and ``extra[kind]`` more), and per shape bucket (``buckets``: by exact name) and
+        engine ``bucket_slots`` more, lent only by name; host arrays allocated and mapped
+        once. Any failure destroys what was created and raises the classified error
+        (stage ``buffers`` or ``map``)."""
         if slots_per_engine < 1:
             raise InvalidArgument(f"slots_per_engine must be >= 1, got {slots_per_engine}",
                                   stage="buffers", generation=generation)
@@ -592,7 +592,7 @@ class BufferPool:
                                                 EngineSlot(engine), model, contract))
             for name, (model, contract) in (buckets or {}).items():
                 for engine in engines:
-                    for _ in range(slots_per_engine):
+                    for _ in range(bucket_slots):
                         slots.append(_make_slot(driver, generation, len(slots),
                                                 contract.kind, EngineSlot(engine), model,
                                                 contract, graph=name))

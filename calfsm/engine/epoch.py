@@ -112,9 +112,10 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     With ``batch_rows`` > 1 (continuous batching) the decode graph gets that many times
     the slots plus one batch more: every row of the step on the device, the rows queued
     for the next step and their steps staged ahead each hold a slot of their own.
-    ``buckets``: the shape buckets steps may move to; each graph besides the widest gets
-    ``slots_per_engine`` slots per engine of its own (docs/driver-protocol.md, Shape
-    buckets).
+    ``buckets``: the shape buckets steps may move to. Jobs are then prepared in slots of
+    the narrowest decode graph (a row's tokens and positions, copied into the graph its
+    step runs on at submit: docs/driver-protocol.md, Shape buckets) and every graph gets
+    ``slots_per_engine + 1`` slots per engine of its own for the steps on the device.
     """
     manifest.resolve(calbin.models)
     manifest.check_runtime(driver.version())   # before the device hears of it, like FI01
@@ -138,15 +139,17 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     kv = KvCoordinator(driver, max_seq=max_seq,
                        token_budget=token_budget or max_seq * max(4, 2 * max_inflight, rows),
                        generation=generation, sync=sync)
-    widest = manifest.submodel(TaskKind.DECODE)
-    others = {g.exact_name: (graph_handles[g.key], g) for g in buckets.graphs
-              if g.key != widest.key} if buckets is not None else None
+    kinds = {kind: (handles[kind], model.submodel(kind)) for kind in handles}
+    on_device = None
+    if buckets is not None:     # prepared in the narrowest, run on the one chosen
+        narrowest = buckets.graphs[0]
+        kinds[TaskKind.DECODE] = (graph_handles[narrowest.key], narrowest)
+        on_device = {g.exact_name: (graph_handles[g.key], g) for g in buckets.graphs}
     pool = BufferPool.build(
-        driver, generation,
-        {kind: (handles[kind], model.submodel(kind)) for kind in handles},
+        driver, generation, kinds,
         sync=sync, engines=engines, slots_per_engine=slots_per_engine,
         extra={TaskKind.DECODE: (slots_per_engine + 1) * rows - slots_per_engine}
-        if rows > 1 else None, buckets=others)
+        if rows > 1 else None, buckets=on_device, bucket_slots=slots_per_engine + 1)
     return Epoch(generation, manifest, calbin, model, handles, kv, pool,
                  graph_handles=graph_handles, buckets=buckets)
 
@@ -179,8 +182,9 @@ def warm_up(driver: Driver, epoch: Epoch, service: ServiceModel) -> WarmupTiming
     if prefill is None or decode is None:
         raise ManifestError("warm-up needs a prefill_ids and a decode sub-model",
                             generation=epoch.generation, stage="warmup")
-    took = _golden(driver, epoch, service, decode.vocab, None)
     widest = epoch.manifest.submodel(TaskKind.DECODE).exact_name
+    took = _golden(driver, epoch, service, decode.vocab,
+                   widest if epoch.buckets is not None else None)
     for name in epoch.buckets.names if epoch.buckets is not None else ():
         if name == widest:
             continue                    # the golden above ran on it

@@ -365,11 +365,13 @@ class Submission:
     # ---- shape buckets: the graph a step runs on ---------------------------------------
     def _fit_graph(self, job: JobContext) -> None:
         """Move ``job`` (and the rows it leads) to the cheapest graph that covers the
-        step, by the measured costs (calfsm/engine/shapes.py): a free slot of that
-        graph on the same engine is leased, the job's row written into it from the slot
-        it was prepared in (which goes back), its KV sequence and CSRs set. The KV is the
-        sequence's, whichever graph wrote it (the evidence proved it continues bit-exact).
-        No free slot there, or the device refusing the row: it stays where it is."""
+        step, by the measured costs (calfsm/engine/shapes.py): a free slot of that graph
+        on the same engine is leased, the job's row written into it from the slot it was
+        prepared in (which goes back), its KV sequence and CSRs set. The KV is the
+        sequence's, whichever graph wrote it (the evidence proved it continues
+        bit-exact). No free slot there: the next cheapest that has one; none at all
+        (every covering slot busy), the rows it leads go back to the queue and it runs
+        alone where it is."""
         epoch = job.epoch
         buckets = epoch.buckets
         assert buckets is not None and job.lease is not None
@@ -377,25 +379,30 @@ class Submission:
         current = job.lease.slot
         context = max(int(r.lease.slot.positions[r.token_count - 1]) + 1
                       for r in rows if r.lease is not None)
-        best = buckets.choose(len(rows), context, exclude=epoch.graph_failures)
-        if best is None or best.exact_name == current.contract.exact_name:
+        tried: set[str] = set(epoch.graph_failures)
+        while (best := buckets.choose(len(rows), context, exclude=tried)) is not None:
+            if best.exact_name == current.contract.exact_name:
+                return              # prepared in it: runs where it is
+            tried.add(best.exact_name)
+            try:
+                moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
+                                           graph=best.exact_name)
+            except CalfsmError:
+                continue            # none free now: the next cheapest
+            try:
+                moved.bind(job_id=job.job_id, seq_id=job.seq_id)
+                moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
+            except CalfsmError as e:
+                log.warning("job %s not moved to %s: %s", job.job_id, best.exact_name, e,
+                            extra=e.context())
+                epoch.pool.release(moved)
+                break
+            prepared, job.lease = job.lease, moved
+            epoch.pool.release(prepared)
             return
-        graph = None if best.key == epoch.contract(TaskKind.DECODE).key else best.exact_name
-        try:
-            moved = epoch.pool.acquire(TaskKind.DECODE, current.engine, graph=graph)
-        except CalfsmError:
-            return                  # none free now (or the generation retired): stay
-        try:
-            moved.bind(job_id=job.job_id, seq_id=job.seq_id)
-            moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
-        except CalfsmError as e:
-            log.warning("job %s stays on %s: moving it to %s failed: %s", job.job_id,
-                        current.contract.exact_name, best.exact_name, e,
-                        extra=e.context())
-            epoch.pool.release(moved)
-            return
-        prepared, job.lease = job.lease, moved
-        epoch.pool.release(prepared)
+        if len(rows) > current.contract.max_batch:     # it cannot carry them: alone
+            self._requeue_rows(rows[1:])
+            _unbatch(rows)
 
     # ---- a batch: one device job, several rows ------------------------------------
     def _submit_rows(self, leader: JobContext) -> None:

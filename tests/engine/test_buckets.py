@@ -84,6 +84,34 @@ def test_a_stream_moving_between_graphs_gives_its_tokens_alone(mode, tmp_path, d
         assert len(log.steps) >= 2 and WIDEST not in log.steps, log.steps
 
 
+def test_rows_go_alone_when_every_covering_graph_is_busy(golden, tmp_path, device):
+    """Every shape bucket's slots held: a lone step runs where it was prepared (the
+    narrowest graph), and the rows of a batch go back to the queue and run alone,
+    each right, instead of waiting for a slot."""
+    from calfsm.manifest import TaskKind
+    with make_bucketed(device, "step", tmp_path) as ex:
+        pool = ex.epoch.pool
+        prepared = {s.contract.max_batch for s in pool.slots
+                    if s.kind is TaskKind.DECODE and s.graph is None}
+        assert prepared == {1}                      # jobs are prepared in b1 slots
+        held = []
+        for name in ex.epoch.buckets.names:
+            while True:
+                try:
+                    held.append(pool.acquire(TaskKind.DECODE, graph=name))
+                except Exception:
+                    break
+        got = run_streams(ex, PROMPTS[:4], GREEDY, lanes=4)
+        assert [list(got[i][0].tokens) for i in range(4)] == golden[:4]
+        assert set(graphs_of(ex).steps) == {"tiny_bk_decode_b1"}, graphs_of(ex).steps
+        for lease in held:
+            pool.release(lease)
+        got = run_streams(ex, PROMPTS[4:8], GREEDY, lanes=4)
+        assert [list(got[i][0].tokens) for i in range(4)] == golden[4:8]
+        assert graphs_of(ex).steps["tiny_bk_decode_b4"] > 0
+        assert_freed(ex)
+
+
 @pytest.mark.parametrize(("evidence", "why"), [
     ({"evidence": False}, "graph_step_costs is unknown"),
     ({"continuity": False}, "graph_kv_continuity is failed"),

@@ -145,3 +145,20 @@ def test_evidence_for_another_calbin_or_malformed_proves_nothing(mod, tmp_path):
 
 def test_the_widest_graph_is_the_manifests_graph_of_its_kind():
     assert BUCKETS.submodel(TaskKind.DECODE).exact_name == "tiny_bk_decode_b64"
+
+
+def test_calfsm_capabilities_shows_what_the_executor_switches_between(mod, tmp_path, capsys):
+    from calfsm.tools import cli
+    base = ["capabilities", "--evidence-dir", str(tmp_path), "--manifest", "tiny-buckets",
+            "--require", "none", "--json"]
+    assert cli.main(base) == 0
+    shown = json.loads(capsys.readouterr().out)["shape_buckets"]
+    assert not shown["switching"] and "running one, tiny_bk_decode_b64" in shown["why"]
+    run(mod, tmp_path)
+    capsys.readouterr()
+    assert cli.main(base) == 0
+    shown = json.loads(capsys.readouterr().out)["shape_buckets"]
+    assert shown["switching"] and len(shown["graphs"]) == 7
+    assert "proves graph_step_costs, graph_kv_continuity" in shown["why"]
+    assert cli.main([*base[:-3], "--manifest", "tiny", "--require", "none", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["shape_buckets"] is None
