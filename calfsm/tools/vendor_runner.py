@@ -473,11 +473,13 @@ def write_evidence(out: Path, stem: str, evidence: Evidence, summary: Sequence[s
 def run_runner(name: str, description: str, observe: Callable[[RunContext], Outcome],
                argv: Sequence[str] | None = None,
                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, *,
-               driver: Driver | None = None) -> int:
+               driver: Driver | None = None, per_calbin: bool = False) -> int:
     """A runner's ``main``: options, driver, ``observe``, evidence. Returns the exit
     status (see the module docstring). ``driver``: ask this driver (unconfigured; it is
     closed at the end) instead of building one from ``--driver`` and ``--latency`` —
-    for a device that needs options the command line does not have."""
+    for a device that needs options the command line does not have. ``per_calbin``: the
+    evidence is about the calbin too (the step costs), so its file names the manifest
+    (one file per calbin on one device, none replacing another's)."""
     parser = runner_parser(name, description)
     if add_arguments is not None:
         add_arguments(parser)
@@ -500,7 +502,9 @@ def run_runner(name: str, description: str, observe: Callable[[RunContext], Outc
     try:
         device = args.device_id or device_identity(driver)
         version = driver.version()
-        stem = f"{name}-{_slug(device)}-{_slug(version)}"
+        calbin = f"-{_slug(manifest.name or manifest.calbin_sha256[:12])}" if per_calbin \
+            else ""
+        stem = f"{name}-{_slug(device)}{calbin}-{_slug(version)}"
         bench = Bench(driver, manifest, timeout_s=args.timeout_s)
         ctx = RunContext(args, driver, manifest, bench, out, stem)
         clock = "virtual" if getattr(driver.clock, "virtual", False) else "real"

@@ -37,7 +37,7 @@ import numpy as np
 from calfsm.drivers import Driver, refmodel
 from calfsm.drivers.base import OutputStatus
 from calfsm.errors import code_name
-from calfsm.manifest import SubmodelContract, TaskKind, manifest_from_option
+from calfsm.manifest import SubmodelContract, TaskKind
 from calfsm.plan.buckets import graph_cost_record, step_costs_observation
 from calfsm.plan.capabilities import Verdict
 from calfsm.tools.vendor_runner import Bench, Outcome, RunContext, Slot, run_runner
@@ -341,10 +341,8 @@ def observe(ctx: RunContext) -> Outcome:
 
 def main(argv: list[str] | None = None, *, driver: Driver | None = None) -> int:
     return run_runner(NAME, __doc__.splitlines()[0], observe, argv, add_arguments,
-                      driver=driver)
+                      driver=driver, per_calbin=True)
 
 
 if __name__ == "__main__":
-    # a manifest the option names must load: run_runner reports it otherwise
-    _ = manifest_from_option
     sys.exit(main())

@@ -162,3 +162,15 @@ def test_calfsm_capabilities_shows_what_the_executor_switches_between(mod, tmp_p
     assert "proves graph_step_costs, graph_kv_continuity" in shown["why"]
     assert cli.main([*base[:-3], "--manifest", "tiny", "--require", "none", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["shape_buckets"] is None
+
+
+def test_each_calbins_costs_keep_a_file_of_their_own(mod, tmp_path):
+    """Costs are the calbin's: a run on another calbin of the same device does not
+    replace them (the file names the manifest)."""
+    run(mod, tmp_path)
+    assert mod.main(["--manifest", "tiny", "--out", str(tmp_path), "--repeats", "1",
+                     "--max-context", "64"]) == 0
+    names = sorted(p.name for p in tmp_path.glob("step_costs-*.json"))
+    assert names == ["step_costs-sim-tiny-0.7.6.json", "step_costs-sim-tiny-buckets-0.7.6.json"]
+    plan = plan_buckets(BUCKETS, SimDriver(BUCKETS), evidence_dir=tmp_path)
+    assert plan.buckets is not None, plan.note
