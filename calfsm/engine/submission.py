@@ -28,6 +28,7 @@ from calfsm.errors import (
     DeadlineExceeded,
     ErrorCategory,
     Internal,
+    ResourceExhausted,
     Unavailable,
     from_calrt,
 )
@@ -387,8 +388,10 @@ class Submission:
             try:
                 moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
                                            graph=best.exact_name)
-            except CalfsmError:
+            except ResourceExhausted:
                 continue            # none free now: the next cheapest
+            except CalfsmError:
+                return              # the generation retired: the submit below says so
             try:
                 moved.bind(job_id=job.job_id, seq_id=job.seq_id)
                 moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
