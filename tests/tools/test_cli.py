@@ -167,7 +167,8 @@ def test_a_name_neither_builtin_nor_a_file(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, out, err = run(capsys, *SMALL[2:], "--manifest", "qwen3")
     assert_usage_error(rc, out, err, "--manifest qwen3: not a built-in manifest "
-                       "(qwen3-b1, tiny, qwen3-b8, tiny-b8) and not a file")
+                       "(qwen3-b1, tiny, qwen3-b8, tiny-b8, qwen3-buckets, tiny-buckets) "
+                       "and not a file")
 
 
 # ---- --help ----------------------------------------------------------------------------
