@@ -56,6 +56,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,6 +74,8 @@ from starlette.routing import Route
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.arguments import ContextLimits
+from calfsm.generate.constraint import constraints_available
+from calfsm.generate.constraint import warm as warm_constraints
 from calfsm.generate.streams import Stream
 from calfsm.generate.tokenizer import Tokenizer
 from calfsm.manifest import TaskKind
@@ -200,6 +203,11 @@ class _Server:
             else ByteTokenizer(contract.vocab)
         self.chat_template = self.config.chat_template \
             or getattr(executor.tokenizer, "chat_template", None)
+        if constraints_available():
+            # llguidance reads the tokenizer once (seconds at 151,936 ids): now, beside
+            # the start-up, not in the first constrained request's parse
+            threading.Thread(target=warm_constraints, args=(self.tokenizer, contract.vocab),
+                             name="llguidance-warm", daemon=True).start()
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
         context = ContextLimits.of(epoch.model)

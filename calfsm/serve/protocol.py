@@ -28,7 +28,10 @@ so far; ignored without ``stream``), ``user``, ``store`` (a boolean, ignored: no
 stored), logprobs: completions'
 ``logprobs`` (an integer, 0..20: the chosen token's log-probability and that many
 alternatives) and chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with
-``logprobs`` true), and ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
+``logprobs`` true), structured outputs (``response_format`` ``json_object`` or
+``json_schema``, vLLM's ``structured_outputs`` and ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``: :mod:`calfsm.serve.structured`), and
+``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
 :mod:`calfsm.request`, default 0: *higher* is admitted first, as the library's
 ``Request.priority`` — vLLM's field of the same name is lower-first). Choice ``i`` of a
 request (prompt-major, then ``n``) draws from ``seed + i``.
@@ -63,6 +66,7 @@ from calfsm.generate.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENG
 from calfsm.generate.tokenizer import Tokenizer, encode_prompt
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.structured import STRUCTURED_FIELDS, constraint_of
 from calfsm.serve.tokenizer import ByteTokenizer, encode_chat, render_chat
 
 __all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
@@ -73,13 +77,13 @@ _MAX_STOPS = 4
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
     "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True)}
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                      "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
                      "stream_options", "user", "priority", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-                     "store", *_DEFAULTS_ONLY})
+                     "store", *_DEFAULTS_ONLY, *STRUCTURED_FIELDS})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 _CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs"}
 #: what ``stream_options`` may hold
@@ -403,6 +407,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
         ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
     min_tokens = _int(body, "min_tokens", 0, 0)
     ignore_eos = _bool(body, "ignore_eos")
+    constraint = constraint_of(body, tok, limits.vocab)
     params = []
     try:
         for i in range(len(prompts) * n):
@@ -415,7 +420,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                 max_tokens=max_tokens or min(max(limits.default_max_tokens, min_tokens),
                                              limits.max_tokens_cap, room),
                 logprobs=logprobs, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                **penalties))
+                constraint=constraint, **penalties))
     except InvalidArgument as e:        # SamplingParams names the field it refuses
         raise _bad(e.message, e.field) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
