@@ -1,0 +1,550 @@
+"""Tool calling on ``/v1/chat/completions``: ``tools``, ``tool_choice``,
+``parallel_tool_calls`` in; the model's text parsed into OpenAI ``tool_calls`` out.
+
+A model calls a tool by writing the call in the format it was trained on; a *tool parser*
+(:class:`ToolParser`, registered by name in :data:`TOOL_PARSERS`, chosen with
+``ServerConfig.tool_call_parser`` / ``--tool-call-parser``) knows one such format. The
+default, ``hermes``, is the format of Hermes, Qwen2.5 and Qwen3 (their chat templates
+teach it)::
+
+    <tool_call>
+    {"name": "get_weather", "arguments": {"city": "Paris"}}
+    </tool_call>
+
+A parser reads a choice's text as it streams (:class:`ToolCallStream`): text outside the
+tags is the message's ``content`` (whitespace alone next to a call is dropped), each call
+becomes OpenAI's tool-call deltas, its ``id``, ``type`` and ``name`` first, then its
+``arguments`` in fragments as the model writes them. The non-streaming answer runs the
+same parser over the whole text, so both give the same calls. A call whose body is not a
+call (no ``name``) stays in the content as written; a call cut short (``max_tokens``)
+keeps the arguments written so far and the choice ends ``length``; a choice that wrote
+at least one whole call and stopped ends ``tool_calls``.
+
+``tool_choice``: ``none`` (tools are shown to the template, the text is not parsed),
+``auto`` (the default with tools: parsed), ``required`` and a named function
+(``{"type": "function", "function": {"name": ...}}``): parsed, and **enforced** by
+constrained decoding (:func:`tool_grammar`: a Lark grammar of the parser's wrapper around
+each function's JSON schema, so the arguments always parse against the schema).
+``parallel_tool_calls: false`` lets a choice make one call (the grammar allows one; in
+``auto``, calls after the first are dropped).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterable, Mapping, Sequence
+from typing import Any, Protocol
+
+import attrs
+
+from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.serve.generation import Piece
+from calfsm.serve.httperrors import ApiError, clip
+
+__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "TaggedJsonParser", "Tool",
+           "ToolCallStream", "ToolParser", "ToolPlan", "collect_tool_calls", "parse_tools",
+           "register_tool_parser", "tool_constraint", "tool_grammar", "tool_parser",
+           "with_tool_calls"]
+
+#: the request fields this module reads
+TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
+DEFAULT_TOOL_PARSER = "hermes"
+#: OpenAI's rule for a function's name
+_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+_CHOICES = ("none", "auto", "required")
+#: a function with no ``parameters`` takes none (OpenAI's reading)
+_NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {},
+                                     "additionalProperties": False}
+#: JSON as the enforced calls write it: one space after ``,`` and ``:``, no other
+#: whitespace (what Hermes-style models write; noise logits cannot pad it)
+_JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def _bad(message: str, param: str) -> ApiError:
+    return ApiError(400, message, code="invalid_argument", param=param)
+
+
+# ---- the request ---------------------------------------------------------------------
+
+@attrs.frozen
+class Tool:
+    """One function offered (``tools[i]``): its name, JSON schema of its ``parameters``
+    and ``strict``; ``spec``: the tool as the client sent it (for the chat template)."""
+
+    name: str
+    parameters: Mapping[str, Any]
+    spec: Mapping[str, Any]
+    strict: bool | None = None
+
+
+@attrs.frozen
+class ToolPlan:
+    """A chat's tools, checked: ``choice`` is ``none``, ``auto``, ``required`` or
+    ``function`` (then ``function`` names it); ``parallel``: more than one call allowed."""
+
+    tools: tuple[Tool, ...]
+    choice: str
+    parser: ToolParser
+    parallel: bool = True
+    function: str | None = None
+
+    @property
+    def parses(self) -> bool:
+        """The text is read for tool calls (``tool_choice`` is not ``none``)."""
+        return self.choice != "none" and bool(self.tools)
+
+    @property
+    def enforced(self) -> bool:
+        """The calls are enforced by constrained decoding (``required``, a named one)."""
+        return self.choice in ("required", "function")
+
+    @property
+    def specs(self) -> list[dict[str, Any]]:
+        """The tools as the chat template gets them (the client's own objects)."""
+        return [dict(t.spec) for t in self.tools]
+
+
+def _tool(value: Any, i: int) -> Tool:
+    where = f"tools[{i}]"
+    if not isinstance(value, dict) or value.get("type", "function") != "function" \
+            or not isinstance(value.get("function"), dict):
+        raise _bad(f"{where} must be {{\"type\": \"function\", \"function\": {{\"name\": "
+                   f"...}}}}", "tools")
+    function = value["function"]
+    name = function.get("name")
+    if not isinstance(name, str) or not _NAME.fullmatch(name):
+        raise _bad(f"{where}.function.name must be 1 to 64 letters, digits, _ or -, got "
+                   f"{clip(name)}", "tools")
+    if not isinstance(function.get("description", ""), str):
+        raise _bad(f"{where}.function.description must be a string", "tools")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = _NO_PARAMETERS
+    elif not isinstance(parameters, dict):
+        raise _bad(f"{where}.function.parameters must be a JSON schema (an object), got "
+                   f"{clip(parameters)}", "tools")
+    strict = function.get("strict")
+    if strict is not None and not isinstance(strict, bool):
+        raise _bad(f"{where}.function.strict must be a boolean", "tools")
+    return Tool(name, parameters, {**value, "type": "function"}, strict)
+
+
+def parse_tools(body: Mapping[str, Any], parser: ToolParser | str = DEFAULT_TOOL_PARSER
+                ) -> ToolPlan | None:
+    """A chat request's ``tools``, ``tool_choice`` and ``parallel_tool_calls``, checked
+    (a 400 naming the field); None: no tools and nothing asked of them."""
+    if isinstance(parser, str):
+        parser = tool_parser(parser)
+    raw, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise _bad(f"parallel_tool_calls must be a boolean, got {clip(parallel)}",
+                   "parallel_tool_calls")
+    if raw is None:
+        raw = []
+    if not isinstance(raw, list):
+        raise _bad("tools must be a list of functions", "tools")
+    tools = tuple(_tool(t, i) for i, t in enumerate(raw))
+    names = [t.name for t in tools]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise _bad(f"tools names {clip(twice[0])} more than once", "tools")
+    function = None
+    if choice is None:
+        choice = "auto" if tools else "none"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) \
+                or not isinstance(fn.get("name"), str):
+            raise _bad("tool_choice must be none, auto, required or {\"type\": \"function\","
+                       " \"function\": {\"name\": ...}}", "tool_choice")
+        function = fn["name"]
+        if function not in names:
+            raise _bad(f"tool_choice names the function {clip(function)}, which is not "
+                       f"in tools", "tool_choice")
+        choice = "function"
+    elif choice not in _CHOICES:
+        raise _bad(f"tool_choice must be none, auto, required or a function, got "
+                   f"{clip(choice)}", "tool_choice")
+    if choice in ("required", "function") and not tools:
+        raise _bad(f"tool_choice {choice!r} needs tools", "tool_choice")
+    if not tools and choice == "none" and parallel is None:
+        return None
+    return ToolPlan(tools, choice, parser, parallel is not False, function)
+
+
+# ---- parsers -------------------------------------------------------------------------
+
+@attrs.frozen
+class Parsed:
+    """What a piece of text became: ``content`` for the client, and tool-call deltas in
+    OpenAI's form (``{"index", "id", "type", "function": {"name", "arguments"}}`` to
+    open a call, ``{"index", "function": {"arguments": fragment}}`` after)."""
+
+    content: str = ""
+    calls: tuple[dict[str, Any], ...] = ()
+
+    def __add__(self, other: Parsed) -> Parsed:
+        return Parsed(self.content + other.content, self.calls + other.calls)
+
+
+class ToolCallStream(Protocol):
+    """One choice's text, read for tool calls as it comes: :meth:`feed` each piece,
+    :meth:`finish` at the end; ``calls`` (calls opened so far) and ``unfinished`` (the
+    text ended inside a call)."""
+
+    calls: int
+    unfinished: bool
+
+    def feed(self, text: str) -> Parsed: ...
+
+    def _not_a_call(self, rest: str) -> Parsed:
+        """A start tag and what followed it that made no call: content, as written."""
+        self._space, self._trim = self._before, False
+        return Parsed(self._content(self.p.start + rest))
+
+    def finish(self) -> Parsed: ...
+
+
+class ToolParser(Protocol):
+    """A model's tool-call format: its streaming reader, and the Lark grammar (in
+    llguidance's dialect) of the calls it accepts, for the enforcement."""
+
+    name: str
+
+    def stream(self, *, parallel: bool = True) -> ToolCallStream: ...
+
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str: ...
+
+
+def new_call_id() -> str:
+    """A tool call's id, in OpenAI's style."""
+    return "call_" + uuid.uuid4().hex[:24]
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of ``text``'s longest suffix that is a proper prefix of ``tag``."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if text.endswith(tag[:k]):
+            return k
+    return 0
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)
+
+
+class TaggedJsonParser:
+    """Calls written as ``START`` + ``{"name": NAME, "arguments": {...}}`` + ``END``,
+    separated by ``separator`` (Hermes: ``<tool_call>\\n``, ``\\n</tool_call>``,
+    ``\\n``); ``arguments`` also read as ``parameters`` (``arguments_key`` is the one
+    the grammar writes)."""
+
+    def __init__(self, name: str, start: str, end: str, *, separator: str = "\n",
+                 arguments_key: str = "arguments") -> None:
+        if not start.strip() or not end.strip():
+            raise InvalidArgument("a tool parser's start and end tags must not be blank",
+                                  stage="config")
+        self.name = name
+        self.start, self.end = start.strip(), end.strip()
+        #: the wrapper exactly as the grammar writes it (with its newlines)
+        self.open_text, self.close_text = start, end
+        self.separator = separator
+        self.arguments_key = arguments_key
+
+    def stream(self, *, parallel: bool = True) -> ToolCallStream:
+        return _TaggedStream(self, parallel)
+
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
+        lines = ["%llguidance {}",
+                 f"start: call ({_lark_string(self.separator)} call)*" if parallel
+                 else "start: call",
+                 f"call: {_lark_string(self.open_text)} body {_lark_string(self.close_text)}",
+                 "body: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+        for i, tool in enumerate(tools):
+            head = f'{{"name": {json.dumps(tool.name)}, "{self.arguments_key}": '
+            schema = dict(tool.parameters)
+            schema["x-guidance"] = {**_JSON_STYLE, **dict(schema.get("x-guidance") or {})}
+            lines.append(f"fn_{i}: {_lark_string(head)} args_{i} \"}}\"")
+            lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+        return "\n".join(lines) + "\n"
+
+    def __repr__(self) -> str:
+        return f"<TaggedJsonParser {self.name} {self.start}...{self.end}>"
+
+
+#: a call body's beginning when it can be streamed: the name first, then the arguments
+#: (matched once their value's first character came)
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
+                   r'\s*:\s*(?=\S)')
+#: what may close the arguments' object and the call's (held back until the end tag)
+_CLOSERS = " \t\r\n}"
+
+
+class _TaggedStream:
+    """The reader of :class:`TaggedJsonParser` (see the module docstring)."""
+
+    def __init__(self, parser: TaggedJsonParser, parallel: bool) -> None:
+        self.p = parser
+        self.parallel = parallel
+        self.calls = 0
+        self.unfinished = False
+        self._outside = True
+        self._held = ""            # outside: a suffix that may begin the start tag
+        self._space = ""           # outside: trailing whitespace, held
+        self._before = ""          # inside: the whitespace before the start tag
+        self._body = ""            # inside: the call's body so far
+        self._skip = False         # inside a call parallel_tool_calls=false drops
+        self._head: re.Match[str] | None = None
+        self._args_at = 0          # where the arguments begin in the body
+        self._sent = 0             # characters of the arguments sent
+        self._index = -1
+        self._trim = False         # after a call: leading whitespace is dropped
+        self._wrote = False        # content came after the last call (its blank kept)
+
+    # -- outside the tags --
+    def _content(self, text: str) -> str:
+        """Text outside the tags as content: trailing whitespace held (dropped if a call
+        follows), leading whitespace after a call dropped."""
+        if self._trim:
+            text = text.lstrip()
+            if not text:
+                return ""
+            self._trim = False
+        whole = self._space + text
+        keep = len(whole.rstrip())
+        self._space = whole[keep:]
+        if keep:
+            self._trim = False
+            self._wrote = True
+        return whole[:keep]
+
+    def feed(self, text: str) -> Parsed:
+        out = Parsed()
+        while text:
+            if self._outside:
+                buf = self._held + text
+                at = buf.find(self.p.start)
+                if at < 0:
+                    k = _partial_suffix(buf, self.p.start)
+                    self._held = buf[len(buf) - k:]
+                    return out + Parsed(self._content(buf[:len(buf) - k]))
+                out += Parsed(self._content(buf[:at]))
+                self._before, self._space, self._held = self._space, "", ""
+                self._outside, self._body, self._head = False, "", None
+                self._trim, self._wrote = True, False
+                self._skip = self.calls > 0 and not self.parallel
+                text = buf[at + len(self.p.start):]
+            else:
+                body = self._body + text
+                at = body.find(self.p.end)
+                if at < 0:
+                    self._body = body
+                    return out + self._stream_arguments()
+                self._body = body[:at]
+                out += self._close()
+                self._outside = True
+                text = body[at + len(self.p.end):]
+        return out
+
+    # -- inside a call --
+    def _open(self, name: str, arguments: str = "") -> Parsed:
+        self.calls += 1
+        self._index += 1
+        return Parsed(calls=({"index": self._index, "id": new_call_id(), "type": "function",
+                              "function": {"name": name, "arguments": arguments}},))
+
+    def _more(self, fragment: str) -> Parsed:
+        self._sent += len(fragment)
+        return Parsed(calls=({"index": self._index, "function": {"arguments": fragment}},)) \
+            if fragment else Parsed()
+
+    def _stream_arguments(self) -> Parsed:
+        if self._skip:
+            return Parsed()
+        out = Parsed()
+        if self._head is None:
+            head = _HEAD.match(self._body)
+            if head is None:
+                return out
+            try:
+                name = json.loads(f'"{head.group(1)}"')
+            except ValueError:
+                return out
+            self._head, self._args_at, self._sent = head, head.end(), 0
+            out += self._open(name)
+        args = self._body[self._args_at:]
+        if not args.startswith("{"):     # a string or another value: sent whole at the end
+            return out
+        k = _partial_suffix(args, self.p.end)
+        safe = args[:len(args) - k].rstrip(_CLOSERS)
+        return out + self._more(safe[self._sent:])
+
+    def _close(self) -> Parsed:
+        """The end tag: the call's last fragment, or the whole call when its name was
+        not first, or the text as content when it is no call."""
+        if self._skip:
+            return Parsed()
+        out = self._stream_arguments()
+        body, self._body = self._body, ""
+        try:
+            call = json.loads(body)
+        except ValueError:
+            call = None
+        arguments = None
+        if isinstance(call, dict) and isinstance(call.get("name"), str):
+            key = "arguments" if "arguments" in call else "parameters"
+            value = call.get(key, {})
+            arguments = value if isinstance(value, str) \
+                else json.dumps(value, ensure_ascii=False)
+        if self._head is None:
+            if arguments is None:            # no call: the text as the model wrote it
+                return out + self._not_a_call(body + self.p.end)
+            return out + self._open(call["name"], arguments)
+        written = body[self._args_at:].rstrip()
+        if written.endswith("}"):
+            written = written[:-1].rstrip()
+        try:
+            same = call is not None and written.startswith("{") and \
+                json.loads(written) == call.get("arguments", call.get("parameters"))
+        except ValueError:
+            same = False
+        if same or arguments is None:        # as written (or a body that is no JSON)
+            return out + self._more(written[self._sent:])
+        if self._sent == 0:                  # as JSON (a string's value: as it is)
+            return out + self._more(arguments)
+        return out                           # sent already, and not to be taken back
+
+    def _not_a_call(self, rest: str) -> Parsed:
+        """A start tag and what followed it that made no call: content, as written."""
+        self._space, self._trim = self._before, False
+        return Parsed(self._content(self.p.start + rest))
+
+    def finish(self) -> Parsed:
+        if self._outside:
+            text, self._held = self._held, ""
+            out = self._content(text)
+            if self.calls == 0 or self._wrote:
+                out, self._space = out + self._space, ""
+            return Parsed(out)
+        if self._skip:
+            return Parsed()
+        if self._head is None:                # cut before it was a call: text it stays
+            self._outside = True
+            return self._not_a_call(self._body) + Parsed(self._space)
+        self.unfinished = True                # cut short: the arguments written so far
+        return self._more(self._body[self._args_at + self._sent:])
+
+
+#: tool parsers by name (``--tool-call-parser NAME``)
+TOOL_PARSERS: dict[str, ToolParser] = {}
+
+
+def register_tool_parser(parser: ToolParser, *, replace: bool = False) -> ToolParser:
+    """Make ``parser`` choosable by its name (``ServerConfig.tool_call_parser``)."""
+    if not isinstance(getattr(parser, "name", None), str) or not parser.name:
+        raise InvalidArgument("a tool parser needs a name", stage="config")
+    if parser.name in TOOL_PARSERS and not replace:
+        raise InvalidArgument(f"a tool parser named {parser.name!r} is registered already",
+                              stage="config")
+    TOOL_PARSERS[parser.name] = parser
+    return parser
+
+
+def tool_parser(name: str) -> ToolParser:
+    """The parser registered as ``name``, else InvalidArgument naming those there are."""
+    try:
+        return TOOL_PARSERS[name]
+    except (KeyError, TypeError):
+        raise InvalidArgument(f"no tool-call parser named {name!r}; there are "
+                              f"{', '.join(sorted(TOOL_PARSERS))}", stage="config",
+                              field="tool_call_parser") from None
+
+
+register_tool_parser(TaggedJsonParser("hermes", "<tool_call>\n", "\n</tool_call>"))
+
+
+# ---- enforcement ---------------------------------------------------------------------
+
+def tool_grammar(tools: Sequence[Tool], tool_choice: str, parallel: bool,
+                 parser: ToolParser, function: str | None = None) -> str | None:
+    """The Lark grammar (llguidance's dialect) the output must match for
+    ``tool_choice``: ``required`` — one call of any of ``tools`` (one or more when
+    ``parallel``); ``function`` — one call of the function named ``function``; each
+    call's arguments valid against its function's JSON schema. None: nothing to enforce
+    (``none``, ``auto``)."""
+    if tool_choice == "required":
+        return parser.grammar(tools, parallel=parallel)
+    if tool_choice == "function":
+        chosen = [t for t in tools if t.name == function]
+        if not chosen:
+            raise _bad(f"tool_choice names the function {clip(function)}, which is not in "
+                       f"tools", "tool_choice")
+        return parser.grammar(chosen, parallel=False)
+    return None
+
+
+def tool_constraint(plan: ToolPlan) -> Any:
+    """The ``SamplingParams.constraint`` enforcing ``plan`` (None: nothing to enforce):
+    :func:`tool_grammar` as a :class:`calfsm.generate.constraint.Grammar`. Without
+    constrained decoding (the module, or its extra) it is a 400: a ``required`` or named
+    tool choice is never left unenforced."""
+    lark = tool_grammar(plan.tools, plan.choice, plan.parallel, plan.parser, plan.function)
+    if lark is None:
+        return None
+    what = "tool_choice required" if plan.choice == "required" \
+        else f"tool_choice naming {plan.function!r}"
+    try:
+        from calfsm.generate.constraint import Grammar
+    except ImportError:
+        raise _bad(f"{what} is enforced by constrained decoding, which this server does "
+                   f"not have (it needs the constraints extra: pip install "
+                   f"\"calfsm[constraints]\")", "tool_choice") from None
+    try:
+        return Grammar(lark)
+    except CalfsmError as e:
+        raise _bad(f"{what} cannot be enforced: {e.message}", "tool_choice") from None
+
+
+# ---- the answer ----------------------------------------------------------------------
+
+async def with_tool_calls(pieces: AsyncIterator[Piece], plan: ToolPlan
+                          ) -> AsyncIterator[Piece]:
+    """``pieces`` (a request's choices, merged) with each choice's text read by
+    ``plan``'s parser: a piece's text is its content, its ``tool_calls`` the deltas it
+    completed; a choice that wrote whole calls and stopped ends ``tool_calls``."""
+    readers: dict[int, ToolCallStream] = {}
+    try:
+        async for piece in pieces:
+            reader = readers.get(piece.index)
+            if reader is None:
+                reader = readers[piece.index] = plan.parser.stream(parallel=plan.parallel)
+            parsed = reader.feed(piece.text)
+            reason = piece.finish_reason
+            if reason is not None or piece.error is not None:
+                parsed += reader.finish()
+                if reason == "stop" and reader.calls and not reader.unfinished:
+                    reason = "tool_calls"
+            yield attrs.evolve(piece, text=parsed.content, tool_calls=parsed.calls,
+                               finish_reason=reason)
+    finally:
+        aclose = getattr(pieces, "aclose", None)
+        if aclose is not None:
+            await aclose()
+
+
+def collect_tool_calls(deltas: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One choice's tool-call deltas joined into OpenAI's ``message.tool_calls``."""
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        fn = d.get("function") or {}
+        call = calls.get(d["index"])
+        if call is None:
+            calls[d["index"]] = {"id": d.get("id"), "type": "function",
+                                 "function": {"name": fn.get("name"),
+                                              "arguments": fn.get("arguments", "")}}
+        else:
+            call["function"]["arguments"] += fn.get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
