@@ -6,10 +6,14 @@
   ``python -m pytest --pyargs calfsm.testing.conformance``.
 - :mod:`calfsm.testing.refmodel_pure`: the independent pure-Python oracle of the
   reference model that the suite checks drivers against.
+- :class:`ScriptedTokenizer` (:mod:`calfsm.testing.scripted`): the simulated model's
+  output read as a scripted reply (a tool call, an answer), for tests of what reads it.
 
 Importing this package needs neither pytest nor hypothesis.
 """
 
 from calfsm.testing.modelcheck import Edge, ExplorationReport, MachineLike, explore, fuzz_machine
+from calfsm.testing.scripted import END, ScriptedTokenizer
 
-__all__ = ["Edge", "ExplorationReport", "MachineLike", "explore", "fuzz_machine"]
+__all__ = ["END", "Edge", "ExplorationReport", "MachineLike", "ScriptedTokenizer", "explore",
+           "fuzz_machine"]
