@@ -198,7 +198,7 @@ def test_a_parser_of_another_format_plugs_in() -> None:
         assert calls[0]["function"] == {"name": "f", "arguments": "{}"}
     finally:
         del TOOL_PARSERS["test-fn"]
-    with pytest.raises(InvalidArgument, match="no tool-call parser named 'nope'.*hermes"):
+    with pytest.raises(InvalidArgument, match=r"no tool-call parser named 'nope'.*hermes"):
         tool_parser("nope")
 
 
@@ -254,17 +254,13 @@ def test_nothing_to_enforce_for_none_and_auto() -> None:
         assert tool_grammar(plan.tools, choice, True, HERMES) is None
 
 
-llguidance = pytest.importorskip("llguidance", reason="the constraints extra")
-jsonschema = pytest.importorskip("jsonschema")
-
-
 class _Bytes:
     """A byte-level vocabulary for llguidance: ids 0..255 the bytes, 256 the end."""
 
-    eos_token_id = 256
-    bos_token_id = None
-    tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
-    special_token_ids = [256]
+    def __init__(self) -> None:
+        self.eos_token_id, self.bos_token_id = 256, None
+        self.tokens = [bytes([i]) for i in range(256)] + [b"<eos>"]
+        self.special_token_ids = [256]
 
     def __call__(self, s: Any) -> list[int]:
         return list(s if isinstance(s, bytes) else s.encode())
@@ -272,10 +268,14 @@ class _Bytes:
 
 @pytest.fixture(scope="module")
 def vocab() -> Any:
+    """llguidance's view of the byte-level vocabulary (skips without llguidance, the
+    constraints extra's engine)."""
+    llguidance = pytest.importorskip("llguidance")
     return llguidance.LLTokenizer(llguidance.TokenizerWrapper(_Bytes()))
 
 
 def matcher(vocab: Any, lark: str) -> Any:
+    import llguidance
     m = llguidance.LLMatcher(vocab, llguidance.LLMatcher.grammar_from_lark(lark))
     assert not m.is_error(), m.get_error()
     return m
@@ -337,6 +337,7 @@ def test_required_and_named_grammars_accept_exactly_valid_calls(vocab: Any) -> N
 def test_noise_under_the_grammar_is_always_a_valid_call(vocab: Any, choice: str) -> None:
     """Random tokens the grammar allows, 40 times: every output parses into calls of the
     offered (or named) functions whose arguments are valid against their schemas."""
+    jsonschema = pytest.importorskip("jsonschema")
     plan = parse_tools({"tools": [WEATHER, TIME, NOTHING]})
     assert plan is not None
     lark = tool_grammar(plan.tools, choice, True, HERMES, "get_weather")

@@ -1,0 +1,248 @@
+"""Tool calling through ``calfsm serve``'s app on a real uvicorn (issue 37, item 2): the
+official ``openai`` client's round trip (``tools`` -> ``tool_calls`` -> ``role: tool``
+-> answer), streaming and not, and LangChain's ``ChatOpenAI(...).bind_tools``.
+
+The simulated model's text is noise, so its replies here are scripted
+(:class:`calfsm.testing.ScriptedTokenizer`: the real streams, their text chosen): the
+server's parser, deltas, finish reasons and the template's rendering of the calls and
+results are what is tested. ``required`` and a named function are enforced by
+constrained decoding (then the calls come from the masked noise itself)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import openai
+import pytest
+
+from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.serve import realtime_sim
+from calfsm.serve.tokenizer import chat_prompt
+from calfsm.testing import END, ScriptedTokenizer
+from tests.helpers.serve import MODEL, TINY, VOCAB, LiveServer, serve
+
+pytestmark = pytest.mark.timeout(120)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city today",
+    "parameters": {"type": "object", "properties": {
+        "city": {"type": "string", "enum": ["Paris", "Tokyo", "Lima"]},
+        "unit": {"type": "string", "enum": ["C", "F"]}},
+        "required": ["city"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {
+        "zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}}
+TOOLS = [WEATHER, CLOCK]
+QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
+CALL = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
+        '"unit": "C"}}\n</tool_call>')
+ANSWER = "It is 21 C and sunny in Paris."
+HAS_CONSTRAINTS = importlib.util.find_spec("calfsm.generate.constraint") is not None
+
+
+@pytest.fixture(scope="module")
+def scripted() -> ScriptedTokenizer:
+    return ScriptedTokenizer(VOCAB)
+
+
+@pytest.fixture(scope="module")
+def live(scripted: ScriptedTokenizer) -> Iterator[LiveServer]:
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
+                        ExecutorConfig(), tokenizer=scripted)
+    srv = serve(ex)
+    yield srv
+    srv.stop()
+    ex.close()
+
+
+@pytest.fixture
+def oai(live: LiveServer, scripted: ScriptedTokenizer) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=live.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+    assert not scripted.pending, "a scripted reply was not taken"
+
+
+def prompt_tokens(messages: list[dict[str, Any]], tools: list[dict[str, Any]]) -> int:
+    """The prompt the built-in template makes of ``messages`` (arguments as objects)."""
+    rendered = []
+    for m in messages:
+        calls = [{**c, "function": {**c["function"], "arguments": json.loads(
+            c["function"]["arguments"])}} for c in m.get("tool_calls") or ()]
+        rendered.append({**m, "tool_calls": calls} if calls else m)
+    return len(chat_prompt(rendered, tools=tools).encode())
+
+
+def test_round_trip_with_the_openai_client(oai: openai.OpenAI,
+                                           scripted: ScriptedTokenizer) -> None:
+    scripted.script(CALL, ANSWER)
+    first = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                        stop=[END], max_tokens=200)
+    choice = first.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.type == "function" and call.id.startswith("call_")
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments) == {"city": "Paris", "unit": "C"}
+    assert first.usage.prompt_tokens == prompt_tokens(QUESTION, TOOLS)
+
+    messages = [*QUESTION, choice.message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
+    second = oai.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                         stop=[END], max_tokens=200)
+    assert second.choices[0].finish_reason == "stop"
+    assert second.choices[0].message.content == ANSWER
+    assert not second.choices[0].message.tool_calls
+    # the call and its result went back through the template
+    assert second.usage.prompt_tokens == prompt_tokens(messages, TOOLS)
+
+
+def test_round_trip_streamed(oai: openai.OpenAI, scripted: ScriptedTokenizer) -> None:
+    scripted.script(CALL + "\n" + CALL.replace("Let me look.\n", "").replace("Paris", "Lima"),
+                    ANSWER)
+    content, reasons, deltas = [], [], []
+    for chunk in oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                             stop=[END], max_tokens=200, stream=True):
+        for c in chunk.choices:
+            content.append(c.delta.content or "")
+            deltas.extend(c.delta.tool_calls or ())
+            reasons.append(c.finish_reason)
+    assert "".join(content) == "Let me look."
+    assert [r for r in reasons if r] == ["tool_calls"]
+    calls: dict[int, dict[str, Any]] = {}
+    for d in deltas:
+        if d.index not in calls:        # its id, type and name first, then fragments
+            assert d.id and d.type == "function" and d.function.name
+            calls[d.index] = {"id": d.id, "name": d.function.name,
+                              "arguments": d.function.arguments or ""}
+        else:
+            assert d.id is None and d.function.name is None and d.function.arguments
+            calls[d.index]["arguments"] += d.function.arguments
+    assert sorted(calls) == [0, 1] and len(deltas) > 4      # arguments in several pieces
+    assert [json.loads(c["arguments"])["city"] for c in calls.values()] == ["Paris", "Lima"]
+
+    assistant = {"role": "assistant", "content": None, "tool_calls": [
+        {"id": c["id"], "type": "function",
+         "function": {"name": c["name"], "arguments": c["arguments"]}}
+        for c in calls.values()]}
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": "sunny"}
+               for c in calls.values()]
+    messages = [*QUESTION, assistant, *results]
+    text, usage = [], None
+    for chunk in oai.chat.completions.create(
+            model=MODEL, messages=messages, tools=TOOLS, stop=[END], max_tokens=200,
+            stream=True, stream_options={"include_usage": True}):
+        text.extend(c.delta.content or "" for c in chunk.choices)
+        usage = chunk.usage or usage
+    assert "".join(text) == ANSWER
+    assert usage is not None and usage.prompt_tokens == prompt_tokens(messages, TOOLS)
+
+
+def test_choices_are_read_apart_and_parallel_false_keeps_one(
+        oai: openai.OpenAI, scripted: ScriptedTokenizer) -> None:
+    two = CALL + "\n" + CALL.replace("Let me look.\n", "").replace("Paris", "Tokyo")
+    scripted.script(two, "No tool needed.")
+    answer = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, n=2,
+                                         stop=[END], max_tokens=200,
+                                         parallel_tool_calls=False)
+    by_index = {c.index: c for c in answer.choices}
+    assert by_index[0].finish_reason == "tool_calls"
+    assert [json.loads(c.function.arguments)["city"] for c in by_index[0].message.tool_calls] \
+        == ["Paris"]
+    assert by_index[1].finish_reason == "stop" and not by_index[1].message.tool_calls
+    assert by_index[1].message.content == "No tool needed."
+
+
+def test_tool_choice_none_leaves_the_text_as_it_is(oai: openai.OpenAI,
+                                                   scripted: ScriptedTokenizer) -> None:
+    scripted.script(CALL)
+    answer = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                         tool_choice="none", stop=[END], max_tokens=200)
+    assert answer.choices[0].message.content == CALL
+    assert answer.choices[0].finish_reason == "stop" and not answer.choices[0].message.tool_calls
+
+
+def test_a_call_cut_by_max_tokens_ends_length(oai: openai.OpenAI,
+                                              scripted: ScriptedTokenizer) -> None:
+    scripted.script(CALL)
+    answer = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                         stop=[END], max_tokens=22)     # 66 characters
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content == "Let me look."
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and call.function.arguments == '{"ci'
+    scripted.script(CALL)                   # cut before the name: text it stays
+    answer = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                         stop=[END], max_tokens=12)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "length" and choice.message.content == CALL[:36]
+    assert not choice.message.tool_calls
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"tools": [{"type": "function", "function": {"name": "no spaces"}}]}, "tools"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "other"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls"),
+])
+def test_malformed_tool_fields_are_400_naming_them(live: LiveServer, body: dict[str, Any],
+                                                   param: str) -> None:
+    r = httpx.post(live.url + "/v1/chat/completions",
+                   json={"model": MODEL, "messages": QUESTION, **body}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param
+
+
+def test_completions_still_refuse_tools(live: LiveServer) -> None:
+    r = httpx.post(live.url + "/v1/completions",
+                   json={"model": MODEL, "prompt": "x", "tools": TOOLS}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+
+
+@pytest.mark.skipif(HAS_CONSTRAINTS, reason="constrained decoding is there: enforced")
+@pytest.mark.parametrize("choice", ["required", {"type": "function",
+                                                 "function": {"name": "get_time"}}])
+def test_enforced_choices_need_constrained_decoding(oai: openai.OpenAI, choice: Any) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                    tool_choice=choice, max_tokens=50)
+    assert e.value.body["param"] == "tool_choice"
+    assert "constraints extra" in e.value.body["message"]
+
+
+# ---- LangChain ------------------------------------------------------------------------
+
+def test_langchain_bind_tools(live: LiveServer, scripted: ScriptedTokenizer) -> None:
+    """``ChatOpenAI(...).bind_tools([...])``: the call as LangChain's ``tool_calls``, and
+    its ``ToolMessage`` back for the answer."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    @tool
+    def get_weather(city: str, unit: str = "C") -> str:
+        """The weather in a city today."""
+        return f"21 {unit}, sunny in {city}"
+
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=live.url + "/v1",
+                                      api_key="none", max_retries=0, max_tokens=200,
+                                      stop_sequences=[END])
+    bound = llm.bind_tools([get_weather])
+    scripted.script(CALL, ANSWER)
+    messages: list[Any] = [HumanMessage("What is the weather in Paris?")]
+    reply = bound.invoke(messages)
+    assert reply.content == "Let me look."
+    (call,) = reply.tool_calls
+    assert call["name"] == "get_weather" and call["args"] == {"city": "Paris", "unit": "C"}
+    assert reply.response_metadata["finish_reason"] == "tool_calls"
+    messages += [reply, ToolMessage(get_weather.invoke(call["args"]),
+                                    tool_call_id=call["id"])]
+    final = bound.invoke(messages)
+    assert final.content == ANSWER and not final.tool_calls
+    assert not scripted.pending
