@@ -32,8 +32,11 @@ alternatives) and chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; 
 :mod:`calfsm.request`, default 0: *higher* is admitted first, as the library's
 ``Request.priority`` — vLLM's field of the same name is lower-first). Choice ``i`` of a
 request (prompt-major, then ``n``) draws from ``seed + i``.
-Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``,
-``logit_bias``, tools) are refused unless they carry their default; unknown fields are
+Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by
+:mod:`calfsm.serve.toolcalls` (a ``required`` or named tool choice becomes each
+choice's constraint). Features the simulated model cannot give (``echo``, ``best_of``,
+``suffix``, ``logit_bias``, tools on completions) are refused unless they carry their
+default; unknown fields are
 refused too, so a typo is never silently ignored. The prompt's ids and length, ``n`` and
 ``max_tokens`` are judged by the library's own rules (:mod:`calfsm.generate.arguments`, what
 ``executor.generate`` applies): the server refuses what the library refuses. A message

@@ -10,17 +10,22 @@ constrained decoding (then the calls come from the masked noise itself)."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
 import pytest
 
+from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.serve import realtime_sim
+from calfsm.generate.chattemplate import load_chat_template
+from calfsm.serve import ServerConfig, realtime_sim
+from calfsm.serve import cli as serve_cli
 from calfsm.serve.tokenizer import chat_prompt
 from calfsm.testing import END, ScriptedTokenizer
 from tests.helpers.serve import MODEL, TINY, VOCAB, LiveServer, serve
@@ -42,6 +47,7 @@ QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
 CALL = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", '
         '"unit": "C"}}\n</tool_call>')
 ANSWER = "It is 21 C and sunny in Paris."
+TEMPLATES = Path(__file__).parents[1] / "generate" / "data" / "chat_templates"
 HAS_CONSTRAINTS = importlib.util.find_spec("calfsm.generate.constraint") is not None
 
 
@@ -214,6 +220,53 @@ def test_enforced_choices_need_constrained_decoding(oai: openai.OpenAI, choice: 
                                     tool_choice=choice, max_tokens=50)
     assert e.value.body["param"] == "tool_choice"
     assert "constraints extra" in e.value.body["message"]
+
+
+def test_round_trip_through_the_models_own_template(scripted: ScriptedTokenizer) -> None:
+    """Qwen3's chat template (the one transformers renders, tests/generate/data): the
+    tools in its system turn, the call as its ``<tool_call>``, the result as its
+    ``<tool_response>``; the answer read by the Hermes parser."""
+    template = load_chat_template(TEMPLATES / "qwen3")
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
+                        ExecutorConfig(), tokenizer=scripted)
+    srv = serve(ex, chat_template=template)
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as oai:
+            scripted.script(CALL, ANSWER)
+            first = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                                stop=[END], max_tokens=200)
+            message = first.choices[0].message
+            assert first.choices[0].finish_reason == "tool_calls"
+            messages = [*QUESTION, message.model_dump(exclude_none=True),
+                        {"role": "tool", "tool_call_id": message.tool_calls[0].id,
+                         "content": "21 C, sunny"}]
+            second = oai.chat.completions.create(model=MODEL, messages=messages,
+                                                 tools=TOOLS, stop=[END], max_tokens=200)
+            assert second.choices[0].message.content == ANSWER
+    finally:
+        srv.stop()
+        ex.close()
+    want = template.render([*messages[:1], {**messages[1], "tool_calls": [{
+        **messages[1]["tool_calls"][0], "function": {
+            "name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}}]},
+        messages[2]], tools=TOOLS, add_generation_prompt=True)
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "unit": ' \
+           '"C"}}\n</tool_call>' in want and "<tool_response>\n21 C, sunny" in want
+    assert second.usage.prompt_tokens == len(want.encode())
+
+
+def test_the_parser_option() -> None:
+    parser = argparse.ArgumentParser()
+    serve_cli.add_parser(parser.add_subparsers(dest="command"))
+    _, config, _ = serve_cli.configs(parser.parse_args(["serve"]))
+    assert config.tool_call_parser == "hermes"
+    _, config, _ = serve_cli.configs(parser.parse_args(
+        ["serve", "--tool-call-parser", "hermes"]))
+    assert config.tool_call_parser == "hermes"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["serve", "--tool-call-parser", "nope"])
+    with pytest.raises(InvalidArgument, match="tool_call_parser: no tool-call parser"):
+        ServerConfig(tool_call_parser="nope")
 
 
 # ---- LangChain ------------------------------------------------------------------------
