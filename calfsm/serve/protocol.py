@@ -481,14 +481,15 @@ def parse_chat(body: Any, limits: Limits, tok: Tokenizer, *,
                  _chat_logprobs(body), text_stops)
     if tools is None:
         return plan
-    return attrs.evolve(plan, tools=tools, params=_enforced(plan.params, tools))
+    return attrs.evolve(plan, tools=tools,
+                        params=_enforced(plan.params, tools, tok, limits.vocab))
 
 
-def _enforced(params: tuple[SamplingParams, ...], tools: ToolPlan
-              ) -> tuple[SamplingParams, ...]:
+def _enforced(params: tuple[SamplingParams, ...], tools: ToolPlan, tok: Tokenizer,
+              vocab: int) -> tuple[SamplingParams, ...]:
     """Each choice's parameters with the constraint that enforces ``tool_choice``
     (``required`` or a named function); as they are otherwise."""
-    constraint = tool_constraint(tools)
+    constraint = tool_constraint(tools, tok, vocab)
     if constraint is None:
         return params
     if any(getattr(p, "constraint", None) is not None for p in params):

@@ -486,26 +486,38 @@ def tool_grammar(tools: Sequence[Tool], tool_choice: str, parallel: bool,
     return None
 
 
-def tool_constraint(plan: ToolPlan) -> Any:
+def tool_constraint(plan: ToolPlan, tokenizer: Any = None, vocab: int | None = None) -> Any:
     """The ``SamplingParams.constraint`` enforcing ``plan`` (None: nothing to enforce):
-    :func:`tool_grammar` as a :class:`calfsm.generate.constraint.Grammar`. Without
-    constrained decoding (the module, or its extra) it is a 400: a ``required`` or named
-    tool choice is never left unenforced."""
+    :func:`tool_grammar` as a :class:`calfsm.generate.constraint.Grammar`, compiled for
+    ``tokenizer`` and ``vocab`` when given (cached: the stream finds it compiled), so a
+    schema the matcher does not support is a 400 naming ``tools`` here. Without
+    constrained decoding (the module, or its extra) it is a 400 naming ``tool_choice``: a
+    ``required`` or named tool choice is never left unenforced."""
     lark = tool_grammar(plan.tools, plan.choice, plan.parallel, plan.parser, plan.function)
     if lark is None:
         return None
     what = "tool_choice required" if plan.choice == "required" \
         else f"tool_choice naming {plan.function!r}"
-    try:
-        from calfsm.generate.constraint import Grammar
-    except ImportError:
-        raise _bad(f"{what} is enforced by constrained decoding, which this server does "
+    missing = _bad(f"{what} is enforced by constrained decoding, which this server does "
                    f"not have (it needs the constraints extra: pip install "
-                   f"\"calfsm[constraints]\")", "tool_choice") from None
+                   f"\"calfsm[constraints]\")", "tool_choice")
     try:
-        return Grammar(lark)
+        from calfsm.generate.constraint import (
+            Grammar,
+            compile_constraint,
+            constraints_available,
+        )
+    except ImportError:
+        raise missing from None
+    if not constraints_available():
+        raise missing
+    try:
+        grammar = Grammar(lark)
+        if tokenizer is not None and vocab is not None:
+            compile_constraint(grammar, tokenizer, vocab)
     except CalfsmError as e:
-        raise _bad(f"{what} cannot be enforced: {e.message}", "tool_choice") from None
+        raise _bad(f"{what} cannot be enforced: {e.message}", "tools") from None
+    return grammar
 
 
 # ---- the answer ----------------------------------------------------------------------

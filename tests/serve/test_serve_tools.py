@@ -28,7 +28,7 @@ from calfsm.serve import ServerConfig, realtime_sim
 from calfsm.serve import cli as serve_cli
 from calfsm.serve.tokenizer import chat_prompt
 from calfsm.testing import END, ScriptedTokenizer
-from tests.helpers.serve import MODEL, TINY, VOCAB, LiveServer, serve
+from tests.helpers.serve import MODEL, TINY, VOCAB, LiveServer, serve, serve_executor
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -211,7 +211,98 @@ def test_completions_still_refuse_tools(live: LiveServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
-@pytest.mark.skipif(HAS_CONSTRAINTS, reason="constrained decoding is there: enforced")
+def _constraints() -> bool:
+    if not HAS_CONSTRAINTS:
+        return False
+    from calfsm.generate.constraint import constraints_available
+    return constraints_available()
+
+
+@pytest.fixture(scope="module")
+def noise() -> Iterator[openai.OpenAI]:
+    """A server whose text is the simulated device's own (the byte-level tokenizer)."""
+    if not _constraints():
+        pytest.skip("needs constrained decoding (the constraints extra)")
+    ex = serve_executor()
+    srv = serve(ex)
+    with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+    srv.stop()
+    ex.close()
+
+
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+
+
+def _valid_calls(calls: list[Any], names: set[str]) -> list[str]:
+    jsonschema = pytest.importorskip("jsonschema")
+    for call in calls:
+        assert call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+    return [c.function.name for c in calls]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_named_and_required_are_enforced_on_noise(noise: openai.OpenAI, seed: int) -> None:
+    """The simulated device's noise, constrained: a named function is always called, with
+    arguments valid against its schema; ``required`` calls one of the tools (one call:
+    parallel false), streamed the same."""
+    named = {"type": "function", "function": {"name": "get_time"}}
+    answer = noise.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                           tool_choice=named, max_tokens=200, seed=seed)
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert _valid_calls(choice.message.tool_calls, {"get_time"}) == ["get_time"]
+    answer = noise.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                           tool_choice="required", parallel_tool_calls=False,
+                                           max_tokens=200, seed=seed, n=2)
+    for choice in answer.choices:
+        assert choice.finish_reason == "tool_calls"
+        assert len(_valid_calls(choice.message.tool_calls, set(SCHEMAS))) == 1
+    calls: dict[int, dict[str, str]] = {}
+    reasons = []
+    for chunk in noise.chat.completions.create(
+            model=MODEL, messages=QUESTION, tools=TOOLS, tool_choice="required",
+            max_tokens=300, seed=seed, stream=True):
+        for c in chunk.choices:
+            assert not c.delta.content
+            reasons.append(c.finish_reason)
+            for d in c.delta.tool_calls or ():
+                one = calls.setdefault(d.index, {"name": d.function.name, "arguments": ""})
+                one["arguments"] += d.function.arguments or ""
+    assert [r for r in reasons if r] == ["tool_calls"] and calls
+    jsonschema = pytest.importorskip("jsonschema")
+    for one in calls.values():
+        jsonschema.validate(json.loads(one["arguments"]), SCHEMAS[one["name"]])
+
+
+def test_an_enforced_call_round_trips(noise: openai.OpenAI) -> None:
+    """A call forced on the noise, its result sent back, and the next turn (``auto``):
+    the noise's text as content."""
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    first = noise.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                          tool_choice=named, max_tokens=200, seed=7)
+    message = first.choices[0].message
+    (call,) = message.tool_calls
+    messages = [*QUESTION, message.model_dump(exclude_none=True),
+                {"role": "tool", "tool_call_id": call.id, "content": "21 C, sunny"}]
+    second = noise.chat.completions.create(model=MODEL, messages=messages, tools=TOOLS,
+                                           max_tokens=8, seed=7)
+    assert second.choices[0].finish_reason in ("stop", "length")
+    assert second.usage.prompt_tokens == prompt_tokens(messages, TOOLS)
+
+
+def test_a_schema_the_matcher_refuses_is_a_400_naming_tools(noise: openai.OpenAI) -> None:
+    odd = {"type": "function", "function": {"name": "odd", "parameters": {
+        "type": "object", "properties": {"x": {"type": "string", "format": "no-such"}},
+        "required": ["x"], "not": {"required": ["x"]}}}}
+    with pytest.raises(openai.BadRequestError) as e:
+        noise.chat.completions.create(model=MODEL, messages=QUESTION, tools=[odd],
+                                      tool_choice="required", max_tokens=50)
+    assert e.value.body["param"] == "tools"
+
+
+@pytest.mark.skipif(_constraints(), reason="constrained decoding is there: enforced")
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_time"}}])
 def test_enforced_choices_need_constrained_decoding(oai: openai.OpenAI, choice: Any) -> None:
