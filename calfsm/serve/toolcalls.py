@@ -266,7 +266,10 @@ class TaggedJsonParser:
         for i, tool in enumerate(tools):
             head = f'{{"name": {json.dumps(tool.name)}, "{self.arguments_key}": '
             schema = dict(tool.parameters)
-            schema["x-guidance"] = {**_JSON_STYLE, **dict(schema.get("x-guidance") or {})}
+            # strict (unless the function says strict: false): a keyword the matcher
+            # does not implement is refused, never ignored
+            schema["x-guidance"] = {**_JSON_STYLE, "lenient": tool.strict is False,
+                                    **dict(schema.get("x-guidance") or {})}
             lines.append(f"fn_{i}: {_lark_string(head)} args_{i} \"}}\"")
             lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
         return "\n".join(lines) + "\n"

@@ -353,3 +353,19 @@ def test_noise_under_the_grammar_is_always_a_valid_call(vocab: Any, choice: str)
             jsonschema.validate(args_of(call), schemas[name])
             seen.add(name)
     assert seen == ({"get_weather"} if choice == "function" else set(schemas))
+
+
+def test_strict_unless_the_function_says_not(vocab: Any) -> None:
+    """A keyword the matcher does not implement: refused (OpenAI's strict), unless the
+    function says ``strict: false`` (then ignored, as ``JsonSchema(strict=False)``)."""
+    import llguidance
+    odd = {"type": "object", "properties": {"x": {"type": "integer"}}, "not": {}}
+    for strict, refused in ((None, True), (True, True), (False, False)):
+        function = {"name": "odd", "parameters": odd} | (
+            {} if strict is None else {"strict": strict})
+        plan = parse_tools({"tools": [{"type": "function", "function": function}]})
+        assert plan is not None
+        lark = tool_grammar(plan.tools, "required", False, HERMES)
+        error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
+            llguidance.LLMatcher.grammar_from_lark(lark), vocab)
+        assert error is refused
