@@ -282,12 +282,16 @@ class TaggedJsonParser:
 #: (matched once their value's first character came)
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"'
                    r'\s*:\s*(?=\S)')
+#: a body whose beginning is no such head by this many characters is read at its end
+_HEAD_WITHIN = 4096
 #: what may close the arguments' object and the call's (held back until the end tag)
-_CLOSERS = " \t\r\n}"
+_CLOSERS = frozenset(" \t\r\n}")
 
 
 class _TaggedStream:
-    """The reader of :class:`TaggedJsonParser` (see the module docstring)."""
+    """The reader of :class:`TaggedJsonParser` (see the module docstring). Each piece
+    costs in proportion to its own length (and to what is held back), not to the text
+    so far: a call's body is kept in parts and joined once, at its end tag."""
 
     def __init__(self, parser: TaggedJsonParser, parallel: bool) -> None:
         self.p = parser
@@ -298,10 +302,13 @@ class _TaggedStream:
         self._held = ""            # outside: a suffix that may begin the start tag
         self._space = ""           # outside: trailing whitespace, held
         self._before = ""          # inside: the whitespace before the start tag
-        self._body = ""            # inside: the call's body so far
+        self._parts: list[str] = []     # inside: the call's body so far, in parts
+        self._tail = ""            # inside: the body's last characters (the end tag's)
+        self._early: str | None = ""    # inside: the body while its head is not read
         self._skip = False         # inside a call parallel_tool_calls=false drops
-        self._head: re.Match[str] | None = None
+        self._head = False         # the call is open (its name sent)
         self._args_at = 0          # where the arguments begin in the body
+        self._pending = ""         # the arguments written and not sent
         self._sent = 0             # characters of the arguments sent
         self._index = -1
         self._trim = False         # after a call: leading whitespace is dropped
@@ -326,6 +333,7 @@ class _TaggedStream:
 
     def feed(self, text: str) -> Parsed:
         out = Parsed()
+        end = self.p.end
         while text:
             if self._outside:
                 buf = self._held + text
@@ -336,20 +344,25 @@ class _TaggedStream:
                     return out + Parsed(self._content(buf[:len(buf) - k]))
                 out += Parsed(self._content(buf[:at]))
                 self._before, self._space, self._held = self._space, "", ""
-                self._outside, self._body, self._head = False, "", None
-                self._trim, self._wrote = True, False
+                self._outside, self._head, self._trim, self._wrote = False, False, True, False
+                self._parts, self._tail, self._early, self._pending = [], "", "", ""
                 self._skip = self.calls > 0 and not self.parallel
                 text = buf[at + len(self.p.start):]
             else:
-                body = self._body + text
-                at = body.find(self.p.end)
+                # the end tag can only be where the new text is (or end in it)
+                window = self._tail + text
+                at = window.find(end)
                 if at < 0:
-                    self._body = body
-                    return out + self._stream_arguments()
-                self._body = body[:at]
-                out += self._close()
+                    self._parts.append(text)
+                    self._tail = window[-(len(end) - 1):]
+                    out += self._arguments(text)
+                    return out
+                cut = at - len(self._tail)      # < 0: the tag began in the body's tail
+                self._parts.append(text[:max(cut, 0)])
+                out += self._arguments(text[:max(cut, 0)])
+                out += self._close(min(cut, 0))
                 self._outside = True
-                text = body[at + len(self.p.end):]
+                text = window[at + len(end):]
         return out
 
     # -- inside a call --
@@ -364,34 +377,51 @@ class _TaggedStream:
         return Parsed(calls=({"index": self._index, "function": {"arguments": fragment}},)) \
             if fragment else Parsed()
 
-    def _stream_arguments(self) -> Parsed:
+    def _arguments(self, text: str) -> Parsed:
+        """The new ``text`` of a body: its head read (the call opened) and the
+        arguments sent as far as they are known not to be the closing braces or the
+        start of the end tag."""
         if self._skip:
             return Parsed()
         out = Parsed()
-        if self._head is None:
-            head = _HEAD.match(self._body)
+        if not self._head:
+            if self._early is None:
+                return out
+            self._early += text
+            head = _HEAD.match(self._early)
             if head is None:
+                if len(self._early) > _HEAD_WITHIN:
+                    self._early = None          # read whole at the end tag
                 return out
             try:
                 name = json.loads(f'"{head.group(1)}"')
             except ValueError:
+                self._early = None
                 return out
-            self._head, self._args_at, self._sent = head, head.end(), 0
+            self._head, self._args_at, self._sent = True, head.end(), 0
+            self._pending, self._early = self._early[head.end():], None
             out += self._open(name)
-        args = self._body[self._args_at:]
-        if not args.startswith("{"):     # a string or another value: sent whole at the end
-            return out
-        k = _partial_suffix(args, self.p.end)
-        safe = args[:len(args) - k].rstrip(_CLOSERS)
-        return out + self._more(safe[self._sent:])
+        else:
+            self._pending += text
+        pending = self._pending
+        if self._sent == 0 and not pending.startswith("{"):
+            return out                           # not an object: sent whole at the end
+        j = len(pending) - _partial_suffix(pending, self.p.end)
+        while j > 0 and pending[j - 1] in _CLOSERS:
+            j -= 1
+        self._pending = pending[j:]
+        return out + self._more(pending[:j])
 
-    def _close(self) -> Parsed:
-        """The end tag: the call's last fragment, or the whole call when its name was
-        not first, or the text as content when it is no call."""
+    def _close(self, cut: int) -> Parsed:
+        """The end tag (``cut``: the characters of the body before it that were its
+        start): the call's last fragment, or the whole call when its name was not
+        first, or the text as content when it is no call."""
+        body = "".join(self._parts)
+        if cut:
+            body = body[:cut]
+        self._parts, self._tail, self._pending = [], "", self._pending[:len(self._pending) + cut]
         if self._skip:
             return Parsed()
-        out = self._stream_arguments()
-        body, self._body = self._body, ""
         try:
             call = json.loads(body)
         except ValueError:
@@ -402,10 +432,10 @@ class _TaggedStream:
             value = call.get(key, {})
             arguments = value if isinstance(value, str) \
                 else json.dumps(value, ensure_ascii=False)
-        if self._head is None:
+        if not self._head:
             if arguments is None:            # no call: the text as the model wrote it
-                return out + self._not_a_call(body + self.p.end)
-            return out + self._open(call["name"], arguments)
+                return self._not_a_call(body + self.p.end)
+            return self._open(call["name"], arguments)
         written = body[self._args_at:].rstrip()
         if written.endswith("}"):
             written = written[:-1].rstrip()
@@ -415,10 +445,10 @@ class _TaggedStream:
         except ValueError:
             same = False
         if same or arguments is None:        # as written (or a body that is no JSON)
-            return out + self._more(written[self._sent:])
+            return self._more(written[self._sent:])
         if self._sent == 0:                  # as JSON (a string's value: as it is)
-            return out + self._more(arguments)
-        return out                           # sent already, and not to be taken back
+            return self._more(arguments)
+        return Parsed()                      # sent already, and not to be taken back
 
     def _not_a_call(self, rest: str) -> Parsed:
         """A start tag and what followed it that made no call: content, as written."""
@@ -434,11 +464,12 @@ class _TaggedStream:
             return Parsed(out)
         if self._skip:
             return Parsed()
-        if self._head is None:                # cut before it was a call: text it stays
+        if not self._head:                    # cut before it was a call: text it stays
             self._outside = True
-            return self._not_a_call(self._body) + Parsed(self._space)
+            return self._not_a_call("".join(self._parts)) + Parsed(self._space)
         self.unfinished = True                # cut short: the arguments written so far
-        return self._more(self._body[self._args_at + self._sent:])
+        pending, self._pending = self._pending, ""
+        return self._more(pending)
 
 
 #: tool parsers by name (``--tool-call-parser NAME``)
