@@ -186,6 +186,31 @@ def test_calls_as_the_template_writes_them_read_back(
     assert not stream.unfinished
 
 
+FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "\n", " ", "{", "}", "[",
+             "]", '"', ":", ",", '"name"', '"arguments"', '"parameters"', '"f"', "1", "x",
+             "\\", '{"name": "f", "arguments": ', "}}"]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join),
+       st.lists(st.integers(0, 400), max_size=6), st.booleans())
+def test_any_text_streams_as_it_reads_whole(text: str, cuts: list[int],
+                                            parallel: bool) -> None:
+    """Text made of the tags' and JSON's pieces, cut anywhere: no error, and the same
+    content and calls as the whole; every call opens with its id and name."""
+    whole = read(text, parallel=parallel)
+    at = sorted({min(c, len(text)) for c in cuts})
+    pieces = [text[i:j] for i, j in zip([0, *at], [*at, len(text)])]
+    content, calls, deltas, stream = read(pieces, parallel=parallel)
+    assert content == whole[0]
+    assert [c["function"] for c in calls] == [c["function"] for c in whole[1]]
+    assert stream.unfinished == whole[3].unfinished
+    assert all("id" in d for d in deltas if d["index"] not in
+               {e["index"] for e in deltas[:deltas.index(d)]})
+    if not parallel:
+        assert len(calls) <= 1
+
+
 def test_a_parser_of_another_format_plugs_in() -> None:
     mine = TaggedJsonParser("test-fn", "<function_call>", "</function_call>")
     register_tool_parser(mine)
