@@ -11,6 +11,10 @@ teach it)::
     {"name": "get_weather", "arguments": {"city": "Paris"}}
     </tool_call>
 
+``llama3_json`` reads Llama 3.1-3.3's bare JSON calls (``{"name": ..., "parameters":
+{...}}``, several separated by ``;``); :class:`TaggedJsonParser` and
+:func:`register_tool_parser` add others.
+
 A parser reads a choice's text as it streams (:class:`ToolCallStream`): text outside the
 tags is the message's ``content`` (whitespace alone next to a call is dropped), each call
 becomes OpenAI's tool-call deltas, its ``id``, ``type`` and ``name`` first, then its
@@ -43,7 +47,8 @@ from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.serve.generation import Piece
 from calfsm.serve.httperrors import ApiError, clip
 
-__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "TaggedJsonParser", "Tool",
+__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "JsonCallsParser",
+           "TaggedJsonParser", "Tool",
            "ToolCallStream", "ToolParser", "ToolPlan", "collect_tool_calls", "parse_tools",
            "register_tool_parser", "tool_constraint", "tool_grammar", "tool_parser",
            "with_tool_calls"]
@@ -200,11 +205,6 @@ class ToolCallStream(Protocol):
 
     def feed(self, text: str) -> Parsed: ...
 
-    def _not_a_call(self, rest: str) -> Parsed:
-        """A start tag and what followed it that made no call: content, as written."""
-        self._space, self._trim = self._before, False
-        return Parsed(self._content(self.p.start + rest))
-
     def finish(self) -> Parsed: ...
 
 
@@ -236,6 +236,22 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _call_rules(rule: str, tools: Sequence[Tool], arguments_key: str) -> list[str]:
+    """Lark rules: ``rule`` is one call's JSON object, ``{"name": NAME, KEY: ARGS}``,
+    of any of ``tools``, its arguments valid against the function's schema, written as
+    :data:`_JSON_STYLE`; strict (unless the function says ``strict: false``): a keyword
+    the matcher does not implement is refused, never ignored."""
+    lines = [f"{rule}: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
+    for i, tool in enumerate(tools):
+        head = f'{{"name": {json.dumps(tool.name)}, "{arguments_key}": '
+        schema = dict(tool.parameters)
+        schema["x-guidance"] = {**_JSON_STYLE, "lenient": tool.strict is False,
+                                **dict(schema.get("x-guidance") or {})}
+        lines.append(f"fn_{i}: {_lark_string(head)} args_{i} \"}}\"")
+        lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+    return lines
+
+
 class TaggedJsonParser:
     """Calls written as ``START`` + ``{"name": NAME, "arguments": {...}}`` + ``END``,
     separated by ``separator`` (Hermes: ``<tool_call>\\n``, ``\\n</tool_call>``,
@@ -262,16 +278,7 @@ class TaggedJsonParser:
                  f"start: call ({_lark_string(self.separator)} call)*" if parallel
                  else "start: call",
                  f"call: {_lark_string(self.open_text)} body {_lark_string(self.close_text)}",
-                 "body: " + " | ".join(f"fn_{i}" for i in range(len(tools)))]
-        for i, tool in enumerate(tools):
-            head = f'{{"name": {json.dumps(tool.name)}, "{self.arguments_key}": '
-            schema = dict(tool.parameters)
-            # strict (unless the function says strict: false): a keyword the matcher
-            # does not implement is refused, never ignored
-            schema["x-guidance"] = {**_JSON_STYLE, "lenient": tool.strict is False,
-                                    **dict(schema.get("x-guidance") or {})}
-            lines.append(f"fn_{i}: {_lark_string(head)} args_{i} \"}}\"")
-            lines.append(f"args_{i}: %json {json.dumps(schema, ensure_ascii=False)}")
+                 *_call_rules("body", tools, self.arguments_key)]
         return "\n".join(lines) + "\n"
 
     def __repr__(self) -> str:
@@ -472,6 +479,110 @@ class _TaggedStream:
         return self._more(pending)
 
 
+class JsonCallsParser:
+    """Calls written as bare JSON objects, ``{"name": NAME, "parameters": {...}}``,
+    separated by ``;``, maybe after ``prefix``: Llama 3.1-3.3's JSON tool calls (vLLM's
+    ``llama3_json``). An output whose first text is ``{`` or ``prefix`` is calls (an
+    object that is no call, or text after them, is content); any other is content."""
+
+    def __init__(self, name: str, *, prefix: str = "<|python_tag|>", separator: str = "; ",
+                 arguments_key: str = "parameters") -> None:
+        self.name = name
+        self.start, self.end = prefix, ""
+        self.separator = separator
+        self.arguments_key = arguments_key
+
+    def stream(self, *, parallel: bool = True) -> ToolCallStream:
+        return _JsonCallsStream(self, parallel)
+
+    def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
+        lines = ["%llguidance {}",
+                 f"start: call ({_lark_string(self.separator)} call)*" if parallel
+                 else "start: call", *_call_rules("call", tools, self.arguments_key)]
+        return "\n".join(lines) + "\n"
+
+    def __repr__(self) -> str:
+        return f"<JsonCallsParser {self.name}>"
+
+
+class _JsonCallsStream(_TaggedStream):
+    """The reader of :class:`JsonCallsParser`: the output's start decides (calls or
+    text); each object's end is found by its braces (outside strings); its head,
+    arguments and end are read as :class:`_TaggedStream` reads a tagged call's."""
+
+    def __init__(self, parser: JsonCallsParser, parallel: bool) -> None:
+        super().__init__(parser, parallel)    # type: ignore[arg-type]
+        self._mode: str | None = None         # None: undecided; "calls" or "text"
+        self._lead = ""                       # the output's start while undecided
+        self._depth = 0
+        self._in_string = self._escaped = False
+
+    def feed(self, text: str) -> Parsed:
+        if self._mode is None:
+            self._lead += text
+            lead = self._lead.lstrip()
+            prefix = self.p.start
+            if not lead or (prefix and len(lead) < len(prefix) and prefix.startswith(lead)):
+                return Parsed()
+            if prefix and lead.startswith(prefix):
+                text = lead[len(prefix):]
+            elif lead.startswith("{"):
+                text = lead
+            else:
+                self._mode, text, self._lead = "text", self._lead, ""
+                return Parsed(text)
+            self._mode, self._lead = "calls", ""
+        if self._mode == "text":
+            return Parsed(text)
+        out, run = Parsed(), 0
+        for i, c in enumerate(text):
+            if self._depth == 0:
+                if c == "{":
+                    self._depth, run = 1, i
+                    self._parts, self._early, self._pending, self._head = [], "", "", False
+                    self._outside, self._skip = False, self.calls > 0 and not self.parallel
+                elif c not in " \t\r\n;":         # text after the calls: content
+                    self._mode = "text"
+                    return out + Parsed(text[i:])
+            elif self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c == "{":
+                self._depth += 1
+            elif c == "}":
+                self._depth -= 1
+                if self._depth == 0:                  # the object's end
+                    self._parts.append(text[run:i + 1])
+                    out += self._arguments(text[run:i + 1])
+                    out += self._close(0)
+                    self._outside = True
+        if self._depth:
+            self._parts.append(text[run:])
+            out += self._arguments(text[run:])
+        return out
+
+    def _not_a_call(self, rest: str) -> Parsed:
+        return Parsed(rest)
+
+    def finish(self) -> Parsed:
+        if self._mode is None:
+            lead, self._lead = self._lead, ""
+            return Parsed(lead)
+        if self._mode == "text" or self._depth == 0 or self._skip:
+            return Parsed()
+        if not self._head:                    # cut before it was a call: text it stays
+            return Parsed("".join(self._parts))
+        self.unfinished = True
+        pending, self._pending = self._pending, ""
+        return self._more(pending)
+
+
 #: tool parsers by name (``--tool-call-parser NAME``)
 TOOL_PARSERS: dict[str, ToolParser] = {}
 
@@ -498,6 +609,7 @@ def tool_parser(name: str) -> ToolParser:
 
 
 register_tool_parser(TaggedJsonParser("hermes", "<tool_call>\n", "\n</tool_call>"))
+register_tool_parser(JsonCallsParser("llama3_json"))
 
 
 # ---- enforcement ---------------------------------------------------------------------

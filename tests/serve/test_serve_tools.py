@@ -346,14 +346,46 @@ def test_round_trip_through_the_models_own_template(scripted: ScriptedTokenizer)
     assert second.usage.prompt_tokens == len(want.encode())
 
 
+def test_another_parser_by_name(scripted: ScriptedTokenizer) -> None:
+    """``ServerConfig(tool_call_parser="llama3_json")``: Llama 3's bare JSON calls read
+    into the same tool_calls, streamed and not."""
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
+                        ExecutorConfig(), tokenizer=scripted)
+    srv = serve(ex, tool_call_parser="llama3_json")
+    reply = ('{"name": "get_weather", "parameters": {"city": "Tokyo"}}; '
+             '{"name": "get_time", "parameters": {"zone": "UTC"}}')
+    try:
+        with openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0) as oai:
+            scripted.script(reply, reply)
+            answer = oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
+                                                 stop=[END], max_tokens=200)
+            streamed: dict[int, list[str]] = {}
+            for chunk in oai.chat.completions.create(model=MODEL, messages=QUESTION,
+                                                     tools=TOOLS, stop=[END], max_tokens=200,
+                                                     stream=True):
+                for c in chunk.choices:
+                    for d in c.delta.tool_calls or ():
+                        streamed.setdefault(d.index, [d.function.name])
+                        streamed[d.index].append(d.function.arguments or "")
+    finally:
+        srv.stop()
+        ex.close()
+    choice = answer.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    want = [("get_weather", {"city": "Tokyo"}), ("get_time", {"zone": "UTC"})]
+    assert [(c.function.name, json.loads(c.function.arguments))
+            for c in choice.message.tool_calls] == want
+    assert [(v[0], json.loads("".join(v[1:]))) for _, v in sorted(streamed.items())] == want
+
+
 def test_the_parser_option() -> None:
     parser = argparse.ArgumentParser()
     serve_cli.add_parser(parser.add_subparsers(dest="command"))
     _, config, _ = serve_cli.configs(parser.parse_args(["serve"]))
     assert config.tool_call_parser == "hermes"
     _, config, _ = serve_cli.configs(parser.parse_args(
-        ["serve", "--tool-call-parser", "hermes"]))
-    assert config.tool_call_parser == "hermes"
+        ["serve", "--tool-call-parser", "llama3_json"]))
+    assert config.tool_call_parser == "llama3_json"
     with pytest.raises(SystemExit):
         parser.parse_args(["serve", "--tool-call-parser", "nope"])
     with pytest.raises(InvalidArgument, match="tool_call_parser: no tool-call parser"):

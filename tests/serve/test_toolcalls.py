@@ -188,20 +188,24 @@ def test_calls_as_the_template_writes_them_read_back(
 
 FRAGMENTS = ["<tool_call>", "</tool_call>", "<tool_", "</tool", "\n", " ", "{", "}", "[",
              "]", '"', ":", ",", '"name"', '"arguments"', '"parameters"', '"f"', "1", "x",
-             "\\", '{"name": "f", "arguments": ', "}}"]
+             "\\", '{"name": "f", "arguments": ', "}}", "<|python_tag|>", ";",
+             '{"name": "g", "parameters": ']
 
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.sampled_from(FRAGMENTS), max_size=40).map("".join),
-       st.lists(st.integers(0, 400), max_size=6), st.booleans())
-def test_any_text_streams_as_it_reads_whole(text: str, cuts: list[int],
-                                            parallel: bool) -> None:
-    """Text made of the tags' and JSON's pieces, cut anywhere: no error, and the same
-    content and calls as the whole; every call opens with its id and name."""
-    whole = read(text, parallel=parallel)
+       st.lists(st.integers(0, 400), max_size=6), st.booleans(),
+       st.sampled_from(["hermes", "llama3_json"]))
+def test_any_text_streams_as_it_reads_whole(text: str, cuts: list[int], parallel: bool,
+                                            name: str) -> None:
+    """Text made of the tags' and JSON's pieces, cut anywhere, by either parser: no
+    error, and the same content and calls as the whole; every call opens with its id and
+    name."""
+    parser = tool_parser(name)
+    whole = read(text, parallel=parallel, parser=parser)
     at = sorted({min(c, len(text)) for c in cuts})
     pieces = [text[i:j] for i, j in zip([0, *at], [*at, len(text)])]
-    content, calls, deltas, stream = read(pieces, parallel=parallel)
+    content, calls, deltas, stream = read(pieces, parallel=parallel, parser=parser)
     assert content == whole[0]
     assert [c["function"] for c in calls] == [c["function"] for c in whole[1]]
     assert stream.unfinished == whole[3].unfinished
@@ -209,6 +213,53 @@ def test_any_text_streams_as_it_reads_whole(text: str, cuts: list[int],
                {e["index"] for e in deltas[:deltas.index(d)]})
     if not parallel:
         assert len(calls) <= 1
+
+
+LLAMA = tool_parser("llama3_json")
+LLAMA_TEXTS = [
+    '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+    '{"name": "get_time", "parameters": {"zone": "CET", "deep": {"x": "}{\\"", "y": [{}]}}}',
+    '<|python_tag|>{"name": "f", "arguments": {}}',
+    '  {"parameters": {"k": "v"}, "name": "odd"}',
+    'Hello {there}; no call here',
+    '{"not": "a call"}',
+    '{"name": "f", "parameters": {"a": 1}} and some text after',
+    '{"name": "cut", "parameters": {"deep": {"deeper": [1, 2',
+    '<|python_ta',
+]
+
+
+def test_llama3_json_reads_bare_objects() -> None:
+    content, calls, _, stream = read(LLAMA_TEXTS[0], parser=LLAMA)
+    assert content == "" and not stream.unfinished
+    assert [(c["function"]["name"], args_of(c)) for c in calls] == [
+        ("get_weather", {"city": "Paris", "days": 3}),
+        ("get_time", {"zone": "CET", "deep": {"x": '}{"', "y": [{}]}})]
+    assert calls[0]["function"]["arguments"] == '{"city": "Paris", "days": 3}'
+    _, calls, _, _ = read(LLAMA_TEXTS[1], parser=LLAMA)
+    assert calls[0]["function"] == {"name": "f", "arguments": "{}"}
+    _, calls, _, _ = read(LLAMA_TEXTS[2], parser=LLAMA)
+    assert calls[0]["function"] == {"name": "odd", "arguments": '{"k": "v"}'}
+    for text in LLAMA_TEXTS[3:5] + LLAMA_TEXTS[7:]:
+        content, calls, _, _ = read(text, parser=LLAMA)
+        assert (content, calls) == (text, [])
+    content, calls, _, _ = read(LLAMA_TEXTS[5], parser=LLAMA)
+    assert content == "and some text after" and len(calls) == 1
+    _, calls, _, stream = read(LLAMA_TEXTS[6], parser=LLAMA)
+    assert stream.unfinished and calls[0]["function"]["arguments"] == '{"deep": {"deeper": [1, 2'
+    _, calls, _, _ = read(LLAMA_TEXTS[0], parser=LLAMA, parallel=False)
+    assert [c["function"]["name"] for c in calls] == ["get_weather"]
+
+
+@pytest.mark.parametrize("text", LLAMA_TEXTS)
+def test_llama3_json_streamed_at_every_split_as_whole(text: str) -> None:
+    whole = read(text, parser=LLAMA)
+    for i in range(len(text) + 1):
+        for j in range(i, len(text) + 1, 5):
+            content, calls, _, stream = read([text[:i], text[i:j], text[j:]], parser=LLAMA)
+            assert content == whole[0]
+            assert [c["function"] for c in calls] == [c["function"] for c in whole[1]]
+            assert stream.unfinished == whole[3].unfinished
 
 
 def test_a_parser_of_another_format_plugs_in() -> None:
@@ -358,20 +409,23 @@ def test_required_and_named_grammars_accept_exactly_valid_calls(vocab: Any) -> N
     assert parallel is not None and accepts(vocab, parallel, weather + "\n" + clock + "\n" + ping)
 
 
+@pytest.mark.parametrize("parser", ["hermes", "llama3_json"])
 @pytest.mark.parametrize("choice", ["required", "function"])
-def test_noise_under_the_grammar_is_always_a_valid_call(vocab: Any, choice: str) -> None:
-    """Random tokens the grammar allows, 40 times: every output parses into calls of the
-    offered (or named) functions whose arguments are valid against their schemas."""
+def test_noise_under_the_grammar_is_always_a_valid_call(vocab: Any, choice: str,
+                                                        parser: str) -> None:
+    """Random tokens the grammar allows, 40 times: every output parses (by the same
+    parser) into calls of the offered (or named) functions whose arguments are valid
+    against their schemas."""
     jsonschema = pytest.importorskip("jsonschema")
     plan = parse_tools({"tools": [WEATHER, TIME, NOTHING]})
     assert plan is not None
-    lark = tool_grammar(plan.tools, choice, True, HERMES, "get_weather")
+    lark = tool_grammar(plan.tools, choice, True, tool_parser(parser), "get_weather")
     assert lark is not None
     schemas = {t.name: t.parameters for t in plan.tools}
     seen = set()
     for seed in range(40):
         text = random_output(vocab, lark, seed)
-        content, calls, _, stream = read(text)
+        content, calls, _, stream = read(text, parser=tool_parser(parser))
         assert content == "" and calls and not stream.unfinished, text
         for call in calls:
             name = call["function"]["name"]
@@ -394,3 +448,16 @@ def test_strict_unless_the_function_says_not(vocab: Any) -> None:
         error, _ = llguidance.LLMatcher.validate_grammar_with_warnings(
             llguidance.LLMatcher.grammar_from_lark(lark), vocab)
         assert error is refused
+
+
+def test_llama3_json_grammar(vocab: Any) -> None:
+    plan = parse_tools({"tools": [WEATHER, TIME]})
+    assert plan is not None
+    lark = tool_grammar(plan.tools, "required", True, LLAMA)
+    one = '{"name": "get_weather", "parameters": {"city": "Lima"}}'
+    two = '{"name": "get_time", "parameters": {"zone": "UTC", "precise": false}}'
+    assert lark is not None and accepts(vocab, lark, one) and accepts(vocab, lark, f"{one}; {two}")
+    assert not accepts(vocab, lark, one.replace("parameters", "arguments"))
+    assert not accepts(vocab, lark, "<tool_call>\n" + one + "\n</tool_call>")
+    single = tool_grammar(plan.tools, "required", False, LLAMA)
+    assert single is not None and not accepts(vocab, single, f"{one}; {two}")
