@@ -12,8 +12,18 @@
 Importing this package needs neither pytest nor hypothesis.
 """
 
+from typing import Any
+
 from calfsm.testing.modelcheck import Edge, ExplorationReport, MachineLike, explore, fuzz_machine
-from calfsm.testing.scripted import END, ScriptedTokenizer
 
 __all__ = ["END", "Edge", "ExplorationReport", "MachineLike", "ScriptedTokenizer", "explore",
            "fuzz_machine"]
+
+
+def __getattr__(name: str) -> Any:
+    """``ScriptedTokenizer`` and ``END`` on first use: importing the package stays as
+    light as it was (no tokenizers)."""
+    if name in ("END", "ScriptedTokenizer"):
+        from calfsm.testing import scripted
+        return getattr(scripted, name)
+    raise AttributeError(f"module 'calfsm.testing' has no attribute {name!r}")
