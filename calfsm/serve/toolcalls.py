@@ -47,11 +47,10 @@ from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.serve.generation import Piece
 from calfsm.serve.httperrors import ApiError, clip
 
-__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "JsonCallsParser",
-           "TaggedJsonParser", "Tool",
-           "ToolCallStream", "ToolParser", "ToolPlan", "collect_tool_calls", "parse_tools",
-           "register_tool_parser", "tool_constraint", "tool_grammar", "tool_parser",
-           "with_tool_calls"]
+__all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "JsonCallsParser", "Parsed",
+           "TaggedJsonParser", "Tool", "ToolCallStream", "ToolParser", "ToolPlan",
+           "collect_tool_calls", "parse_tools", "register_tool_parser", "tool_constraint",
+           "tool_grammar", "tool_parser", "with_tool_calls"]
 
 #: the request fields this module reads
 TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")
