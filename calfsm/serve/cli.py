@@ -44,6 +44,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.serve.toolcalls import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 __all__ = ["add_parser", "configs", "run", "warn_if_open"]
 
@@ -151,6 +152,12 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
                    help="render chats with the Jinja2 template in FILE (as a "
                         "tokenizer_config.json's chat_template; needs the hf extra) "
                         "instead of the tokenizer's own or the built-in one")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, metavar="NAME",
+                   choices=sorted(TOOL_PARSERS),
+                   help="how a chat's answer is read for tool calls: "
+                        f"{', '.join(sorted(TOOL_PARSERS))} (hermes: <tool_call>{{\"name\": "
+                        "..., \"arguments\": ...}</tool_call>, as Hermes and Qwen write "
+                        "it)")
     p.add_argument("--model-name", default=None,
                    help="the name clients send as 'model' (default: the manifest's name)")
     p.add_argument("--decode-ms", type=float, default=10.0,
@@ -290,6 +297,7 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
                               prompt_cache=_prompt_cache(args))
     config = ServerConfig(model_name=args.model_name,
                           chat_template=_chat_template(args),
+                          tool_call_parser=args.tool_call_parser,
                           request_timeout_s=args.request_timeout,
                           shutdown_grace_s=args.shutdown_grace,
                           default_max_tokens=args.default_max_tokens,
