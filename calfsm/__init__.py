@@ -36,6 +36,7 @@ from calfsm.errors import (
     from_calrt,
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Health
+from calfsm.generate.constraint import Choice, Grammar, JsonObject, JsonSchema, Regex
 from calfsm.generate.promptcache import PromptCacheConfig, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.sequence import Sequence
@@ -66,6 +67,7 @@ __all__ = [
     "CalrtCode",
     "CalrtDriver",
     "Cancelled",
+    "Choice",
     "DType",
     "DeadlineExceeded",
     "DeviceExecutor",
@@ -80,6 +82,7 @@ __all__ = [
     "FaultRule",
     "FinishReason",
     "GenerationResult",
+    "Grammar",
     "Health",
     "IllegalTransition",
     "Incompatible",
@@ -90,6 +93,8 @@ __all__ = [
     "JobEnded",
     "JobHandle",
     "JobTimings",
+    "JsonObject",
+    "JsonSchema",
     "LeaseError",
     "Manifest",
     "ManifestError",
@@ -98,6 +103,7 @@ __all__ = [
     "PromptCacheConfig",
     "PromptCacheStats",
     "RecoveryPolicy",
+    "Regex",
     "Request",
     "ResourceExhausted",
     "SamplingParams",
