@@ -90,6 +90,8 @@ __all__ = ["FinishReason", "GenerationResult", "Keeper", "Stream", "StreamSequen
            "TokenEvent", "Usage"]
 
 log = logging.getLogger("calfsm.streams")
+#: a stream without a deadline of its own (its steps then get none: no call to say so)
+_NO_DEADLINE = math.inf
 #: the warnings a fault storm repeats, a burst per minute each (calfsm/util/lograte.py)
 _limited = RateLimitedLog(log)
 
@@ -183,8 +185,6 @@ class Stream:
         self._clock = ex.clock
         now = self._clock.now()
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
-        #: the stream has a deadline of its own (its steps' are what is left of it)
-        self._timed = deadline_s is not None
         #: where the stream's own history (its prompt, then its tokens) begins
         self._start = sequence.position - cached
         self._max_new = max_new_tokens(params, self._max_seq, self._start, len(self.prompt))
@@ -404,7 +404,8 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        self._flow.stage_next(deadline_s=self._left() if self._timed else None,
+        timed = self._deadline != _NO_DEADLINE
+        self._flow.stage_next(deadline_s=self._left() if timed else None,
                               priority=self.priority,
                               request_id=self.request_id)
         if self._sampler.constrained:
@@ -518,7 +519,8 @@ class Stream:
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
                                  target=flow.staged_row(staged),
-                                 deadline_s=self._left() if self._timed else None,
+                                 deadline_s=None if self._deadline == _NO_DEADLINE
+                                 else self._left(),
                                  priority=self.priority, request_id=self.request_id)
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
