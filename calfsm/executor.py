@@ -88,7 +88,7 @@ class DeviceExecutor:
 
     def __init__(self, driver: Driver, manifest: Manifest,
                  config: ExecutorConfig | None = None, *, calbin: Calbin | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, tracer: Any = None) -> None:
         #: the streams' text: prompts, event text, stop strings (None: token ids only)
         self.tokenizer = None if tokenizer is None else check_tokenizer(tokenizer)
         self.driver = driver
@@ -159,6 +159,13 @@ class DeviceExecutor:
         self.dump_sink = DumpSink(cfg.dump) if cfg.dump is not None else None
         if self.dump_sink is not None:
             self.add_observer(self.dump_sink)
+        #: the OpenTelemetry spans of each request when ``tracer`` (an OpenTelemetry
+        #: ``Tracer``; ``pip install calfsm[tracing]``) is given, else None: an observer
+        #: (calfsm/telemetry/tracing.py), so tracing off costs nothing
+        self.request_tracer = None
+        if tracer is not None:
+            from calfsm.telemetry.tracing import RequestTracer
+            self.request_tracer = RequestTracer(self, tracer)
         self._control.start(manifest, calbin or Calbin.from_manifest(manifest))
         self._runtime.start()
         if self._cache is not None:
@@ -480,10 +487,11 @@ class DeviceExecutor:
     async def create(cls, driver: Driver, manifest: Manifest,
                      config: ExecutorConfig | None = None, *,
                      calbin: Calbin | None = None,
-                     tokenizer: Tokenizer | None = None) -> DeviceExecutor:
+                     tokenizer: Tokenizer | None = None, tracer: Any = None
+                     ) -> DeviceExecutor:
         """Construct (start-up and warm-up) without blocking the event loop."""
         return await asyncio_module().to_thread(cls, driver, manifest, config, calbin=calbin,
-                                                tokenizer=tokenizer)
+                                                tokenizer=tokenizer, tracer=tracer)
 
     async def aclose(self, timeout: float | None = None, *, grace_s: float | None = None
                      ) -> None:

@@ -91,6 +91,7 @@ from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of,
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
+from calfsm.serve.tracecontext import TRACEPARENT, traced_start, traceparent_of
 from calfsm.telemetry.metrics import ExecutorMetrics
 from calfsm.util.lazy import bf16_dtype
 from calfsm.util.lograte import RateLimitedLog
@@ -365,7 +366,10 @@ class _Server:
                                   self.config.max_json_depth)
                 plan = parse(body, self.limits, self.tokenizer,
                              text_stops=self.text_stops)
-                choices = self._start(ex, plan, client, rid, arrival)
+                with traced_start(ex.request_tracer, request.headers):
+                    choices = self._start(ex, plan, client, rid, arrival)
+                tp = traceparent_of(ex.request_tracer,
+                                    [c.stream.request_id for c in choices])
         except ApiError as e:
             return _with_id(_error_response(e, client), rid)
         except CalfsmError as e:
@@ -386,6 +390,8 @@ class _Server:
                 answer = await self._collect(request, plan, choices, shape, client)
         except Exception as e:
             answer = _internal(request, e)
+        if tp is not None:
+            answer.headers[TRACEPARENT] = tp
         return _with_id(answer, rid)
 
     def _start(self, ex: DeviceExecutor, plan: GenerationPlan, client: str,

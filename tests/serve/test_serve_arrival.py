@@ -15,12 +15,15 @@ import time
 
 import httpx
 import pytest
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.serve import realtime_sim
 from calfsm.serve.app import client_usage
 from tests.helpers.executor import GatedDriver, make_sim
-from tests.helpers.serve import MODEL, TINY, TOK, poll, samples, serve, sse_events
+from tests.helpers.serve import MODEL, TINY, TOK, Serving, poll, samples, serve, sse_events
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -124,3 +127,66 @@ def test_a_failure_after_the_headers_is_an_sse_error_event():
             events = sse_events(r.iter_lines())
     assert events[-1] == "[DONE]"
     assert events[-2]["error"]["code"] == "deadline_exceeded", events
+
+
+def test_traceparent_comes_in_and_goes_out():
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
+                        tokenizer=TOK, tracer=provider.get_tracer("test"))
+    srv = serve(ex)
+    trace_id, parent_id = "4bf92f3577b34da6a3ce929d0e0e4736", "00f067aa0ba902b7"
+    incoming = {"traceparent": f"00-{trace_id}-{parent_id}-01"}
+    body = {"model": MODEL, "prompt": [1, 2], "max_tokens": 3, "temperature": 0}
+    try:
+        plain = httpx.post(srv.url + "/v1/completions", json=body, headers=incoming)
+        with httpx.stream("POST", srv.url + "/v1/completions", headers=incoming,
+                          json=body | {"stream": True}) as r:
+            streamed = r.headers.get("traceparent")
+            list(r.iter_lines())
+        own = httpx.post(srv.url + "/v1/completions", json=body)     # no traceparent
+        poll(lambda: len([s for s in exporter.get_finished_spans()
+                          if s.name == "calfsm.request"]) == 3, 10, "three request spans")
+    finally:
+        srv.stop()
+        ex.close()
+        provider.shutdown()
+    roots = {f"{s.context.span_id:016x}": s for s in exporter.get_finished_spans()
+             if s.name == "calfsm.request"}
+    for answer in (plain.headers.get("traceparent"), streamed):
+        version, tid, sid, _flags = answer.split("-")
+        assert (version, tid) == ("00", trace_id)
+        assert roots[sid].parent.span_id == int(parent_id, 16)
+    _, tid, sid, _ = own.headers["traceparent"].split("-")
+    assert tid != trace_id and roots[sid].parent is None     # a trace of its own
+
+
+def test_no_traceparent_without_a_tracer():
+    ex = DeviceExecutor(realtime_sim(TINY, decode_ms=0.2, prefill_token_us=1), TINY,
+                        tokenizer=TOK)
+    srv = serve(ex)
+    try:
+        r = httpx.post(srv.url + "/v1/completions", json={
+            "model": MODEL, "prompt": [1], "max_tokens": 2},
+            headers={"traceparent": "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"})
+    finally:
+        srv.stop()
+        ex.close()
+    assert r.status_code == 200 and "traceparent" not in r.headers
+
+
+def test_calfsm_serve_traces_to_a_dead_collector_without_holding_a_request():
+    """``--otlp-traces-endpoint`` at a port nobody listens on: every request is answered
+    (with its traceparent), and the server stops cleanly."""
+    with socket.socket() as sock:               # a port that was free: nobody listens
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    srv = Serving("--otlp-traces-endpoint", f"http://127.0.0.1:{port}/v1/traces")
+    try:
+        answers = [httpx.post(srv.url + "/v1/completions", timeout=20, json={
+            "model": MODEL, "prompt": [i + 1], "max_tokens": 3}) for i in range(8)]
+    finally:
+        srv.stop()
+    assert all(r.status_code == 200 and r.headers["traceparent"].startswith("00-")
+               for r in answers)
