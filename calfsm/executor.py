@@ -84,6 +84,8 @@ class DeviceExecutor:
     :class:`~calfsm.generate.tokenizer.ByteTokenizer` or
     :class:`~calfsm.generate.tokenizer.HFTokenizer`):
     streams then take text prompts and stop strings, and their events carry text.
+    ``tracer`` (an OpenTelemetry ``Tracer``): a span tree per generation request
+    (:mod:`calfsm.telemetry.tracing`, :attr:`request_tracer`); None: no tracing, at no cost.
     """
 
     def __init__(self, driver: Driver, manifest: Manifest,

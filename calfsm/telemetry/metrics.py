@@ -107,8 +107,8 @@ class ExecutorMetrics(Observer):
         self._clock = executor.clock
         self._lock = threading.Lock()
         #: the streams seen starting, by request id: when their first prefill was
-        #: admitted (0.0 until it was)
-        self._running: dict[str, float] = {}
+        #: admitted (None until it was)
+        self._running: dict[str, float | None] = {}
         ns = namespace
 
         def hist(name: str, doc: str, buckets: tuple[float, ...],
@@ -238,22 +238,23 @@ class ExecutorMetrics(Observer):
             queue.observe(max(0.0, t.submitted - t.queued))
             device.observe(t.device_wait_ms * 1e-3)
         latency.observe(max(0.0, t.completed - start), _exemplar(event.request_id))
-        if event.kind is not TaskKind.DECODE and t.admitted \
-                and self._running.get(event.request_id) == 0.0:
+        if event.kind is not TaskKind.DECODE and event.request_id in self._running \
+                and self._running[event.request_id] is None \
+                and (outcome == "succeeded" or t.admitted > 0):
             self._running[event.request_id] = t.admitted    # a stream's first prefill
         if outcome == "failed" and isinstance(event.error, ResourceExhausted):
             self.rejections.labels("kv_budget").inc()   # larger than the whole budget
 
     def stream_started(self, stream: Stream) -> None:
         with self._lock:
-            self._running[stream.request_id] = 0.0
+            self._running[stream.request_id] = None
 
     def stream_resumed(self, stream: Stream) -> None:
         self.resumes.inc()
 
     def stream_ended(self, stream: Stream, result: GenerationResult) -> None:
         with self._lock:
-            admitted = self._running.pop(stream.request_id, 0.0)
+            admitted = self._running.pop(stream.request_id, None)
         self.finished.labels(result.finish_reason.value).inc()
         exemplar = _exemplar(stream.request_id)
         arrival, started, now = stream.arrival, stream.started, self._clock.now()
@@ -261,7 +262,7 @@ class ExecutorMetrics(Observer):
         if result.ttft_s is not None:
             self.ttft.observe(result.ttft_s, exemplar)
             first = arrival + result.ttft_s
-            if admitted:
+            if admitted is not None:
                 self.request_queue.observe(max(0.0, admitted - started))
                 self.prefill_time.observe(max(0.0, first - admitted))
             self.decode_time.observe(max(0.0, now - first))

@@ -134,15 +134,16 @@ class RequestTracer(Observer):
     def stream_started(self, stream: StreamView) -> None:
         arrival, started = stream.arrival, stream.started
         seq_id = stream.sequence.seq_id
-        root = self.tracer.start_span(
-            "calfsm.request", kind=SpanKind.INTERNAL, start_time=self._ns(arrival),
-            attributes={"calfsm.request_id": stream.request_id, "calfsm.seq_id": seq_id,
-                        "gen_ai.operation.name": "text_completion",
-                        "gen_ai.request.max_tokens": stream.params.max_tokens,
-                        "gen_ai.usage.input_tokens": len(stream.prompt),
-                        "calfsm.prompt_cache.cached_tokens": stream.cached})
+        root = self.tracer.start_span("calfsm.request", kind=SpanKind.INTERNAL,
+                                      start_time=self._ns(arrival))
         if not root.is_recording():
             return                      # not sampled: nothing to keep
+        root.set_attributes({
+            "calfsm.request_id": stream.request_id, "calfsm.seq_id": seq_id,
+            "gen_ai.operation.name": "text_completion",
+            "gen_ai.request.max_tokens": stream.params.max_tokens,
+            "gen_ai.usage.input_tokens": len(stream.prompt),
+            "calfsm.prompt_cache.cached_tokens": stream.cached})
         ctx = trace.set_span_in_context(root)
         live = _Live(root, ctx, seq_id, stream.cached)
         live.open = self.tracer.start_span(
@@ -153,18 +154,15 @@ class RequestTracer(Observer):
             self._by_seq[seq_id] = live
 
     def job_ended(self, event: JobEnded) -> None:
-        rid = event.request_id
-        if rid is None:
-            return
-        live = self._live.get(rid)
+        live = self._live.get(event.request_id)     # type: ignore[arg-type]
         if live is None:
+            return
+        if event.kind is TaskKind.DECODE and event.outcome == "succeeded":
+            live.steps += 1             # the per-token path: one count (one thread a job)
             return
         t = event.timings
         with self._lock:
-            if event.kind is TaskKind.DECODE:
-                if event.outcome == "succeeded":
-                    live.steps += 1
-            else:
+            if event.kind is not TaskKind.DECODE:
                 self._prefill_ended(live, event, t)
             if event.outcome in ("failed", "quarantined") and event.error is not None \
                     and event.error.category in _DEVICE:
@@ -177,17 +175,19 @@ class RequestTracer(Observer):
         """A prefill of the stream ended: its first (closing the admission) or a replay."""
         ok = event.outcome == "succeeded"
         if live.phase == "admission":
-            admitted = t.admitted or t.completed
+            # (a virtual clock's time 0 is a time too: a job that ran was admitted)
+            was_admitted = ok or t.admitted > 0 or t.submitted > 0
+            admitted = t.admitted if was_admitted else t.completed
             span = live.open
             live.open = None
             span.set_attributes({
                 "calfsm.admission.wait_s": max(0.0, admitted - (t.released or t.accepted)),
                 "calfsm.kv.reserved_tokens": event.request.token_count,
                 "calfsm.kv.past_tokens": event.request.past_len or 0})
-            if not t.admitted:
+            if not was_admitted:
                 span.set_status(Status(StatusCode.ERROR, "never admitted"))
             span.end(self._ns(admitted))
-            if not t.admitted:
+            if not was_admitted:
                 self._recovering(live, event, t)
                 return
             start, replay = t.admitted, False

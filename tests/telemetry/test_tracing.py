@@ -274,3 +274,20 @@ def test_no_observer_without_a_tracer():
     with make_executor("step") as ex:
         assert len(ex.observers) == 0
         assert trace.get_current_span() is trace.INVALID_SPAN
+
+
+def test_a_request_admitted_at_time_zero_is_not_taken_for_a_failure(spans):
+    """On a virtual clock that a zero-latency device never moves, every time is 0.0:
+    still a time (the prefill was admitted, then decoded), not the 'unset' of JobTimings."""
+    from calfsm.drivers.sim import LatencyModel
+    from calfsm.executor import DeviceExecutor, ExecutorConfig
+    from tests.helpers.executor import TINY, make_sim
+    tracer, exporter = spans
+    with DeviceExecutor(make_sim("step", latency=LatencyModel.zero()), TINY,
+                        ExecutorConfig(threaded=False), tracer=tracer) as ex:
+        s = ex.generate(PROMPT, SamplingParams(max_tokens=3))
+        run(ex, lambda: s.done() and ex.idle())
+        assert ex.clock.now() == 0.0
+    _, kids = tree(exporter)[s.request_id]
+    assert [k.name for k in kids] == ["calfsm.admission", "calfsm.prefill", "calfsm.decode"]
+    assert all(k.status.status_code is StatusCode.UNSET for k in kids)
