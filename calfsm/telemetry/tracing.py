@@ -105,11 +105,19 @@ class RequestTracer(Observer):
         self._by_seq: dict[int, _Live] = {}
         self._rows = 0                  # every batch graph job's rows, and the jobs
         self._jobs = 0
+        #: the per-job events, observed only while a traced request is live: an
+        #: unsampled (or idle) tracer costs the per-token path nothing
+        self._tap = _JobTap(self)
+        self._tapped = False
         executor.add_observer(self)
 
     def close(self) -> None:
         """Stop tracing (spans of streams still running are not ended). Idempotent."""
-        ex, self._executor = self._executor, None
+        with self._lock:
+            ex, self._executor = self._executor, None
+            if ex is not None and self._tapped:
+                ex.remove_observer(self._tap)
+                self._tapped = False
         if ex is not None:
             ex.remove_observer(self)
 
@@ -152,8 +160,11 @@ class RequestTracer(Observer):
         with self._lock:
             self._live[stream.request_id] = live
             self._by_seq[seq_id] = live
+            if not self._tapped and self._executor is not None:
+                self._executor.add_observer(self._tap)
+                self._tapped = True
 
-    def job_ended(self, event: JobEnded) -> None:
+    def _job_ended(self, event: JobEnded) -> None:
         live = self._live.get(event.request_id)     # type: ignore[arg-type]
         if live is None:
             return
@@ -249,6 +260,9 @@ class RequestTracer(Observer):
                 return
             if self._by_seq.get(live.seq_id) is live:
                 del self._by_seq[live.seq_id]
+            if not self._live and self._tapped and self._executor is not None:
+                self._executor.remove_observer(self._tap)
+                self._tapped = False
         end = self._ns(self._now())
         error = result.error
         if live.open is not None:           # ended before its first token
@@ -301,9 +315,23 @@ class RequestTracer(Observer):
         root.set_attributes(attrs)
         root.end(now)
 
-    def device_step(self, step: DeviceStep) -> None:
+    def _device_step(self, step: DeviceStep) -> None:
         self._rows += step.rows
         self._jobs += 1
+
+
+class _JobTap(Observer):
+    """The tracer's per-job events (a job's end, a batch job's rows): registered while
+    a traced request is live, so the per-token path pays for them only then."""
+
+    def __init__(self, owner: RequestTracer) -> None:
+        self._owner = owner
+
+    def job_ended(self, event: JobEnded) -> None:
+        self._owner._job_ended(event)
+
+    def device_step(self, step: DeviceStep) -> None:
+        self._owner._device_step(step)
 
 
 def _error_attrs(err: CalfsmError) -> dict[str, Any]:

@@ -91,9 +91,11 @@ def test_a_streamed_request_is_a_span_with_admission_prefill_and_decode(spans):
         with tracer.start_as_current_span("client") as parent:
             s = ex.generate(PROMPT, SamplingParams(max_tokens=6), arrival=arrival)
         tp = rt.traceparent(s.request_id)
+        assert len(ex.observers) == 2       # the tracer, and its per-job tap while live
         run(ex, lambda: s.done() and ex.idle())
         r = s.result(0)
         assert rt.live_requests() == 0 and rt.traceparent(s.request_id) is None
+        assert len(ex.observers) == 1
         rt.close()
     root, kids = tree(exporter)[s.request_id]
     # the incoming context is the parent; traceparent names the request's own span
@@ -228,8 +230,10 @@ def test_an_unsampled_request_keeps_nothing():
         rt = RequestTracer(ex, provider.get_tracer("test"))
         s = ex.generate(PROMPT, SamplingParams(max_tokens=3))
         assert rt.live_requests() == 0 and rt.traceparent(s.request_id) is None
+        assert len(ex.observers) == 1       # the per-job events are not observed at all
         run(ex, lambda: s.done() and ex.idle())
         rt.close()
+        assert len(ex.observers) == 0
     assert exporter.get_finished_spans() == ()
 
 
