@@ -160,6 +160,10 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-row-share", type=float, default=0.0, metavar="S",
                    help="sim, batch calbin: what each row past the first adds to a batch "
                         "decode step, as a share of --decode-ms (0 <= S < 1; a model)")
+    p.add_argument("--shape-cost", default="graph", choices=("graph", "rows"),
+                   help="sim: what a step costs: graph, a static calbin's (its graph's "
+                        "whole batch, padded rows included; the default), or rows, a "
+                        "dynamic-shape device's (the rows it carries); both are models")
     p.add_argument("--faults", default="none", metavar="none|swarm|PLAN.json",
                    help="sim: a fault plan (swarm: a random one drawn from --seed)")
     p.add_argument("--seed", type=int, default=0, help="seeds the driver and swarm plan")
@@ -246,7 +250,8 @@ def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
     if args.driver == "sim":
         return realtime_sim(manifest, decode_ms=args.decode_ms,
                             prefill_token_us=args.prefill_token_us, seed=args.seed,
-                            faults=faults, batch_row_share=args.batch_row_share)
+                            faults=faults, batch_row_share=args.batch_row_share,
+                            shape_cost=args.shape_cost)
     return load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
                        faults=faults)
 
