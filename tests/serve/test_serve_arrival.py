@@ -183,7 +183,8 @@ def test_calfsm_serve_traces_to_a_dead_collector_without_holding_a_request():
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     srv = Serving("--otlp-traces-endpoint", f"http://127.0.0.1:{port}/v1/traces")
-    try:
+    try:        # 'listening on' comes before the warm-up's end: /ready says when
+        poll(lambda: httpx.get(srv.url + "/ready").status_code == 200, 60, "not ready")
         answers = [httpx.post(srv.url + "/v1/completions", timeout=20, json={
             "model": MODEL, "prompt": [i + 1], "max_tokens": 3}) for i in range(8)]
     finally:
