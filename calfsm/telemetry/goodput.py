@@ -30,8 +30,8 @@ import numpy as np
 
 from calfsm.errors import InvalidArgument
 
-__all__ = ["METRICS", "PERCENTILES", "SLO_METRICS", "GoodputReport", "RequestRecord",
-           "format_slos", "meets", "parse_slos", "summarize"]
+__all__ = ["METRICS", "PERCENTILES", "SLO_METRICS", "GoodputReport", "GoodputTally",
+           "RequestRecord", "format_slos", "meets", "parse_slos", "summarize"]
 
 #: the figures reported per request (``itl`` pooled over every gap)
 METRICS = ("ttft", "tpot", "itl", "e2el")
@@ -175,35 +175,87 @@ class GoodputReport:
         return lines
 
 
-def _percentiles(values: Iterable[float]) -> dict[int, float | None]:
-    arr = np.fromiter(values, dtype=float)
-    if arr.size == 0:
+class GoodputTally:
+    """Requests added one at a time, for a run too long to keep them all (the soak):
+    attainment and goodput are counted exactly; each figure's percentiles come from a
+    uniform sample of at most ``keep`` values (reservoir sampling, seeded; None: every
+    value), held in arrays allocated up front, so a long run's memory stays flat."""
+
+    def __init__(self, slos: dict[str, float] | None = None, *, keep: int | None = None,
+                 seed: int = 0) -> None:
+        self.slos = dict(slos or {})
+        for key in self.slos:
+            if key not in SLO_METRICS:
+                raise InvalidArgument(f"no SLO on {key!r} (have {', '.join(SLO_METRICS)})",
+                                      field="goodput")
+        self.keep = keep
+        self._rng = np.random.default_rng(seed)
+        self.requests = self.ok = self.good = self.output_tokens = 0
+        self.met = dict.fromkeys(self.slos, 0)
+        self._seen = dict.fromkeys(METRICS, 0)
+        self._values: dict[str, Any] = {
+            m: [] if keep is None else np.full(keep, np.nan) for m in METRICS}
+
+    def add(self, record: RequestRecord) -> None:
+        self.requests += 1
+        if meets(record, self.slos):
+            self.good += 1
+        if not record.ok:
+            return
+        self.ok += 1
+        self.output_tokens += record.output_tokens
+        for key, bound in self.slos.items():
+            v = record.value_ms(key)
+            if v is not None and v <= bound:
+                self.met[key] += 1
+        for m in ("ttft", "tpot", "e2el"):
+            v = record.value_ms(m)
+            if v is not None:
+                self._keep(m, v)
+        for gap in record.itl_s:
+            self._keep("itl", gap * 1e3)
+
+    def _keep(self, metric: str, value: float) -> None:
+        n = self._seen[metric]
+        self._seen[metric] = n + 1
+        if self.keep is None:
+            self._values[metric].append(value)
+        elif n < self.keep:
+            self._values[metric][n] = value
+        else:                                   # Algorithm R: keep it with p = keep / (n+1)
+            j = int(self._rng.integers(0, n + 1))
+            if j < self.keep:
+                self._values[metric][j] = value
+
+    def report(self, duration_s: float) -> GoodputReport:
+        """The figures so far, rates over ``duration_s`` seconds."""
+        n = self.requests
+        pcts = {}
+        for m in METRICS:
+            vals = np.asarray(self._values[m], dtype=float)[:self._seen[m]]
+            pcts[m] = _percentiles(vals)
+        attainment = {k: (c / n if n else 0.0) for k, c in self.met.items()}
+        attainment["all"] = self.good / n if n else 0.0
+        per_s = 1.0 / duration_s if duration_s > 0 else 0.0
+        return GoodputReport(requests=n, errors=n - self.ok, duration_s=duration_s,
+                             slos=dict(self.slos), percentiles=pcts, attainment=attainment,
+                             good=self.good, goodput_rps=self.good * per_s,
+                             throughput_rps=self.ok * per_s,
+                             output_tokens=self.output_tokens)
+
+
+def _percentiles(values: np.ndarray) -> dict[int, float | None]:
+    if values.size == 0:
         return {p: None for p in PERCENTILES}
-    return dict(zip(PERCENTILES, (float(v) for v in np.percentile(arr, PERCENTILES))))
+    return dict(zip(PERCENTILES, (float(v) for v in np.percentile(values, PERCENTILES))))
 
 
-def summarize(records: Sequence[RequestRecord], duration_s: float,
+def summarize(records: Iterable[RequestRecord], duration_s: float,
               slos: dict[str, float] | None = None) -> GoodputReport:
     """Percentiles (of the requests that succeeded), attainment and goodput of
     ``records`` over ``duration_s`` seconds (the run's span: first arrival to last
     answer, as vLLM's benchmark duration)."""
-    slos = dict(slos or {})
-    for key in slos:
-        if key not in SLO_METRICS:
-            raise InvalidArgument(f"no SLO on {key!r} (have {', '.join(SLO_METRICS)})",
-                                  field="goodput")
-    ok = [r for r in records if r.ok]
-    ms = {"ttft": [r.value_ms("ttft") for r in ok], "tpot": [r.value_ms("tpot") for r in ok],
-          "e2el": [r.value_ms("e2el") for r in ok],
-          "itl": [g * 1e3 for r in ok for g in r.itl_s]}
-    pcts = {m: _percentiles(v for v in ms[m] if v is not None) for m in METRICS}
-    n = len(records)
-    attainment = {k: (sum(1 for r in ok if (v := r.value_ms(k)) is not None and v <= b) / n
-                      if n else 0.0) for k, b in slos.items()}
-    good = sum(1 for r in records if meets(r, slos))
-    attainment["all"] = good / n if n else 0.0
-    per_s = 1.0 / duration_s if duration_s > 0 else 0.0
-    return GoodputReport(requests=n, errors=n - len(ok), duration_s=duration_s, slos=slos,
-                         percentiles=pcts, attainment=attainment, good=good,
-                         goodput_rps=good * per_s, throughput_rps=len(ok) * per_s,
-                         output_tokens=sum(r.output_tokens for r in ok))
+    tally = GoodputTally(slos)
+    for r in records:
+        tally.add(r)
+    return tally.report(duration_s)

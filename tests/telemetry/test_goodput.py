@@ -104,3 +104,32 @@ def test_parse_slos_refuses(spec: str) -> None:
     with pytest.raises(InvalidArgument) as e:
         parse_slos(spec)
     assert e.value.field == "goodput"
+
+
+def test_a_bounded_tally_counts_exactly_and_samples_its_percentiles() -> None:
+    """The soak's form: attainment and goodput exact whatever ``keep``; the percentiles
+    of a uniform sample, close to the exact ones."""
+    import random
+
+    from calfsm.telemetry.goodput import GoodputTally
+
+    rng = random.Random(7)
+    records = []
+    for i in range(5000):
+        if i % 50 == 0:
+            records.append(RequestRecord(ok=False))
+            continue
+        gaps = tuple(rng.uniform(0.005, 0.040) for _ in range(rng.randint(0, 6)))
+        ttft = rng.uniform(0.01, 0.3)
+        records.append(RequestRecord(ok=True, ttft_s=ttft, e2e_s=ttft + sum(gaps),
+                                     itl_s=gaps, output_tokens=len(gaps) + 1))
+    exact = summarize(records, 10.0, SLOS)
+    small = GoodputTally(SLOS, keep=1000, seed=1)
+    for r in records:
+        small.add(r)
+    got = small.report(10.0)
+    assert (got.requests, got.errors, got.good, got.output_tokens) == (
+        exact.requests, exact.errors, exact.good, exact.output_tokens)
+    assert got.attainment == exact.attainment and got.goodput_rps == exact.goodput_rps
+    for m in ("ttft", "tpot", "itl", "e2el"):
+        assert got.percentiles[m][50] == pytest.approx(exact.percentiles[m][50], rel=0.1)
