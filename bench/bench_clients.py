@@ -1,10 +1,12 @@
-"""The load clients users trust, as-is, against ``calfsm serve``: aiperf and guidellm each
-in its own virtual environment, their figures checked against the server's ``/metrics``.
+"""The load clients users trust, as-is, against ``calfsm serve``: aiperf and guidellm (and
+vLLM's ``vllm bench serve`` on request) each in its own virtual environment, their
+figures checked against the server's ``/metrics``.
 
 Run from the repository root::
 
-    python bench/bench_clients.py                  # installs once (~2-5 min), then ~4 min
+    python bench/bench_clients.py                  # installs once (~15 min), then ~10 min
     python bench/bench_clients.py --clients aiperf --requests 40
+    python bench/bench_clients.py --clients aiperf,guidellm,vllm   # vllm: ~5 GB more
     python bench/bench_clients.py --install-only   # just the virtual environments
     python bench/bench_clients.py --smoke          # seconds: the built-in client only
 
@@ -16,7 +18,8 @@ index) and run as its users run it, as a subprocess of its own interpreter, agai
 ``python -m calfsm.tools.make_tokenizer`` (no model hub is reachable: each client is
 given its directory as its tokenizer). Four scenarios a client: ``/v1/completions`` and
 ``/v1/chat/completions``, streaming and not, ``--requests`` requests one at a time, a
-fixed output length (``ignore_eos`` and ``min_tokens`` = ``max_tokens``).
+fixed output length (``ignore_eos`` and ``min_tokens`` = ``max_tokens``). ``vllm bench
+serve`` always streams, so it runs the two streaming scenarios.
 
 Around each scenario the script scrapes ``/metrics`` and takes the difference, so the
 server's figures are those of exactly the scenario's requests, and checks:
@@ -68,7 +71,9 @@ from runs import add_smoke_option
 
 ROOT = Path(__file__).resolve().parent.parent
 #: the clients and the versions checked here (issue 38)
-CLIENTS = {"aiperf": "aiperf==0.13.0", "guidellm": "guidellm==0.8.1"}
+CLIENTS = {"aiperf": "aiperf==0.13.0", "guidellm": "guidellm==0.8.1", "vllm": "vllm==0.32.0"}
+#: what runs without --clients (vllm is ~5 GB of install: opt in)
+DEFAULT_CLIENTS = ("aiperf", "guidellm")
 WITHIN = 0.05
 
 
@@ -272,6 +277,38 @@ def run_guidellm(venv: Path, s: Scenario, setup: Setup) -> Figures:
                    tokens_per_s=ok("output_tokens_per_second").get("mean"))
 
 
+def run_vllm(venv: Path, s: Scenario, setup: Setup) -> Figures:
+    """``vllm bench serve`` one request at a time (``--max-concurrency 1``) on its random
+    dataset; its saved result. It always streams: a non-streaming scenario is not its."""
+    if not s.stream:
+        raise NotImplementedError("vllm bench serve always streams")
+    out = setup.work / f"vllm-{s.endpoint}"
+    out.mkdir(parents=True, exist_ok=True)
+    n = setup.output_tokens
+    backend, endpoint = (("openai", "/v1/completions") if s.endpoint == "completions"
+                         else ("openai-chat", "/v1/chat/completions"))
+    argv = [_bin(venv, "vllm"), "bench", "serve", "--backend", backend,
+            "--base-url", setup.url, "--endpoint", endpoint, "--model", setup.model,
+            "--tokenizer", str(setup.tokenizer), "--dataset-name", "random",
+            "--random-input-len", str(setup.prompt_tokens), "--random-output-len", str(n),
+            "--random-range-ratio", "0", "--num-prompts", str(setup.requests),
+            "--max-concurrency", "1", "--ignore-eos", "--num-warmups", "0",
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
+            "--result-dir", str(out), "--result-filename", "result.json"]
+    _run(argv, out / "vllm.log", env={"VLLM_TARGET_DEVICE": "cpu"})
+    data = json.loads((out / "result.json").read_text())
+    done = int(data.get("completed", 0))
+    failed = int(data.get("failed", 0) or 0) + sum(1 for e in data.get("errors") or [] if e)
+    tokens = data.get("total_output_tokens")
+    duration = data.get("duration")
+    return Figures(ok=done, errors=failed, ttft_ms=data.get("mean_ttft_ms"),
+                   # its TPOT is (latency - TTFT) / (tokens - 1) per request; its ITL the
+                   # mean gap between chunks
+                   itl_ms=data.get("mean_tpot_ms"), e2e_ms=data.get("mean_e2el_ms"),
+                   output_tokens=tokens,
+                   tokens_per_s=tokens / duration if tokens and duration else None)
+
+
 def _run(argv: list[str], log: Path, env: dict[str, str] | None = None) -> None:
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("w") as f:
@@ -345,7 +382,7 @@ def run_builtin(s: Scenario, setup: Setup) -> Figures:
 
 
 RUNNERS: dict[str, Callable[[Path, Scenario, Setup], Figures]] = {
-    "aiperf": run_aiperf, "guidellm": run_guidellm}
+    "aiperf": run_aiperf, "guidellm": run_guidellm, "vllm": run_vllm}
 
 
 # ---- the server ----------------------------------------------------------------------------
@@ -386,8 +423,9 @@ def local_tokenizer() -> str:
 # ---- the command ---------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--clients", default=",".join(CLIENTS),
-                    help=f"comma-separated, of {', '.join(CLIENTS)} (default all)")
+    ap.add_argument("--clients", default=",".join(DEFAULT_CLIENTS),
+                    help=f"comma-separated, of {', '.join(CLIENTS)} (default "
+                         f"{','.join(DEFAULT_CLIENTS)})")
     ap.add_argument("--cache", default=str(ROOT / ".cache" / "clients"),
                     help="where the clients' virtual environments go")
     ap.add_argument("--requests", type=int, default=20, help="requests per scenario")
@@ -444,6 +482,9 @@ def main() -> int:
                     try:
                         fig = run_builtin(s, setup) if name == "built-in" \
                             else RUNNERS[name](venvs[name], s, setup)
+                    except NotImplementedError as e:
+                        print(f"| {name} | {s.name} | not offered: {e} | | | | | |")
+                        continue
                     except (RuntimeError, subprocess.TimeoutExpired, OSError,
                             StopIteration, KeyError, ValueError) as e:
                         print(f"| {name} | {s.name} | **failed**: "
