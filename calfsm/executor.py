@@ -60,6 +60,7 @@ from calfsm.generate.streams import (
 from calfsm.generate.tokenizer import Tokenizer, check_tokenizer, encode_prompt
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.plan.batching import plan_batching
+from calfsm.plan.buckets import plan_buckets
 from calfsm.plan.inflight import plan_inflight
 from calfsm.runtime.drive import StepRuntime, Steps, ThreadRuntime
 from calfsm.runtime.stepper import StepScheduler
@@ -97,7 +98,9 @@ class DeviceExecutor:
         plan = plan_inflight(cfg.max_inflight, driver, evidence_dir=cfg.evidence_dir)
         batching = plan_batching(manifest, driver, requested=cfg.max_batch,
                                  evidence_dir=cfg.evidence_dir)
-        self._notes: tuple[str, ...] = tuple(p.note for p in (plan, batching) if p.note)
+        shapes = plan_buckets(manifest, driver, evidence_dir=cfg.evidence_dir)
+        self._notes: tuple[str, ...] = tuple(p.note for p in (plan, batching, shapes)
+                                             if p.note)
         for note in self._notes:
             log.warning("%s", note, extra={"stage": "config"})
         if plan.proof:
@@ -105,6 +108,8 @@ class DeviceExecutor:
         if batching.proof:
             log.info("continuous batching, %d rows per step: %s", batching.max_rows,
                      batching.proof, extra={"stage": "config"})
+        if shapes.proof:
+            log.info("shape buckets: %s", shapes.proof, extra={"stage": "config"})
         #: rows one device step carries at most (1: no batching; calfsm/plan/batching.py)
         self.max_batch = batching.max_rows
         engines = plan.engines
@@ -144,7 +149,8 @@ class DeviceExecutor:
             build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
                                 token_budget=cfg.token_budget, engines=engines,
-                                sync=THREADS, batch_rows=batching.max_rows))
+                                sync=THREADS, batch_rows=batching.max_rows,
+                                buckets=shapes.buckets))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
@@ -576,6 +582,14 @@ class DeviceExecutor:
             errors_by_category=by_category, admitting=self._pipeline.admission.parked(),
             **{k: counts[k] for k in COUNTERS})
 
+    def _graph_notes(self) -> tuple[str, ...]:
+        """The shape buckets the current generation took out, each with why."""
+        epoch = self._life.epoch
+        if epoch is None or not epoch.graph_failures:
+            return ()
+        return tuple(f"shape bucket {name} taken out: {why}"
+                     for name, why in epoch.graph_failures.items())
+
     def health(self) -> Health:
         """Liveness and readiness (spec section 9), cheap and safe from any thread.
 
@@ -620,7 +634,8 @@ class DeviceExecutor:
             generation=life.generation, inflight=inflight, queue_depth=depth,
             submitter_heartbeat=p.heartbeat("submitter"),
             completion_heartbeat=p.heartbeat("completion"), reason=life.reason,
-            max_inflight=p.max_inflight, max_batch=self.max_batch, notes=self._notes,
+            max_inflight=p.max_inflight, max_batch=self.max_batch,
+            notes=self._notes + self._graph_notes(),
             broken=p.broken,
             live=live_reason is None, live_reason=live_reason, oldest_job_s=age,
             hang_suspected=suspect, ready_reason=ready_reason)

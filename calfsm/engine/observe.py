@@ -165,12 +165,14 @@ class JobEnded:
 
 @attrs.frozen(slots=True)
 class DeviceStep:
-    """One device job of a batch graph submitted: ``rows`` rows (streams' steps) of the
-    graph's ``capacity`` (its ``max_batch``); the rest is padding."""
+    """One device job of a batch graph (or of a shape bucket) submitted: ``rows`` rows
+    (streams' steps) of the graph's ``capacity`` (its ``max_batch``); the rest is
+    padding. ``graph``: the graph's exact name."""
 
     kind: TaskKind
     rows: int
     capacity: int
+    graph: str = ""
 
 
 class Observer:

@@ -78,6 +78,7 @@ from calfsm.generate.arguments import (
     check_prompt,
     default_params,
 )
+from calfsm.generate.constraint import compile_constraint
 from calfsm.generate.flow import Flow
 from calfsm.generate.front import Front
 from calfsm.generate.livestreams import stream_work_s
@@ -511,7 +512,7 @@ class Stream:
         self.params = params
         self._sampler: Sampler = params.sampler_for(
             contract.vocab, prompt_len=len(self.prompt),
-            eos_token_id=getattr(tokenizer, "eos_token_id", None))
+            eos_token_id=getattr(tokenizer, "eos_token_id", None), tokenizer=tokenizer)
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
@@ -711,8 +712,9 @@ class Stream:
     def _started(self, handle: JobHandle, request: Request) -> None:
         """``handle`` runs ``request``, the stream's step in flight now: it carries the
         stream's continuation, and the step after it is prepared (deferred)."""
-        if self._track(handle, request):
-            self.sequence.defer(self._stage_next)
+        then = _off_path(self, self._track(handle, request))
+        if then is not None:
+            self.sequence.defer(then)
 
     def _track(self, handle: JobHandle, request: Request) -> bool:
         """Make ``handle`` (running ``request``) the step in flight: it carries the
@@ -737,6 +739,8 @@ class Stream:
             lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
                                             priority=priority, request_id=rid),
             lambda: self._ending or self._cancelled)
+        if self._sampler.constrained:
+            _prepare_mask(self)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
     def _continue(self, job: JobContext, logits: np.ndarray) -> Successor | None:
@@ -841,8 +845,7 @@ class Stream:
         if chain is not None and staged is not None:
             # the core runs it with its token, right after this continuation returns
             if self.sequence.follow(staged, after=chain):
-                then = self._stage_next if self._track(
-                    staged, staged.context.request) else None
+                then = _off_path(self, self._track(staged, staged.context.request))
                 return None, None, Successor(staged, token, then)
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
@@ -1137,6 +1140,22 @@ class Stream:
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
 
 
+def _off_path(stream: Stream, worth: bool) -> Callable[[], None] | None:
+    """What ``stream`` does off the token path while its step in flight runs: prepare
+    the step after it (``worth``: another may follow), and the constraint's mask for
+    its token; None: nothing."""
+    if worth:
+        return stream._stage_next
+    return (lambda: _prepare_mask(stream)) if stream._sampler.constrained else None
+
+
+def _prepare_mask(stream: Stream) -> None:
+    """The constraint's mask for the token of ``stream``'s step in flight, made while
+    the device runs it (the history read in place: only its length is taken now)."""
+    if not stream._ending:
+        stream._sampler.prepare(TokenHistory(stream.prompt, stream._tokens))
+
+
 class StreamText:
     """A stream's text, on an executor with a tokenizer: its incremental decoder (None
     once the stream ended, or a stop ended it: what the decoder still holds is then the
@@ -1220,6 +1239,9 @@ def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenize
         else:
             check_max_tokens(params.max_tokens, n, limits, position=position,
                              field="SamplingParams.max_tokens")
+        if params.constraint is not None:     # compiled now (cached): a 400 up front
+            compile_constraint(params.constraint, tokenizer,
+                               model.submodel(TaskKind.DECODE).vocab)
     except InvalidArgument as e:
         raise e.with_context(seq_id=seq_id) from None
     return checked, params

@@ -56,6 +56,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,6 +74,8 @@ from starlette.routing import Route
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.arguments import ContextLimits
+from calfsm.generate.constraint import constraints_available
+from calfsm.generate.constraint import warm as warm_constraints
 from calfsm.generate.streams import Stream
 from calfsm.generate.tokenizer import Tokenizer
 from calfsm.manifest import TaskKind
@@ -88,6 +91,12 @@ from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of,
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
+from calfsm.serve.toolcalls import (
+    DEFAULT_TOOL_PARSER,
+    collect_tool_calls,
+    tool_parser,
+    with_tool_calls,
+)
 from calfsm.telemetry.metrics import ExecutorMetrics
 from calfsm.util.lazy import bf16_dtype
 from calfsm.util.lograte import RateLimitedLog
@@ -154,6 +163,18 @@ class ServerConfig:
     #: ``--chat-template FILE``); None: the tokenizer's own (``chat_template``), else the
     #: built-in one (calfsm.serve.tokenizer.chat_prompt)
     chat_template: Any = None
+    #: how a chat's answer is read for tool calls: a parser's name in
+    #: calfsm.serve.toolcalls.TOOL_PARSERS (``--tool-call-parser``; default Hermes/Qwen's
+    #: ``<tool_call>...</tool_call>``)
+    tool_call_parser: str = attrs.field(default=DEFAULT_TOOL_PARSER)
+
+    @tool_call_parser.validator
+    def _known_parser(self, attribute: Any, value: Any) -> None:
+        try:
+            tool_parser(value)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"ServerConfig.tool_call_parser: {e.message}",
+                                  stage="config") from None
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:
@@ -200,6 +221,11 @@ class _Server:
             else ByteTokenizer(contract.vocab)
         self.chat_template = self.config.chat_template \
             or getattr(executor.tokenizer, "chat_template", None)
+        if constraints_available():
+            # llguidance reads the tokenizer once (seconds at 151,936 ids): now, beside
+            # the start-up, not in the first constrained request's parse
+            threading.Thread(target=warm_constraints, args=(self.tokenizer, contract.vocab),
+                             name="llguidance-warm", daemon=True).start()
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
         context = ContextLimits.of(epoch.model)
@@ -335,7 +361,8 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(
-            request, functools.partial(parse_chat, chat_template=self.chat_template), CHAT)
+            request, functools.partial(parse_chat, chat_template=self.chat_template,
+                                       tool_parser=self.config.tool_call_parser), CHAT)
 
     async def _generate(self, request: Request, parse: Callable[..., GenerationPlan],
                         shape: Shape) -> Response:
@@ -412,10 +439,12 @@ class _Server:
         texts = [[] for _ in choices]
         scored: list[list[Piece]] = [[] for _ in choices]     # token pieces, for logprobs
         ends: list[Piece | None] = [None] * len(choices)
+        calls: list[list[dict[str, Any]]] = [[] for _ in choices]
 
         async def run() -> None:
-            async for piece in merged(choices):
+            async for piece in _pieces(plan, choices):
                 texts[piece.index].append(piece.text)
+                calls[piece.index].extend(piece.tool_calls)
                 if piece.event is not None:
                     scored[piece.index].append(piece)
                 if piece.finish_reason or piece.error:
@@ -446,11 +475,12 @@ class _Server:
         return JSONResponse(shape.body(
             shape.new_id(), self.limits.model, ["".join(t) for t in texts],
             [p.finish_reason for p in done], self._usage(plan, done),
-            scored if plan.logprobs is not None else None))
+            scored if plan.logprobs is not None else None,
+            [collect_tool_calls(c) for c in calls] if plan.tools is not None else None))
 
     async def _stream(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                       shape: Shape, client: str) -> Response:
-        pieces = merged(choices)
+        pieces = _pieces(plan, choices)
         first_piece = asyncio.ensure_future(anext(pieces))
         gone = asyncio.ensure_future(_disconnected(request))
         try:
@@ -504,7 +534,8 @@ class _Server:
                 # with logprobs, a token whose text is not complete yet (a byte of a
                 # character) still has its chunk: its logprobs are its own
                 made += piece.event is not None
-                if piece.text or piece.finish_reason or (lps and piece.event is not None):
+                if piece.text or piece.finish_reason or piece.tool_calls \
+                        or (lps and piece.event is not None):
                     yield sse(shape.chunk(rid, model, created, piece, include_usage=inc,
                                           logprobs=lps, used=so_far()))
                 if piece.finish_reason:
@@ -515,6 +546,14 @@ class _Server:
             yield sse("[DONE]")
         finally:
             await pieces.aclose()       # a client gone: its streams are cancelled
+
+
+def _pieces(plan: GenerationPlan, choices: list[Choice]) -> AsyncIterator[Piece]:
+    """The choices' pieces as they come; read for tool calls when the chat offered
+    tools (calfsm.serve.toolcalls)."""
+    if plan.tools is not None and plan.tools.parses:
+        return with_tool_calls(merged(choices), plan.tools)
+    return merged(choices)
 
 
 async def _disconnected(request: Request) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import attrs
 
@@ -51,6 +52,9 @@ class Piece:
     offset: int = 0
     #: prompt tokens whose KV the prompt cache gave (not prefilled again)
     cached_tokens: int = 0
+    #: tool-call deltas this piece completed, in OpenAI's form (calfsm.serve.toolcalls:
+    #: a chat with tools); ``text`` is then the content outside the calls
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 class Choice:

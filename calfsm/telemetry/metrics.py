@@ -155,6 +155,15 @@ class ExecutorMetrics(Observer):
         self.padding_rows = counter("batch_padding_rows",
                                     "Rows of batch graph jobs that carried nothing (the "
                                     "graph's max_batch minus the rows it ran).", ("kind",))
+        self.graph_steps = counter("graph_steps",
+                                   "Device jobs by graph (shape buckets: which compiled "
+                                   "graph each step ran on).", ("graph",))
+        self.graph_rows = counter("graph_rows",
+                                  "Rows (streams' steps) the jobs of each graph carried.",
+                                  ("graph",))
+        self.graph_padded_rows = counter("graph_padded_rows",
+                                         "Rows of each graph's jobs that carried nothing.",
+                                         ("graph",))
         for r in FinishReason:
             self.finished.labels(r.value)
         for r in REJECTIONS:
@@ -162,7 +171,8 @@ class ExecutorMetrics(Observer):
         self._metrics = (self.ttft, self.tpot, self.e2e, self.queue_time,
                          self.admission_wait, self.device_time, self.job_latency,
                          self.finished, self.rejections, self.resumes, self.prompt_tokens,
-                         self.generation_tokens, self.batch_rows, self.padding_rows)
+                         self.generation_tokens, self.batch_rows, self.padding_rows,
+                         self.graph_steps, self.graph_rows, self.graph_padded_rows)
         self._by_kind: dict[Any, tuple[Any, Any, Any, Any]] = {}
         self._collector = _BooksCollector(self)
         registered: list[Any] = []
@@ -248,6 +258,10 @@ class ExecutorMetrics(Observer):
         self.batch_rows.labels(step.kind.value).observe(step.rows)
         if step.capacity > step.rows:
             self.padding_rows.labels(step.kind.value).inc(step.capacity - step.rows)
+        if step.graph:
+            self.graph_steps.labels(step.graph).inc()
+            self.graph_rows.labels(step.graph).inc(step.rows)
+            self.graph_padded_rows.labels(step.graph).inc(step.capacity - step.rows)
 
 
 def _unlabelled(kind: type, name: str, doc: str, value: float | None) -> Metric:

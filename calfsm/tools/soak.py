@@ -804,6 +804,10 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
                         f"in ms of the driver's clock (default {DEFAULT_SLOS})")
     p.add_argument("--out", default="soak-out", metavar="DIR",
                    help="directory for report.md, report.json, samples.csv, soak-*.png")
+    p.add_argument("--shape-cost", default="graph", choices=("graph", "rows"),
+                   help="sim: what a step costs: graph, a static calbin's (its graph's "
+                        "whole batch, padded rows included; the default), or rows, a "
+                        "dynamic-shape device's (the rows it carries); both are models")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -835,6 +839,16 @@ def _config(args: argparse.Namespace) -> SoakConfig:
                                 evidence_dir=args.evidence_dir))
 
 
+def _latency_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated device's plausible figures priced as ``--shape-cost`` says (a static
+    calbin's by default); other drivers keep their own latency."""
+    if args.driver != "sim":
+        return {}
+    from calfsm.drivers.sim import LatencyModel
+    return {"latency": attrs.evolve(LatencyModel.virtual_default(),
+                                    shape_cost=args.shape_cost)}
+
+
 def _kinds(text: str) -> tuple[str, ...]:
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
     if not kinds:
@@ -857,7 +871,7 @@ def main(args: argparse.Namespace) -> int:
         plan = soak_plan(args.faults, args.seed, config.clients, rate=args.fault_rate,
                          kinds=kinds)
         driver = load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
-                             faults=plan, trace=False)
+                             faults=plan, trace=False, **_latency_of(args))
         if not args.no_plots:
             from calfsm.tools.soak_plots import pyplot
             pyplot()                    # fail now, not after the soak, without matplotlib
