@@ -201,6 +201,12 @@ def install(name: str, cache: Path) -> Path:
     if f"Version: {pin.split('==')[1]}" not in have.stdout:
         print(f"installing {pin} into {venv} ...", flush=True)
         subprocess.run([str(py), "-m", "pip", "install", "-q", pin], check=True)
+        if name == "vllm":
+            # pip resolves torch to a CPU build here, and torchvision, torchaudio and
+            # torchcodec to builds for another torch: importing them fails (transformers
+            # imports torchvision when it is there). The benchmark client needs none.
+            subprocess.run([str(py), "-m", "pip", "uninstall", "-q", "-y", "torchvision",
+                            "torchaudio", "torchcodec"], check=True)
     return venv
 
 
@@ -295,7 +301,7 @@ def run_vllm(venv: Path, s: Scenario, setup: Setup) -> Figures:
             "--max-concurrency", "1", "--ignore-eos", "--num-warmups", "0",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--save-result",
             "--result-dir", str(out), "--result-filename", "result.json"]
-    _run(argv, out / "vllm.log", env={"VLLM_TARGET_DEVICE": "cpu"})
+    _run(argv, out / "vllm.log")
     data = json.loads((out / "result.json").read_text())
     done = int(data.get("completed", 0))
     failed = int(data.get("failed", 0) or 0) + sum(1 for e in data.get("errors") or [] if e)
