@@ -34,6 +34,7 @@ import attrs
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.sampling import SamplingParams
+from calfsm.generate.streams import Stream
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.telemetry.goodput import GoodputReport, RequestRecord, summarize
@@ -162,7 +163,7 @@ class PoissonLoad:
             arrivals.append((t, prompt, n))
         t_first = arrivals[0][0] if arrivals else t
         records: list[RequestRecord] = []
-        live: list[tuple[float, float, object]] = []
+        live: list[tuple[float, float, Stream]] = []   # (arrival, created, stream)
         i = 0
         while i < len(arrivals) or live:
             now = clock.now()
@@ -183,12 +184,12 @@ class PoissonLoad:
                 clock.advance_to(max(nxt, clock.now()))
             else:
                 sched.step()
-            if any(s.done() for _, _, s in live):     # type: ignore[attr-defined]
+            if any(s.done() for _, _, s in live):
                 still = []
                 for at, created, s in live:
-                    if s.done():                       # type: ignore[attr-defined]
+                    if s.done():
                         records.append(RequestRecord.from_result(
-                            s.result(0), waited_s=created - at))  # type: ignore[attr-defined]
+                            s.result(0), waited_s=created - at))
                     else:
                         still.append((at, created, s))
                 live = still
