@@ -78,9 +78,15 @@ class StreamView(Protocol):
     prompt: tuple[int, ...]
     params: Any                         # calfsm.generate.sampling.SamplingParams
     sequence: Any                       # calfsm.generate.sequence.Sequence
+    request_id: str
+    #: prompt tokens whose KV the prompt cache gave (not prefilled)
+    cached: int
 
     @property
     def started(self) -> float: ...
+
+    @property
+    def arrival(self) -> float: ...
 
     def cancel(self) -> bool: ...
 

@@ -328,7 +328,7 @@ class Sequence:
     def generate(self, prompt: Seq[int] | str, params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, request_id: str | None = None,
-                 priority: int = 0) -> Stream:
+                 priority: int = 0, arrival: float | None = None) -> Stream:
         """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
         tokenizer) after what the sequence holds, then sample and decode until a finish
         reason. ``priority``: every step's (see :class:`Stream`). A prompt or a
@@ -337,7 +337,7 @@ class Sequence:
         default ``max_tokens`` clipped to the room left."""
         return Stream(self, prompt, params, deadline_s=deadline_s,
                       resume=resume, max_resumes=max_resumes, request_id=request_id,
-                      priority=priority)
+                      priority=priority, arrival=arrival)
 
     # ---- closing -------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:

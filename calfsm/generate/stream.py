@@ -157,11 +157,11 @@ class Stream:
 
     def __init__(self, sequence: StreamSequence, prompt: Seq[int] | str,
                  params: SamplingParams | None, *,
-                 deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2, close_sequence: bool = False,
-                 admitted: bool = False, request_id: str | None = None,
-                 parent: str | None = None, priority: int = 0,
-                 keeper: Keeper | None = None, cached: int = 0) -> None:
+                 deadline_s: float | None = None, resume: bool = True, max_resumes: int = 2,
+                 close_sequence: bool = False, admitted: bool = False,
+                 request_id: str | None = None, parent: str | None = None, priority: int = 0,
+                 keeper: Keeper | None = None, cached: int = 0,
+                 arrival: float | None = None) -> None:
         ex, seq_id = sequence.front, sequence.seq_id
         epoch = ex.epoch
         if epoch is None:
@@ -184,6 +184,7 @@ class Stream:
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
+        self.arrival = _arrival(arrival, now, seq_id)   #: when its request arrived
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
         #: where the stream's own history (its prompt, then its tokens) begins
         self._start = sequence.position - cached
@@ -201,8 +202,7 @@ class Stream:
                           vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
         self._new_books()
         #: the text of the tokens (None without a tokenizer)
-        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop,
-                                                                sequence.seq_id)
+        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop, seq_id)
         #: a token is delivered at once, with no text: the one branch of the hot path
         self._plain = tokenizer is None and not params.holds_back
         #: this stream's id in the executor (calfsm/generate/liverequests.py)
@@ -248,7 +248,9 @@ class Stream:
 
     @property
     def started(self) -> float:
-        """When the stream was created (the driver's clock); ``ttft_s`` counts from here."""
+        """When the stream was created (the driver's clock). ``ttft_s`` counts from
+        :attr:`arrival`: when its request arrived (``generate(arrival=...)``, a server's
+        read of it, where a client's clock starts), else this."""
         return self._t0
 
     # ---- consumer side -------------------------------------------------------------
@@ -763,7 +765,7 @@ class Stream:
             self._held = []
             delivered = self._delivered
             times = self._times[:delivered]
-            ttft = times[0] - self._t0 if times else None
+            ttft = times[0] - self.arrival if times else None
             itl = tuple(map(operator.sub, times[1:], times[:-1]))    # no call per token
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
@@ -889,6 +891,19 @@ def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: 
         raise InvalidArgument(f"cached must be an integer in 0..{most_cached} (at least "
                               f"one prompt token is prefilled), got {cached!r}",
                               stage="request", seq_id=seq_id)
+
+
+def _arrival(arrival: Any, now: float, seq_id: int) -> float:
+    """A request's arrival time (None: ``now``, the stream's creation); refused unless a
+    finite time no later than ``now`` on the executor's clock."""
+    if arrival is None:
+        return now
+    if isinstance(arrival, bool) or not isinstance(arrival, int | float) \
+            or not math.isfinite(arrival) or arrival > now:
+        raise InvalidArgument(f"arrival must be a time of the executor's clock no later "
+                              f"than now ({now}), got {arrival!r}", stage="request",
+                              seq_id=seq_id)
+    return float(arrival)
 
 
 def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenizer: Any,

@@ -15,10 +15,13 @@ before any routing. Requests are checked by
 stream (:mod:`calfsm.serve.generation`) and every failure is
 answered by :mod:`calfsm.serve.httperrors`.
 
-Status of a streaming answer: the app waits for the first piece of text (or the end of
-the request) before it sends the headers, so an error before the first token — a full
-queue, a device that is recovering, a deadline — is a proper 429/503/504, not a 200 with
-an error inside. An error after that is sent as a last ``data: {"error": ...}`` event.
+Status of a streaming answer: the headers go out once the executor has admitted the
+request's choices, not after the first token: its refusals at the door (a full wait
+queue, the admission estimate, a device that is recovering: 429/503) are synchronous
+and stay proper statuses, while a client that times its response by the headers (locust)
+does not see the time to the first token as the response time. What fails after the
+headers (a deadline, a device fault that no resume hides) is a last
+``data: {"error": ...}`` event and ``data: [DONE]``.
 A client that disconnects, streaming or not, cancels its own streams and no others.
 
 The door: with API keys configured (``ServerConfig.api_keys``) every route but the
@@ -84,7 +87,7 @@ from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
 from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
 from calfsm.serve.fields import count, count_or_none, non_negative, positive_or_none
-from calfsm.serve.front import GENERATION_PATHS, PROBE_PATHS, Front
+from calfsm.serve.front import ARRIVAL_KEY, GENERATION_PATHS, PROBE_PATHS, Front
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, clip, from_calfsm
 from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of, ready_answer
@@ -97,6 +100,7 @@ from calfsm.serve.toolcalls import (
     tool_parser,
     with_tool_calls,
 )
+from calfsm.serve.tracecontext import TRACEPARENT, traced_start, traceparent_of
 from calfsm.telemetry.metrics import ExecutorMetrics
 from calfsm.util.lazy import bf16_dtype
 from calfsm.util.lograte import RateLimitedLog
@@ -265,6 +269,11 @@ class _Server:
         return ready_answer(self.executor, self.start_error, closing=self.closing,
                             start_failed=self.start_error is not None)
 
+    def now(self) -> float | None:
+        """The executor's clock now (a request's arrival), None before there is one."""
+        ex = self.executor
+        return None if ex is None else ex.clock.now()
+
     def refused(self, reason: str) -> None:
         if self.refusals is not None:
             self.refusals.labels(reason).inc()
@@ -378,12 +387,16 @@ class _Server:
             except InvalidArgument as e:
                 raise ApiError(400, e.message, code="invalid_argument",
                                param=REQUEST_ID_HEADER) from None
+            arrival = request.scope.get(ARRIVAL_KEY)
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),
                                   self.config.max_json_depth)
                 plan = parse(body, self.limits, self.tokenizer,
                              text_stops=self.text_stops)
-                choices = self._start(ex, plan, client, rid)
+                with traced_start(ex.request_tracer, request.headers):
+                    choices = self._start(ex, plan, client, rid, arrival)
+                tp = traceparent_of(ex.request_tracer,
+                                    [c.stream.request_id for c in choices])
         except ApiError as e:
             return _with_id(_error_response(e, client), rid)
         except CalfsmError as e:
@@ -404,10 +417,12 @@ class _Server:
                 answer = await self._collect(request, plan, choices, shape, client)
         except Exception as e:
             answer = _internal(request, e)
+        if tp is not None:
+            answer.headers[TRACEPARENT] = tp
         return _with_id(answer, rid)
 
     def _start(self, ex: DeviceExecutor, plan: GenerationPlan, client: str,
-               rid: str) -> list[Choice]:
+               rid: str, arrival: float | None = None) -> list[Choice]:
         """A stream per choice, booked to ``client``, named ``rid`` (several choices:
         ``rid-i``, grouped under ``rid``); if one cannot start, those started are
         cancelled (a stream whose start failed half-way too)."""
@@ -420,7 +435,8 @@ class _Server:
                     choices.append(Choice(
                         ex, i, prompt, params, deadline_s=self.config.request_timeout_s,
                         request_id=rid if one else f"{rid}-{i}",
-                        parent=None if one else rid, priority=plan.priority))
+                        parent=None if one else rid, priority=plan.priority,
+                        arrival=arrival))
             except BaseException:
                 for stream in started:
                     stream.cancel()
@@ -480,36 +496,24 @@ class _Server:
 
     async def _stream(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                       shape: Shape, client: str) -> Response:
+        """The headers go out once the executor has admitted every choice (its refusals
+        at the door, 429/503, are synchronous and are proper statuses); the first event
+        comes with the first token. What fails after the headers is an SSE error event."""
+        refused = _refused_at_start(choices)
         pieces = _pieces(plan, choices)
-        first_piece = asyncio.ensure_future(anext(pieces))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({first_piece, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not first_piece.done():  # the client left before the first token
-                first_piece.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await first_piece
-        try:
-            first = first_piece.result()
-        except BaseException:
+        if refused is not None:
             await pieces.aclose()
-            if first_piece.cancelled():
-                log.info("%s left before the first token of %s", client, request.url.path)
-                return Response(status_code=499)     # nobody reads it
-            raise
-        if first.error is not None:
-            await pieces.aclose()
-            return _error_response(from_calfsm(first.error), client)
+            return _error_response(from_calfsm(refused), client)
+        sent = [False]                  # a token's event has gone out (for the log line)
         assert self.limits is not None
-        return EventStream(self._events(plan, shape, first, pieces), close=pieces.aclose,
-                           on_disconnect=lambda: log.info(
-                               "%s left in the middle of the stream of %s", client,
-                               request.url.path))
+        return EventStream(
+            self._events(plan, shape, pieces, sent), close=pieces.aclose,
+            on_disconnect=lambda: log.info(
+                "%s left %s of %s", client, "in the middle of the stream" if sent[0]
+                else "before the first token", request.url.path))
 
-    async def _events(self, plan: GenerationPlan, shape: Shape, first: Piece,
-                      pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
+    async def _events(self, plan: GenerationPlan, shape: Shape,
+                      pieces: AsyncIterator[Piece], sent: list[bool]) -> AsyncIterator[bytes]:
         assert self.limits is not None
         rid, model, created = shape.new_id(), self.limits.model, int(time.time())
         inc, lps = plan.include_usage, plan.logprobs is not None
@@ -520,12 +524,15 @@ class _Server:
         def so_far() -> dict[str, Any] | None:
             return usage(prompt_tokens, made) if plan.continuous_usage else None
 
-        if shape.chat:
-            for i in range(len(plan.prompts)):
-                yield sse(shape.chunk(rid, model, created, Piece(i, "", ()),
-                                      include_usage=inc, role=True, used=so_far()))
         try:
-            piece: Piece | None = first
+            # the chat's role chunks wait for the first piece: a client that times its
+            # first token by its first chunk must not count them
+            piece: Piece | None = await anext(pieces, None)
+            sent[0] = True
+            if shape.chat:
+                for i in range(len(plan.prompts)):
+                    yield sse(shape.chunk(rid, model, created, Piece(i, "", ()),
+                                          include_usage=inc, role=True, used=so_far()))
             while piece is not None:
                 if piece.error is not None:
                     yield sse(from_calfsm(piece.error).body())
@@ -554,6 +561,16 @@ def _pieces(plan: GenerationPlan, choices: list[Choice]) -> AsyncIterator[Piece]
     if plan.tools is not None and plan.tools.parses:
         return with_tool_calls(merged(choices), plan.tools)
     return merged(choices)
+
+
+def _refused_at_start(choices: list[Choice]) -> CalfsmError | None:
+    """The error of a choice whose stream ended before it made anything (its first
+    step refused at once: a full wait queue), else None."""
+    for c in choices:
+        result = c.stream.result(0) if c.stream.done() else None
+        if result is not None and result.error is not None and not result.tokens:
+            return result.error
+    return None
 
 
 async def _disconnected(request: Request) -> None:

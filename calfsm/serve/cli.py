@@ -226,11 +226,23 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
                    help="open connections at most; a new one past them is closed at once")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export a span tree per request to this OTLP/HTTP collector "
+                        "(e.g. http://127.0.0.1:4318/v1/traces; needs calfsm[tracing]); "
+                        "W3C traceparent in and out")
     # ---- shutdown ----
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
                    help="on SIGTERM/Ctrl-C: seconds running streams may go on finishing "
                         "before they are cut (503); new requests get 503 at once")
     return p
+
+
+def _tracer_provider(endpoint: str | None) -> Any:
+    """The OTLP tracer provider of ``--otlp-traces-endpoint`` (None: no tracing)."""
+    if endpoint is None:
+        return None
+    from calfsm.telemetry.tracing import otlp_tracer_provider
+    return otlp_tracer_provider(endpoint)
 
 
 def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
@@ -410,7 +422,11 @@ def run(args: argparse.Namespace) -> int:
         manifest = _timed(args, manifest_from_option(args.manifest))
         tokenizer = _tokenizer(args, manifest.submodel(TaskKind.DECODE).vocab)
         driver = _driver(args, manifest)
+        provider = _tracer_provider(args.otlp_traces_endpoint)
         sock = _listen(args.host, args.port)
+    except ImportError as e:
+        print(f"calfsm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except CalfsmError as e:
         print(f"calfsm: error: {e.message}", file=sys.stderr)
         return EXIT_USAGE
@@ -421,8 +437,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def start() -> DeviceExecutor:
         try:
-            return await DeviceExecutor.create(driver, manifest, exconfig,
-                                               tokenizer=tokenizer)
+            return await DeviceExecutor.create(
+                driver, manifest, exconfig, tokenizer=tokenizer,
+                tracer=None if provider is None else provider.get_tracer("calfsm"))
         except CalfsmError as e:
             failed.append(str(e))
             server.should_exit = True
@@ -439,8 +456,12 @@ def run(args: argparse.Namespace) -> int:
         server = Server(uvicorn_config(
             create_app(start, config), limits, host=args.host, port=args.port,
             log_level=args.log_level, timeout_graceful_shutdown=_AFTER_GRACE_S))
-        with _stop_signals_handled():
-            server.run(sockets=[sock])
+        try:
+            with _stop_signals_handled():
+                server.run(sockets=[sock])
+        finally:
+            if provider is not None:
+                provider.shutdown()     # the spans still queued, within their timeout
     if failed:
         print(f"calfsm: start-up failed: {failed[0]}", file=sys.stderr)
         return EXIT_DEVICE_FAILED

@@ -63,7 +63,7 @@ class Choice:
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
                  params: SamplingParams, *, deadline_s: float | None,
                  request_id: str | None = None, parent: str | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, arrival: float | None = None) -> None:
         self.index = index
         self._decoder = None if executor.tokenizer is not None else ByteDecoder()
         self._sent = 0                           # tokens given to the client
@@ -71,7 +71,7 @@ class Choice:
         self.stream: Stream = executor.generate(list(prompt), params,
                                                 deadline_s=deadline_s,
                                                 request_id=request_id, parent=parent,
-                                                priority=priority)
+                                                priority=priority, arrival=arrival)
 
     def push(self, event: TokenEvent) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""
