@@ -10,7 +10,7 @@ drives it (what a step-mode caller runs). The ratio is asserted, not the counts:
 paths share the driver, whose calls move both.
 
 Issue 35 counted 4.7x on main 662cf52 (stream 434, direct loop 91); the layout's
-restructuring left 3.96x (stream 360.6), and the token-path branch 3.24x (stream 294.6:
+restructuring left 3.96x (stream 360.6), and the token-path branch 3.19x (stream 299.4, direct 94:
 the lifecycle's and the fault policy's trivial accessors made attributes, one look at
 each part per scheduler step, no callbacks to stage a step, a decode's arrays built
 inline, the parked queue's size kept). The bound is what was reached, with a little
