@@ -110,7 +110,7 @@ class JobContext:
     waiting: bool = False                # counted among the jobs waiting for the device
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
-    epoch: Any = None                    # the executor generation record it belongs to
+    epoch: Any = None                    # the resources of its generation (an Epoch)
     #: a stream's next step, decided on the completion side: called with the job and its
     #: float32 logits once its output is checked, before its KV commit (the next step's
     #: is chained after it) and before its handle resolves; run once. It only decides:
@@ -215,7 +215,8 @@ class JobHandle:
     def exception(self, timeout: float | None = None) -> CalfsmError | None:
         """Block until the job ends; its error, or None if it succeeded. Nothing is
         raised here (only a timeout), so the error gains no traceback of this call."""
-        self._wait(timeout)
+        if self._result is None and self._error is None:     # not done(): wait
+            self._wait(timeout)
         return self._error
 
     def _wait(self, timeout: float | None) -> None:
@@ -250,7 +251,7 @@ class JobHandle:
         if error is not None:
             drop_tracebacks(error)
         with self._lock:
-            if self.done():
+            if self._result is not None or self._error is not None:     # done()
                 raise RuntimeError(f"job {self.job_id} resolved twice")
             self._result, self._error = result, error
             callbacks, self._callbacks = self._callbacks, []

@@ -87,8 +87,19 @@ class Submission:
     def has_completions(self) -> bool:
         return bool(self._complete_q)
 
+    def due(self, now: float) -> tuple[bool, bool, bool]:
+        """What a step driver asks of the device side at every step, in one look: (a
+        queued job's queue deadline passed by ``now``, :meth:`submittable`,
+        :meth:`has_completions`)."""
+        if not self._submit_q:
+            return False, False, bool(self._complete_q)
+        return (self.first_queue_deadline() <= now, self._claimable() is not None,
+                bool(self._complete_q))
+
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
+        if not self._submit_q:
+            return math.inf
         with self.core.lock:
             first = math.inf
             for j in self._submit_q:
@@ -137,7 +148,6 @@ class Submission:
                 core.hooks.work_queued()
         if not queued:
             raise Cancelled("cancelled before submit", **job_ctx(job, stage))
-        core.hooks.after_work_queued()
 
     def unqueue(self, job: JobContext) -> bool:
         """Take a cancelled job out of the submit queue; False if it is not there."""
@@ -180,7 +190,8 @@ class Submission:
     def submittable(self) -> bool:
         """A job is queued whose engine is free, an in-flight slot is free and the device
         takes work."""
-        return self._claimable() is not None
+        # the usual answer (nothing queued) without a call: the scheduler asks every step
+        return bool(self._submit_q) and self._claimable() is not None
 
     def _claimable(self) -> int | None:
         """Index of the queued job :meth:`claim` would take now (back-off aside), or None."""
@@ -188,7 +199,9 @@ class Submission:
         if not (self._submit_q and self._inflight < core.max_inflight
                 and core.life.state == READY):
             return None
-        i = self._next_claim()
+        # the usual case without a call: no engine busy, no batch preferring decodes
+        i = 0 if not self._engine_busy and not (self._prefill_last and core.max_rows > 1) \
+            else self._next_claim()
         if i is None or (core.max_rows > 1 and self._hold_for_rows(self._submit_q[i])):
             return None
         return i
@@ -222,8 +235,6 @@ class Submission:
                 self._followed_at = core.clock.now()
                 if self._submit_q:
                     core.hooks.work_queued()
-        if n < 0:
-            core.hooks.after_work_queued()
 
     def _next_claim(self) -> int | None:
         """Index of the first queued job whose engine runs nothing now (ping/pong: one
@@ -618,11 +629,13 @@ class Submission:
             self.outcomes.finish(job, err, "failed")
 
     def release_inflight(self, job: JobContext,
-                         riders: list[JobContext] | None = None) -> None:
+                         riders: list[JobContext] | None = None) -> bool:
         """The job no longer occupies the device: off the on-device list (with the
         ``riders`` of its batch), its in-flight slot given back (idempotent), whoever
-        drives the pipeline told."""
+        drives the pipeline told. True if a queued job may be submitted at once (the
+        complete step then hands off: ``Hooks.hand_off``)."""
         core = self.core
+        hand_off = False
         with core.lock:
             for j in (job, *(riders or ())):
                 if j in self._on_device:
@@ -633,10 +646,11 @@ class Submission:
                 for engine, holder in list(self._engine_busy.items()):
                     if holder is job:
                         del self._engine_busy[engine]
-                core.hooks.device_freed(not core.life.closing and self.submittable_now())
+                hand_off = not core.life.closing and self.submittable_now()
                 if self._submit_q or core.life.closing:
                     core.hooks.work_queued()
         core.hooks.changed()
+        return hand_off
 
     # ---- the completion queue ------------------------------------------------------
     def pop_completion(self) -> JobContext | None:
