@@ -314,7 +314,7 @@ class Submission:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
         if job.kind is TaskKind.DECODE and job.epoch.buckets is not None \
                 and job.lease is not None:
-            self._fit_graph(job)
+            self._requeue_rows(_fit_graph(job))
         if job.batch is not None:
             self._submit_rows(job)
             return
@@ -365,59 +365,11 @@ class Submission:
             return
         if rc is None:
             self.release_inflight(job)
-            if core.holdable(job) and not life.closing:
-                self._hold([job])       # the device left Ready under it: next generation
-                return
-            outcomes.fail_before_submit(job, Unavailable(
-                f"device left Ready ({life.state}) before the job was submitted",
-                retry_after_s=life.retry_after_s, **job_ctx(job, "submit")))
+            self._left_ready(job)
             return
         self._submit_failed(job, from_calrt(rc, "submit", **job_ctx(job, None)))
 
     # ---- shape buckets: the graph a step runs on ---------------------------------------
-    def _fit_graph(self, job: JobContext) -> None:
-        """Move ``job`` (and the rows it leads) to the cheapest graph that covers the
-        step, by the measured costs (calfsm/engine/shapes.py): a free slot of that graph
-        on the same engine is leased, the job's row written into it from the slot it was
-        prepared in (which goes back), its KV sequence and CSRs set. The KV is the
-        sequence's, whichever graph wrote it (the evidence proved it continues
-        bit-exact). No free slot there: the next cheapest that has one; none at all
-        (every covering slot busy), the rows it leads go back to the queue and it runs
-        alone where it is."""
-        epoch = job.epoch
-        buckets = epoch.buckets
-        assert buckets is not None and job.lease is not None
-        rows = job.batch if job.batch is not None else [job]
-        current = job.lease.slot
-        context = max(int(r.lease.slot.positions[r.token_count - 1]) + 1
-                      for r in rows if r.lease is not None)
-        tried: set[str] = set(epoch.graph_failures)
-        while (best := buckets.choose(len(rows), context, exclude=tried)) is not None:
-            if best.exact_name == current.contract.exact_name:
-                return              # prepared in it: runs where it is
-            tried.add(best.exact_name)
-            try:
-                moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
-                                           graph=best.exact_name)
-            except ResourceExhausted:
-                continue            # none free now: the next cheapest
-            except CalfsmError:
-                return              # the generation retired: the submit below says so
-            try:
-                moved.bind(job_id=job.job_id, seq_id=job.seq_id)
-                moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
-            except CalfsmError as e:
-                log.warning("job %s not moved to %s: %s", job.job_id, best.exact_name, e,
-                            extra=e.context())
-                epoch.pool.release(moved)
-                break
-            prepared, job.lease = job.lease, moved
-            epoch.pool.release(prepared)
-            return
-        if len(rows) > current.contract.max_batch:     # it cannot carry them: alone
-            self._requeue_rows(rows[1:])
-            _unbatch(rows)
-
     # ---- a batch: one device job, several rows ------------------------------------
     def _submit_rows(self, leader: JobContext) -> None:
         """Submit ``leader`` with the rows :meth:`claim` gathered (calfsm/engine/batchrows.py).
@@ -518,18 +470,24 @@ class Submission:
             self._complete_q.append(rows[0])
             core.hooks.job_submitted()
 
+    def _left_ready(self, job: JobContext) -> None:
+        """The device left Ready (or the job's generation ended) before ``infer`` took
+        ``job``: it waits for the next generation if it may, else it ends 503."""
+        life = self.core.life
+        if self.core.holdable(job) and not life.closing:
+            self._hold([job])
+            return
+        self.outcomes.fail_before_submit(job, Unavailable(
+            f"device left Ready ({life.state}) before the job was submitted",
+            retry_after_s=life.retry_after_s, **job_ctx(job, "submit")))
+
     def _rows_not_submitted(self, rows: list[JobContext], rc: int | None) -> None:
         """``infer`` did not take the job: each row ends (or waits, or goes back) as a job
         alone would (:meth:`submit`, :meth:`_submit_failed`); the policy sees it once."""
-        core, life, outcomes, leader = self.core, self.core.life, self.outcomes, rows[0]
+        core, outcomes, leader = self.core, self.outcomes, rows[0]
         if rc is None:
             for row in rows:
-                if core.holdable(row) and not life.closing:
-                    self._hold([row])
-                else:
-                    outcomes.fail_before_submit(row, Unavailable(
-                        f"device left Ready ({life.state}) before the job was submitted",
-                        retry_after_s=life.retry_after_s, **job_ctx(row, "submit")))
+                self._left_ready(row)
             return
         now = core.clock.now()
         err = from_calrt(rc, "submit", **job_ctx(leader, None))
@@ -671,6 +629,51 @@ class Submission:
             jobs = list(self._complete_q) + list(self._on_device)
             self._complete_q.clear()
         return jobs
+
+
+def _fit_graph(job: JobContext) -> list[JobContext]:
+    """Move ``job`` (and the rows it leads) to the cheapest graph that covers the
+    step, by the measured costs (calfsm/engine/shapes.py): a free slot of that graph
+    on the same engine is leased, the job's row written into it from the slot it was
+    prepared in (which goes back), its KV sequence and CSRs set. The KV is the
+    sequence's, whichever graph wrote it (the evidence proved it continues
+    bit-exact). No free slot there: the next cheapest that has one; none at all
+    (every covering slot busy), it runs alone where it is: the rows it leads are
+    returned, for the submit queue."""
+    epoch = job.epoch
+    buckets = epoch.buckets
+    assert buckets is not None and job.lease is not None
+    rows = job.batch if job.batch is not None else [job]
+    current = job.lease.slot
+    context = max(int(r.lease.slot.positions[r.token_count - 1]) + 1
+                  for r in rows if r.lease is not None)
+    tried: set[str] = set(epoch.graph_failures)
+    while (best := buckets.choose(len(rows), context, exclude=tried)) is not None:
+        if best.exact_name == current.contract.exact_name:
+            return []           # prepared in it: runs where it is
+        tried.add(best.exact_name)
+        try:
+            moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
+                                       graph=best.exact_name)
+        except ResourceExhausted:
+            continue            # none free now: the next cheapest
+        except CalfsmError:
+            return []           # the generation retired: the submit below says so
+        try:
+            moved.bind(job_id=job.job_id, seq_id=job.seq_id)
+            moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
+        except CalfsmError as e:
+            log.warning("job %s not moved to %s: %s", job.job_id, best.exact_name, e,
+                        extra=e.context())
+            epoch.pool.release(moved)
+            break
+        prepared, job.lease = job.lease, moved
+        epoch.pool.release(prepared)
+        return []
+    if len(rows) > current.contract.max_batch:     # it cannot carry them: alone
+        _unbatch(rows)
+        return rows[1:]
+    return []
 
 
 def _unbatch(rows: list[JobContext]) -> None:
