@@ -719,6 +719,8 @@ class Stream:
         stream's continuation and its end is the stream's. Whether the step after it
         is worth preparing ahead."""
         handle.context.continuation = self._continue
+        if self._sampler.tail_capable:  # its token in the completion's native call
+            handle.context.tail = self._tail_row
         with self._lock:
             self._flow.handed_on(handle, request)
             cancelled = self._cancelled
@@ -748,8 +750,9 @@ class Stream:
         go the ordinary way) happens in :meth:`_step_done`."""
         successor = None
         try:
+            tailed, job.tailed = job.tailed, None
             outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
-                                   chain=job.handle)
+                                   chain=job.handle, tailed=tailed)
         except Exception as e:          # a bug: the stream ends, nobody is left waiting
             outcome = (FinishReason.ERROR, self._bug(e), None)
         if isinstance(outcome[2], Successor):
@@ -764,6 +767,7 @@ class Stream:
         # continuation is set once the job exists, so only this callback, which runs for
         # every end, even one before the continuation was set, can clear it every time
         handle.context.continuation = None
+        handle.context.tail = None
         try:
             with self._lock:
                 # only this job's own decision: a step that ended first (its successor,
@@ -778,8 +782,10 @@ class Stream:
                 return
             if outcome is None:         # no continuation ran: decide here
                 job = handle.context
+                tailed, job.tailed = job.tailed, None
                 outcome = self._decide(handle.result(0).logits, job.timings,
-                                       job.past_len + job.token_count, chain=None)
+                                       job.past_len + job.token_count, chain=None,
+                                       tailed=tailed)
             self._deliver(outcome)
         except Exception as e:          # a bug must not leave the consumer waiting
             self._finish(FinishReason.ERROR, self._bug(e))
@@ -792,8 +798,20 @@ class Stream:
             f"unexpected {type(e).__name__} in a stream step: {e}",
             seq_id=self.sequence.seq_id, stage="stream")
 
+    def _tail_row(self, job: JobContext) -> Any:
+        """The sampler's row of the completion's native tail for ``job``'s token
+        (calfsm/engine/tail.py), or None: :meth:`_decide` samples. Not for a replay (it
+        draws nothing) nor a cancelled stream."""
+        if self._cancelled or self._flow.replay_check is not None:
+            return None
+        sampler = self._sampler
+        tokens: Seq[int] = ()
+        if sampler.uses_tokens:
+            tokens = TokenHistory(self.prompt, self._tokens)
+        return sampler.tail_row(tokens)
+
     def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
-                chain: JobHandle | None) -> _Outcome:
+                chain: JobHandle | None, tailed: Any = None) -> _Outcome:
         """A step's logits are in: sample, record the token (not yet woken), and decide
         how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
         to run the ordinary way (its request and the step prepared for it). ``chain``:
@@ -808,8 +826,13 @@ class Stream:
         try:
             # a replay after a resume draws nothing: the seeded sequence of draws goes
             # on as if no fault had happened; greedy checks the replay instead
+            chosen = None
+            if tailed is not None and want is None:     # the native tail chose
+                chosen = self._sampler.tail_token(tailed)
             if want is not None and not self.params.greedy:
                 token = want
+            elif chosen is not None:
+                token = chosen
             elif self._sampler.plain:         # no processors, no logprobs: the hot path
                 token = self._sampler.sample(logits)
             else:
