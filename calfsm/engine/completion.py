@@ -223,6 +223,9 @@ class Completion:
             if early:
                 self._continue(row, result, later)
         let_go()
+        tail_ms = (core.clock.now() - waited) * 1e3
+        for row in rows:
+            row.timings.tail_ms = tail_ms
         for fn in later:
             self._defer(fn)
         decided = False
@@ -347,6 +350,7 @@ class Completion:
         early = kv.prev_len <= kv.target_len
         if early and not continued:
             self._continue(job, logits)
+            job.timings.tail_ms = (core.clock.now() - waited) * 1e3
         try:
             job.epoch.kv.commit(kv)
         except CalfsmError as e:

@@ -52,6 +52,10 @@ class JobTimings:
     d2h_ms: float = 0.0
     postprocess_ms: float = 0.0
     released: float = 0.0
+    #: the host's critical tail of the job's step: from its wait's return until the next
+    #: steps its continuations decided were handed to the submitter (a batch's whole,
+    #: the same in each of its rows): what the device waits for between two steps
+    tail_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:

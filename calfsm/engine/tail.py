@@ -115,6 +115,9 @@ class _Lib:
 
 _AUTO: Any = object()
 _state: dict[str, Any] = {}
+#: id(contract) -> (contract, vocab, rows per tile, is a decode): read once, as
+#: calfsm/engine/logits.py's plans (a contract's properties cost more than a small row)
+_shapes: dict[int, tuple[Any, int, int, bool]] = {}
 
 
 def _lib() -> _Lib | None:
@@ -319,9 +322,13 @@ def tail_rows(out: np.ndarray, reading: tuple[int, int, int, int | None], contra
     n = len(rows)
     if lib is None or not n:
         return [None] * n
-    vocab = contract.vocab
-    tile = contract.rows
-    decode = contract.kind is TaskKind.DECODE
+    shape = _shapes.get(id(contract))
+    if shape is None or shape[0] is not contract:
+        if len(_shapes) >= 64:
+            _shapes.clear()
+        shape = _shapes[id(contract)] = (contract, contract.vocab, contract.rows,
+                                         contract.kind is TaskKind.DECODE)
+    _, vocab, tile, decode = shape
     if out.dtype != np.uint16:
         out = out.view(np.uint16)
     try:
@@ -331,6 +338,7 @@ def tail_rows(out: np.ndarray, reading: tuple[int, int, int, int | None], contra
     size = min(reading[2] // 2, out.size)
     done: list[np.ndarray | None] = [None] * n
     ran: list[TailRow] = []
+    cs: list[Any] = []
     where: list[int] = []
     for i, (offset, job) in enumerate(rows):
         job.tailed = None
@@ -365,10 +373,11 @@ def tail_rows(out: np.ndarray, reading: tuple[int, int, int, int | None], contra
         c.status = SKIPPED
         row.target = target
         ran.append(row)
+        cs.append(c)
         where.append(i)
     if ran:                             # run_tail(), inline
         m = len(ran)
-        ptrs = lib.ffi.new("calfsm_tail_row *[]", [r.c for r in ran])
+        ptrs = lib.ffi.new("calfsm_tail_row *[]", cs)
         t = _state.get("threads") or threads()
         lib.tail(ptrs, m, 1 if m * vocab < _SPLIT_VALUES else t)
         for r in ran:

@@ -509,6 +509,9 @@ class Stream:
         #: prompt tokens whose KV the sequence already held (a prompt cache hit)
         self.cached = cached
         self.params = params
+        #: the sampler's row of the native tail, when it reads no tokens (else asked
+        #: for at every step)
+        self._tail: Any = None
         self._sampler: Sampler = params.sampler_for(
             contract.vocab, prompt_len=len(self.prompt),
             eos_token_id=getattr(tokenizer, "eos_token_id", None))
@@ -804,11 +807,14 @@ class Stream:
         draws nothing) nor a cancelled stream."""
         if self._cancelled or self._flow.replay_check is not None:
             return None
+        row = self._tail
+        if row is not None:
+            return row
         sampler = self._sampler
-        tokens: Seq[int] = ()
         if sampler.uses_tokens:
-            tokens = TokenHistory(self.prompt, self._tokens)
-        return sampler.tail_row(tokens)
+            return sampler.tail_row(TokenHistory(self.prompt, self._tokens))
+        row = self._tail = sampler.tail_row()   # the same every step: asked for once
+        return row
 
     def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
                 chain: JobHandle | None, tailed: Any = None) -> _Outcome:
