@@ -19,14 +19,15 @@ uint32_t calfsm_tail_version(void);
 #define CALFSM_TAIL_UNUSABLE 2  /* after the penalties the maximum is not finite, or every
                                  * token is banned: nothing drawn, the caller decides */
 #define CALFSM_TAIL_EDRAW 3     /* the sampling kernel refused (token: its code) */
-#define CALFSM_TAIL_SKIPPED 4   /* not run (src or dst missing) */
+#define CALFSM_TAIL_SKIPPED 4   /* not run (nothing to read or write): nothing drawn */
 
 /* One row. The caller fills the inputs (a stream keeps one, most fields set once), the
  * call fills token, bad and status. Field order is the ABI: calfsm/engine/tail.py
  * declares the same. */
 typedef struct calfsm_tail_row {
     const uint16_t *src; /* BF16 bits of the row's logits (NULL: dst holds float32 already) */
-    float *dst;          /* the float32 row, vocab values */
+    float *dst;          /* the float32 row, vocab values (NULL: nobody reads it after the
+                          * token is chosen; the row is worked on in the library's scratch) */
     uint64_t vocab;
     int32_t mode;
     int32_t status;
@@ -50,7 +51,8 @@ typedef struct calfsm_tail_row {
      * applied after the penalties, before the token is chosen */
     const uint8_t *allowed;
     int64_t token;       /* out: the token, or the kernel's code (EDRAW) */
-    int64_t bad;         /* out: NONFINITE's first index, else -1 */
+    int64_t bad;         /* out: NONFINITE's first index; UNUSABLE's maximum (float32
+                          * bits); else -1 */
 } calfsm_tail_row;
 
 /* Every row of rows[0..n), on up to `threads` threads (the caller's included; rows are

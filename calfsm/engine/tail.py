@@ -270,10 +270,13 @@ class TailRow:
         self.c.allowed = v
         self._allowed = v
 
-    def bind(self, src: Any, target: np.ndarray) -> None:
+    def bind(self, src: Any, target: np.ndarray | None) -> None:
         """Convert from ``src`` (a cffi ``uint16_t *`` into the output) into ``target``
-        (float32, writeable, contiguous, at least ``vocab``: ValueError otherwise)."""
-        self.c.dst = self._lib.from_buffer("float[]", target, True)
+        (float32, writeable, contiguous, at least ``vocab``: ValueError otherwise), or,
+        None, into the library's scratch: then only the token is had (a row that only
+        converts is then skipped)."""
+        self.c.dst = self._lib.null if target is None \
+            else self._lib.from_buffer("float[]", target, True)
         self.c.src = src
         self.target = target
         self.c.status = SKIPPED
@@ -311,8 +314,10 @@ def tail_rows(out: np.ndarray, reading: tuple[int, int, int, int | None], contra
     job's status, its output size, each row's own status): ``rows`` holds ``(offset,
     job)``, the row's first value in the output array ``out`` (BF16 bits) and the row's
     job. Each row is converted into its job's target (allocated when None) and checked;
-    a job whose ``tail`` gives a :class:`TailRow` also has its token chosen, and that row
-    is left in ``job.tailed`` for its continuation. Returns each row's float32 logits, or
+    a job whose ``tail`` gives a :class:`TailRow` has its token chosen instead, that row
+    left in ``job.tailed`` for its continuation, and its target is not written (the
+    float32 row is worked on in the library's scratch, in cache: the continuation, the
+    only reader of a stream step's logits, takes the token). Returns each row's float32 logits, or
     None for a row to take the checked way (:func:`~calfsm.engine.readback.convert_row`,
     which raises the precise error): a non-finite value, anything not plainly right,
     or no native tail at all. Nothing was drawn for such a row."""
@@ -365,10 +370,13 @@ def tail_rows(out: np.ndarray, reading: tuple[int, int, int, int | None], contra
         if row is None or row.vocab != vocab:
             row = TailRow(vocab)
         c = row.c                       # row.bind(), inline
-        try:
-            c.dst = lib.from_buffer("float[]", target, True)
-        except ValueError:
-            continue
+        if c.mode != CONVERT:           # only the token is wanted: the library's scratch
+            c.dst = lib.null
+        else:
+            try:
+                c.dst = lib.from_buffer("float[]", target, True)
+            except ValueError:
+                continue
         c.src = src + base
         c.status = SKIPPED
         row.target = target

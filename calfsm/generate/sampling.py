@@ -530,10 +530,8 @@ class Sampler:
         status = c.status
         if status == TAIL_OK:
             return int(c.token)
-        if status == TAIL_UNUSABLE:
-            target = row.target
-            assert target is not None
-            raise unusable_row(float(target.reshape(-1)[:self.vocab].max()))
+        if status == TAIL_UNUSABLE:     # ``bad``: the row's maximum, as float32 bits
+            raise unusable_row(float(np.uint32(int(c.bad)).view(_F32)))
         if status == TAIL_EDRAW:
             raise _draw_error(int(c.token))
         return None
