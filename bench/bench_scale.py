@@ -29,8 +29,11 @@ next rows already wait):
   against the device's step (the physical limit: what is left of the step for the
   host).
 
-``--no-tail`` runs the same without the native tail (every row converted and sampled in
-Python, one at a time: the reference and the before).
+``--before`` runs each also without the native tail (every row converted and sampled in
+Python, one at a time: the reference and the before), side by side; ``--no-tail`` only
+without. ``cpu us/row``: the same work alone, this thread's CPU per row (the native tail
+on one thread, a stream step's way; before: row by row), which a busy machine moves
+less than the wall-clock figures; ``--cpu-only`` measures only that.
 """
 
 from __future__ import annotations
@@ -147,13 +150,61 @@ def run(batch: int, sampling: str, tokens: int) -> dict[str, float]:
             "tail / step": tail_ms * 1e-3 / step_s(batch)}
 
 
+def tail_cpu(batch: int, sampling: str, native: bool, reps: int) -> float:
+    """CPU microseconds per row of the part of a step's tail the next step waits for,
+    alone (no executor): ``batch`` rows of the reference model's logits at V=151,936
+    converted and sampled, by the native tail on one thread (as a stream step: the token
+    only) or row by row in Python (``extract_logits`` then ``Sampler.sample``: before).
+    This thread's CPU time, so a busy machine moves it less than the wall time."""
+    from calfsm.drivers import refmodel
+    from calfsm.engine.logits import extract_logits
+    vocab = 151_936
+    contract = next(s for s in manifest(1).submodels if s.kind.value == "decode")
+    out = np.stack([refmodel.logits_bf16(i * 7919 + 1, vocab) for i in range(batch)])
+    dst = [np.empty(vocab, np.float32) for _ in range(batch)]
+    samplers = [SamplingParams(seed=i, **SAMPLINGS[sampling]).sampler_for(vocab)
+                for i in range(batch)]
+    src = tail.output_pointer(out.reshape(-1))
+    times = []
+    for _ in range(reps + 1):           # the first warms up (imports, plans): not counted
+        t0 = time.thread_time_ns()
+        if native:
+            rows = []
+            for i, s in enumerate(samplers):
+                row = s.tail_row()
+                row.bind(src + i * vocab, None)
+                rows.append(row)
+            tail.run_tail(rows, 1)
+            for s, row in zip(samplers, rows, strict=True):
+                s.tail_token(row)
+        else:
+            for i, s in enumerate(samplers):
+                s.sample(extract_logits(out[i], contract.logits.byte_size, contract, 1,
+                                        dst[i]))
+        times.append(time.thread_time_ns() - t0)
+    return float(np.median(times[1:])) / 1e3 / batch
+
+
 def one_run(args: argparse.Namespace) -> dict[str, float]:
     out: dict[str, float] = {}
     for batch in args.batches:
         for sampling in SAMPLINGS:
-            r = run(batch, sampling, args.tokens)
-            for k, v in r.items():
-                out[f"B{batch} {sampling} {k}"] = v
+            if args.tail:
+                out[f"B{batch} {sampling} cpu us/row"] = tail_cpu(batch, sampling, True,
+                                                                 args.reps)
+            if args.before:
+                out[f"B{batch} {sampling} cpu us/row before"] = tail_cpu(
+                    batch, sampling, False, args.reps)
+            if args.cpu_only:
+                continue
+            variants = [True] if args.tail else []
+            variants += [False] if args.before else []
+            for native in variants:
+                tail.use_native_tail(None if native else False)
+                r = run(batch, sampling, args.tokens)
+                for k, v in r.items():
+                    out[f"B{batch} {sampling} {k}{'' if native else ' before'}"] = v
+            tail.use_native_tail(None if args.tail else False)
     return out
 
 
@@ -166,6 +217,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="one run, 20 tokens")
     p.add_argument("--no-tail", dest="tail", action="store_false",
                    help="without the native tail (rows one by one in Python)")
+    p.add_argument("--before", action="store_true",
+                   help="also without the native tail, side by side (figures '... before')")
+    p.add_argument("--cpu-only", action="store_true",
+                   help="only the tail's CPU per row, no streams")
+    p.add_argument("--reps", type=int, default=15, help="repetitions of the CPU figure")
     p.add_argument("--threads", type=int, default=None,
                    help="native tail threads (default: the cores, at most 4)")
     add_load_option(p)
@@ -174,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.runs, args.tokens = 1, 20
     if args.smoke:
-        args.runs, args.tokens, args.batches = 1, 6, [8]
+        args.runs, args.tokens, args.batches, args.reps = 1, 6, [8], 2
+        args.before = True
     tail.use_native_tail(None if args.tail else False)
     threads = tail.set_threads(args.threads)
     with cpu_load(args.load):
