@@ -51,6 +51,9 @@ __all__ = ["Admission"]
 
 log = logging.getLogger("calfsm.pipeline")
 
+#: the back-off of asking the device again for KV room it refused (seconds)
+RETRY_MIN_S, RETRY_MAX_S = 0.001, 0.25
+
 _fire = JOB_MACHINE.fire
 _fire_if = JOB_MACHINE.fire_if_declared
 
@@ -76,6 +79,10 @@ class Admission:
         #: deferred functions taken off the queue and still running: busy until they
         #: return (one may be staging a step, a job whose end it has yet to tell)
         self._running = 0
+        #: when the head is asked again after the device refused it KV room the books
+        #: had (inf: no such wait), and the back-off that led there
+        self._retry_at = math.inf
+        self._retry_gap = 0.0
         self._ids = itertools.count(1)
 
     # ---- observation ---------------------------------------------------------------
@@ -109,12 +116,23 @@ class Admission:
                      epoch.pool.stats() if epoch else None, life.generation))
 
     def first_deadline(self) -> float:
-        """The earliest admission deadline among the parked jobs (inf: none)."""
+        """The earliest admission deadline among the parked jobs, or the time the head is
+        asked again after a device refusal if that comes first (inf: none)."""
         if not self._parked:
             return math.inf
         now = self.core.clock.now()
         with self.core.lock:
-            return self._first_deadline_locked(now)
+            return min(self._first_deadline_locked(now), self._retry_at)
+
+    def device_refused(self) -> None:
+        """The device refused KV room the books had (``kv_apply`` said no): no end of a
+        reservation need follow, so waiting for ``on_freed`` alone could wait forever
+        once every other stream's step is parked behind the head. The head is asked
+        again after a back-off instead (1 ms, doubling to 0.25 s; reset by a grant): a
+        timer of the admission step, as its deadlines are."""
+        with self.core.lock:
+            self._retry_gap = min(RETRY_MAX_S, self._retry_gap * 2 or RETRY_MIN_S)
+            self._retry_at = self.core.clock.now() + self._retry_gap
 
     def _first_deadline_locked(self, now: float) -> float:
         """Cached: a parked job's deadline is fixed while the lifecycle stays in one state
@@ -418,6 +436,8 @@ class Admission:
                     self._parked.push(job, begun=job.kv is not None)
                     self._parked_changed_locked()
                     return False
+                if admitted:
+                    self._retry_at, self._retry_gap = math.inf, 0.0
             if gone and not cancelled and core.holdable(job):
                 self.hold([job])        # a drain began meanwhile: wait for the next one
                 return True
@@ -438,9 +458,12 @@ class Admission:
         return True
 
     def expire_parked(self) -> None:
-        """Fail every parked job past its admission deadline."""
+        """Fail every parked job past its admission deadline (and end a device refusal's
+        back-off that is over: the head is tried again now)."""
         now = self.core.clock.now()
         with self.core.lock:
+            if self._retry_at <= now:
+                self._retry_at = math.inf
             if self._first_deadline_locked(now) > now:
                 return                  # none is late (the common step: no scan)
             late = [j for j in self._parked if self.deadline(j, now) <= now]

@@ -221,7 +221,9 @@ class Pipeline:
 
     def kv_full(self) -> None:
         """The device refused KV for a reservation (the KV books' ``on_full``): whoever
-        keeps KV warm for nobody gives some back; its release calls ``on_freed``."""
+        keeps KV warm for nobody gives some back (its release calls ``on_freed``), and
+        the admission step asks the device again after a back-off, whatever else frees."""
+        self.admission.device_refused()
         room = self.kv_room
         if room is not None:
             room()

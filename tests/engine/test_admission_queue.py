@@ -21,20 +21,25 @@ import time
 import pytest
 
 from calfsm.clock import VirtualClock
+from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.engine.job import JobHandle
 from calfsm.errors import CalfsmError, DeadlineExceeded
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate.sampling import SamplingParams
 from calfsm.request import Request
 from tests.helpers.executor import (
     TINY,
     GatedDriver,
     always,
+    drive,
     eventually,
     hold_on_device,
     make_executor,
     make_sim,
     prefill,
+    reference_stream,
 )
+from tests.helpers.streams import direct_runner
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -203,3 +208,23 @@ def test_a_blocked_enqueue_on_a_virtual_clock_nobody_advances_gives_up_in_real_t
     finally:
         ex.close()
 
+
+@pytest.mark.parametrize("mode", ["step", "threaded"])
+def test_a_device_refusal_with_nothing_left_to_free_is_asked_again(mode):
+    """The device refuses a lone stream's KV grow twice (``kv_apply`` says no, the books
+    had room): no reservation is open elsewhere, so no ``on_freed`` will ever come. The
+    admission step asks the device again after its back-off, and the stream ends with
+    the tokens it gives without the refusals (it waited for ever: step mode stuck,
+    threaded mode asleep; found under load among 16 batched streams, every other step
+    parked behind the refused head)."""
+    prompt, params = [3, 1, 4], SamplingParams(max_tokens=6)
+    want = reference_stream(direct_runner(), prompt, params)
+    with make_executor(mode, faults=FaultPlan.of(FaultRule(
+            "kv_apply", "refuse", seq_id=0, nth=3, every=1, count=2))) as ex:
+        with ex.open_sequence() as seq:
+            assert seq.seq_id == 0
+            stream = seq.generate(prompt, params)
+            drive(ex, stream.done)
+            r = stream.result(0)
+        assert ex.driver.faults_fired() == (2,)
+        assert r.error is None and list(r.tokens) == want
