@@ -46,6 +46,7 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -470,6 +471,22 @@ class Sequence:
         return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
 
 
+def _tail_row(stream: Stream, job: JobContext) -> Any:
+    """The stream's sampler's row of the completion's native tail for ``job``'s token
+    (calfsm/engine/tail.py), or None: :meth:`Stream._decide` samples. Not for a replay
+    (it draws nothing) nor a cancelled stream."""
+    if stream._cancelled or stream._flow.replay_check is not None:
+        return None
+    row = stream._tail
+    if row is not None:
+        return row
+    sampler = stream._sampler
+    if sampler.uses_tokens:
+        return sampler.tail_row(TokenHistory(stream.prompt, stream._tokens))
+    row = stream._tail = sampler.tail_row()     # the same every step: asked for once
+    return row
+
+
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
     ``cancel()``, and ``result()`` / ``await stream.final()``. ``request_id`` names it
@@ -485,6 +502,10 @@ class Stream:
     ``priority`` (:attr:`calfsm.request.Request.priority`) is every step's: the prefill,
     each decode and a replay wait for admission at the stream's priority, each aged from
     its own acceptance (docs/architecture.md, Admission)."""
+
+    #: the sampler's row of the native tail, when it reads no tokens (else asked for at
+    #: every step: :func:`_tail_row`)
+    _tail: Any = None
 
     def __init__(self, sequence: Sequence, prompt: Seq[int] | str,
                  params: SamplingParams | None, *,
@@ -509,9 +530,6 @@ class Stream:
         #: prompt tokens whose KV the sequence already held (a prompt cache hit)
         self.cached = cached
         self.params = params
-        #: the sampler's row of the native tail, when it reads no tokens (else asked
-        #: for at every step)
-        self._tail: Any = None
         self._sampler: Sampler = params.sampler_for(
             contract.vocab, prompt_len=len(self.prompt),
             eos_token_id=getattr(tokenizer, "eos_token_id", None))
@@ -723,7 +741,7 @@ class Stream:
         is worth preparing ahead."""
         handle.context.continuation = self._continue
         if self._sampler.tail_capable:  # its token in the completion's native call
-            handle.context.tail = self._tail_row
+            handle.context.tail = functools.partial(_tail_row, self)
         with self._lock:
             self._flow.handed_on(handle, request)
             cancelled = self._cancelled
@@ -801,21 +819,6 @@ class Stream:
             f"unexpected {type(e).__name__} in a stream step: {e}",
             seq_id=self.sequence.seq_id, stage="stream")
 
-    def _tail_row(self, job: JobContext) -> Any:
-        """The sampler's row of the completion's native tail for ``job``'s token
-        (calfsm/engine/tail.py), or None: :meth:`_decide` samples. Not for a replay (it
-        draws nothing) nor a cancelled stream."""
-        if self._cancelled or self._flow.replay_check is not None:
-            return None
-        row = self._tail
-        if row is not None:
-            return row
-        sampler = self._sampler
-        if sampler.uses_tokens:
-            return sampler.tail_row(TokenHistory(self.prompt, self._tokens))
-        row = self._tail = sampler.tail_row()   # the same every step: asked for once
-        return row
-
     def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
                 chain: JobHandle | None, tailed: Any = None) -> _Outcome:
         """A step's logits are in: sample, record the token (not yet woken), and decide
@@ -832,13 +835,10 @@ class Stream:
         try:
             # a replay after a resume draws nothing: the seeded sequence of draws goes
             # on as if no fault had happened; greedy checks the replay instead
-            chosen = None
-            if tailed is not None and want is None:     # the native tail chose
-                chosen = self._sampler.tail_token(tailed)
             if want is not None and not self.params.greedy:
                 token = want
-            elif chosen is not None:
-                token = chosen
+            elif tailed is not None and (chosen := self._sampler.tail_token(tailed)) is not None:
+                token = chosen              # the native tail chose (calfsm/engine/tail.py)
             elif self._sampler.plain:         # no processors, no logprobs: the hot path
                 token = self._sampler.sample(logits)
             else:
