@@ -374,6 +374,47 @@ static void block_maxima(const float *x, uint64_t n, uint64_t bs, uint32_t *bmax
     }
 }
 
+/* the largest BF16 key of each block, and the carry bits of all (bit 15: NaN or Inf) */
+INLINE uint16_t block_max16_body(const uint16_t *restrict s, uint64_t n, uint64_t bs,
+                                 uint16_t *restrict bmax) {
+    uint16_t acc = 0;
+    for (uint64_t lo = 0, b = 0; lo < n; lo += bs, b++) {
+        uint64_t len = n - lo < bs ? n - lo : bs;
+        bmax[b] = len == SB ? scan_key(s + lo, SB, &acc) : scan_key(s + lo, len, &acc);
+    }
+    return acc;
+}
+
+#if MAX_LEVEL >= 2
+__attribute__((target("avx512f,avx512bw")))
+static uint16_t block_max16_avx512(const uint16_t *restrict s, uint64_t n, uint64_t bs,
+                                   uint16_t *restrict bmax) {
+    return block_max16_body(s, n, bs, bmax);
+}
+__attribute__((target("avx2")))
+static uint16_t block_max16_avx2(const uint16_t *restrict s, uint64_t n, uint64_t bs,
+                                 uint16_t *restrict bmax) {
+    return block_max16_body(s, n, bs, bmax);
+}
+#endif
+
+static uint16_t block_maxima16(const uint16_t *s, uint64_t n, uint64_t bs, uint16_t *bmax,
+                               int32_t level) {
+    switch (level) {
+#if MAX_LEVEL >= 2
+    case 2: return block_max16_avx512(s, n, bs, bmax);
+    case 1: return block_max16_avx2(s, n, bs, bmax);
+#endif
+    default: return block_max16_body(s, n, bs, bmax);
+    }
+}
+
+/* the float32 order key of a BF16 key (the same order) */
+INLINE uint32_t key32_of16(uint16_t k) {
+    uint16_t b = (k & 0x8000u) ? (uint16_t)(k ^ 0x8000u) : (uint16_t)~k;
+    return okey((uint32_t)b << 16);
+}
+
 typedef struct {
     uint32_t idx;
     uint32_t bits;   /* the weight's */
@@ -385,15 +426,28 @@ static int by_bits_desc(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
-static int64_t sparse_draw(const float *x, uint64_t n, double inv_t, uint64_t k,
-                           uint64_t p_q, uint64_t u, int32_t level) {
-    if (!k || k >= n || k > 64) return NOT_SPARSE;
+INLINE uint64_t block_size(uint64_t n) {
     uint64_t bs = SB;
     while (n > bs * KBLOCKS) bs *= 2;
+    return bs;
+}
+
+INLINE int sparse_fits(uint64_t n, uint64_t k) {
+    return k && k < n && k <= 64 && k <= (n + block_size(n) - 1) / block_size(n);
+}
+
+INLINE float value_at(const float *x, const uint16_t *s16, uint64_t j) {
+    return s16 ? float_of((uint32_t)s16[j] << 16) : x[j];
+}
+
+/* the draw over the top-k candidates of a row of floats (x) or of BF16 bits (s16),
+ * whose block maxima (order keys) are in bmax */
+static int64_t sparse_draw(const float *x, const uint16_t *s16, const uint32_t *bmax,
+                           uint64_t n, double inv_t, uint64_t k, uint64_t p_q, uint64_t u) {
+    if (!sparse_fits(n, k)) return NOT_SPARSE;
+    uint64_t bs = block_size(n);
     uint32_t nb = (uint32_t)((n + bs - 1) / bs);
-    if (k > nb) return NOT_SPARSE;
-    uint32_t bmax[KBLOCKS], top[64], have = 0, mx = 0;
-    block_maxima(x, n, bs, bmax, level);
+    uint32_t top[64], have = 0, mx = 0;
     for (uint32_t b = 0; b < nb; b++) {
         keep_top(top, &have, (uint32_t)k, bmax[b]);
         mx = bmax[b] > mx ? bmax[b] : mx;
@@ -406,7 +460,7 @@ static int64_t sparse_draw(const float *x, uint64_t n, double inv_t, uint64_t k,
         if (bmax[b] < low) continue;
         uint64_t lo = (uint64_t)b * bs, hi = lo + bs < n ? lo + bs : n;
         for (uint64_t j = lo; j < hi; j++) {
-            uint32_t key = okey(bits_of(x[j]));
+            uint32_t key = okey(bits_of(value_at(x, s16, j)));
             if (key < low) continue;
             if (nc == GATHER) return NOT_SPARSE;
             c[nc].idx = (uint32_t)j;
@@ -422,7 +476,7 @@ static int64_t sparse_draw(const float *x, uint64_t n, double inv_t, uint64_t k,
     for (uint32_t i = 0; i < nc; i++) {
         if (c[i].bits < tk) continue;
         int keep;
-        float wt = weight_of(x[c[i].idx], m, inv_t, &keep);
+        float wt = weight_of(value_at(x, s16, c[i].idx), m, inv_t, &keep);
         wt = keep ? wt : 0.0f;
         c[w].idx = c[i].idx;
         c[w].bits = bits_of(wt);
@@ -543,6 +597,45 @@ static void run_row(calfsm_tail_row *r, int32_t level) {
         r->status = CALFSM_TAIL_OK;
         return;
     }
+    if (!r->dst && r->mode == CALFSM_TAIL_DRAW && !changes && r->bitgen && r->inv_temp > 0.0
+        && r->top_p_q32 && r->top_p_q32 <= P_ONE && sparse_fits(n, r->top_k)) {
+        /* a top-k draw and no row wanted: the BF16 row read once for its block maxima
+         * and its finite check, then the candidates alone; a float row only if they do
+         * not fit (then calfsm_sample, with the same draw) */
+        uint64_t bs = block_size(n);
+        uint32_t nb = (uint32_t)((n + bs - 1) / bs);
+        uint16_t b16[KBLOCKS];
+        uint32_t bmax[KBLOCKS];
+        if (block_maxima16(r->src, n, bs, b16, level) & 0x8000u) {
+            r->bad = first_nonfinite16(r->src, n);
+            r->status = CALFSM_TAIL_NONFINITE;
+            return;
+        }
+        for (uint32_t b = 0; b < nb; b++) bmax[b] = key32_of16(b16[b]);
+        np_bitgen *g = (np_bitgen *)r->bitgen;
+        uint64_t u = g->next_raw(g->state);
+        int64_t tok = sparse_draw(NULL, r->src, bmax, n, r->inv_temp, r->top_k,
+                                  r->top_p_q32, u);
+        if (tok == NOT_SPARSE) {
+            float *x;
+            int own = claim_scratch(n, &x);
+            if (own < 0) {
+                x = (float *)malloc(n * sizeof *x);
+                if (!x) {   /* nothing else to do: the draw is spent, say so */
+                    r->token = CALFSM_SAMPLE_EINVAL;
+                    r->status = CALFSM_TAIL_EDRAW;
+                    return;
+                }
+            }
+            calfsm_bf16_to_f32_finite(r->src, x, n);    /* finite: checked above */
+            tok = calfsm_sample(x, n, r->inv_temp, r->top_k, r->top_p_q32, u);
+            if (own < 0) free(x);
+            give_scratch(own);
+        }
+        r->token = tok;
+        r->status = tok >= 0 ? CALFSM_TAIL_OK : CALFSM_TAIL_EDRAW;
+        return;
+    }
     float *x = r->dst;
     int own = -1;
     if (!x && (own = claim_scratch(n, &x)) < 0) return;   /* SKIPPED: the caller converts */
@@ -603,8 +696,12 @@ static void run_on(calfsm_tail_row *r, float *x, int32_t level) {
     if (!g) return;                         /* SKIPPED */
     uint64_t u = g->next_raw(g->state);
     int64_t tok = NOT_SPARSE;
-    if (!r->dst && r->inv_temp > 0.0 && r->top_p_q32 && r->top_p_q32 <= P_ONE)
-        tok = sparse_draw(x, n, r->inv_temp, r->top_k, r->top_p_q32, u, level);
+    if (!r->dst && r->inv_temp > 0.0 && r->top_p_q32 && r->top_p_q32 <= P_ONE
+        && sparse_fits(n, r->top_k)) {
+        uint32_t bmax[KBLOCKS];
+        block_maxima(x, n, block_size(n), bmax, level);
+        tok = sparse_draw(x, NULL, bmax, n, r->inv_temp, r->top_k, r->top_p_q32, u);
+    }
     if (tok == NOT_SPARSE)
         tok = calfsm_sample(x, n, r->inv_temp, r->top_k, r->top_p_q32, u);
     r->token = tok;
