@@ -10,7 +10,8 @@ with as many as it has devices (``ray start --resources '{"calculet_npu": 4}'``)
 most that many replicas there. Its ``check_health`` is the app's liveness
 (:func:`calfsm.serve.app.liveness`): a device that hung, failed or broke makes Ray kill
 the replica and start another, which builds a fresh executor on the device. Nothing here
-balances load or places work: Ray's proxy and router do.
+balances load or places work: Ray's proxy and router do. To send each prompt to the
+replica whose prompt cache holds its prefix, see :mod:`calfsm.serve.ray_route`.
 
 Ray pickles ``build`` to send it to the replicas: use a module-level function or a
 closure over picklable values.
