@@ -7,8 +7,9 @@ Run from the repository root::
     python bench/bench_batching.py --smoke      # seconds; its figures mean nothing
 
 The device: ``LatencyModel.fixed(decode_s=10 ms, prefill_token_us=200,
-batch_row_share=0.05)``. A batch decode step of ``R`` rows takes ``decode_s * (1 + 0.05 *
-(R - 1))`` (a cost *model*, docs/driver-protocol.md, Batches): 13.5 ms for eight rows,
+batch_row_share=0.05, shape_cost="graph")``. A batch decode step of ``R`` rows takes
+``decode_s * (1 + 0.05 * (R - 1))`` (a cost *model*, docs/driver-protocol.md, Batches),
+``R`` the graph's whole batch: 13.5 ms for eight rows,
 so the model's ideal aggregate rate on ``tiny-b8`` is ``8 / 13.5 ms`` = 593 tokens/s,
 against ``1 / 10 ms`` = 100 tokens/s one row at a time.
 
@@ -25,8 +26,11 @@ reads the same directory (it has no batch graph). Each run, side by side:
     token when every stream runs; target <= 1.10x).
 (b) eight streams on ``tiny-b8`` (one full batch): P99 time per output token against
     one batch step, 13.5 ms (target <= 1.10x).
-(c) one stream alone on ``tiny-b8`` and on ``tiny``: time per output token P50, the
-    ratio (target <= 1.02x: batching costs a lone stream nothing).
+(c) one stream alone on ``tiny-b8``, on ``tiny-buckets`` and on ``tiny``: time per output
+    token P50, the ratios. The device models a static calbin (``shape_cost="graph"``,
+    docs/driver-protocol.md, Shape cost): a lone stream on the b8 graph pays the whole
+    8-row step (1.35x: what a missing bucket costs, no target); on ``tiny-buckets``, with
+    the step-cost runner's evidence, it runs on the b1 graph (target <= 1.02x).
 
 Before measuring, every stream's tokens are checked against the reference model. Each
 figure is reported per run and as the median with the range over the runs.
@@ -59,7 +63,7 @@ DECODE_S = 0.010
 SHARE = 0.05
 ROWS = 8
 LATENCY = LatencyModel.fixed(decode_s=DECODE_S, prefill_per_token_s=2e-4,
-                             batch_row_share=SHARE)
+                             batch_row_share=SHARE, shape_cost="graph")
 STEP_S = DECODE_S * (1 + SHARE * (ROWS - 1))
 TIMEOUT_S = 600.0
 
@@ -71,6 +75,13 @@ def write_evidence(directory: str) -> None:
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         raise RuntimeError(f"batch runner failed:\n{done.stdout}\n{done.stderr}")
+    cmd = [sys.executable, str(ROOT / "examples/vendor/step_costs.py"), "--driver", "sim",
+           "--manifest", "tiny-buckets", "--out", directory, "--latency",
+           f"virtual:decode_ms={DECODE_S * 1e3:g},prefill_token_us=200,"
+           f"batch_row_share={SHARE}"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise RuntimeError(f"step-cost runner failed:\n{done.stdout}\n{done.stderr}")
 
 
 def prompts(n: int) -> list[list[int]]:
@@ -137,10 +148,13 @@ def one_run(args: argparse.Namespace, evidence: str) -> dict[str, float]:
     _, _, gaps_full = window(full)
     out["8 streams P99 TPOT / step"] = float(np.percentile(gaps_full, 99)) / STEP_S
     lone8, _ = run("tiny-b8", 1, args.tokens * 2, evidence)
+    lone_bk, _ = run("tiny-buckets", 1, args.tokens * 2, evidence)
     lone1, _ = run("tiny", 1, args.tokens * 2, evidence)
     p50_8 = float(np.median(np.diff(lone8[0][0])))
+    p50_bk = float(np.median(np.diff(lone_bk[0][0])))
     p50_1 = float(np.median(np.diff(lone1[0][0])))
     out["lone P50 TPOT b8 / b1"] = p50_8 / p50_1
+    out["lone P50 TPOT buckets / b1"] = p50_bk / p50_1
     out["lone P50 TPOT b1 ms"] = p50_1 * 1e3
     return out
 

@@ -36,6 +36,7 @@ from calfsm.errors import (
     from_calrt,
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Health
+from calfsm.generate.constraint import Choice, Grammar, JsonObject, JsonSchema, Regex
 from calfsm.generate.promptcache import PromptCacheConfig, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
 from calfsm.generate.streams import (
@@ -72,6 +73,7 @@ __all__ = [
     "CalrtCode",
     "CalrtDriver",
     "Cancelled",
+    "Choice",
     "DType",
     "DeadlineExceeded",
     "DeviceExecutor",
@@ -86,6 +88,7 @@ __all__ = [
     "FaultRule",
     "FinishReason",
     "GenerationResult",
+    "Grammar",
     "Health",
     "IllegalTransition",
     "Incompatible",
@@ -96,6 +99,8 @@ __all__ = [
     "JobEnded",
     "JobHandle",
     "JobTimings",
+    "JsonObject",
+    "JsonSchema",
     "LeaseError",
     "Manifest",
     "ManifestError",
@@ -104,6 +109,7 @@ __all__ = [
     "PromptCacheConfig",
     "PromptCacheStats",
     "RecoveryPolicy",
+    "Regex",
     "Request",
     "ResourceExhausted",
     "SamplingParams",

@@ -60,6 +60,7 @@ from calfsm.generate.streams import (
 from calfsm.generate.tokenizer import Tokenizer, check_tokenizer, encode_prompt
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.plan.batching import plan_batching
+from calfsm.plan.buckets import plan_buckets
 from calfsm.plan.inflight import plan_inflight
 from calfsm.runtime.drive import StepRuntime, Steps, ThreadRuntime
 from calfsm.runtime.stepper import StepScheduler
@@ -84,11 +85,13 @@ class DeviceExecutor:
     :class:`~calfsm.generate.tokenizer.ByteTokenizer` or
     :class:`~calfsm.generate.tokenizer.HFTokenizer`):
     streams then take text prompts and stop strings, and their events carry text.
+    ``tracer`` (an OpenTelemetry ``Tracer``): a span tree per generation request
+    (:mod:`calfsm.telemetry.tracing`, :attr:`request_tracer`); None: no tracing, at no cost.
     """
 
     def __init__(self, driver: Driver, manifest: Manifest,
                  config: ExecutorConfig | None = None, *, calbin: Calbin | None = None,
-                 tokenizer: Tokenizer | None = None) -> None:
+                 tokenizer: Tokenizer | None = None, tracer: Any = None) -> None:
         #: the streams' text: prompts, event text, stop strings (None: token ids only)
         self.tokenizer = None if tokenizer is None else check_tokenizer(tokenizer)
         self.driver = driver
@@ -97,7 +100,9 @@ class DeviceExecutor:
         plan = plan_inflight(cfg.max_inflight, driver, evidence_dir=cfg.evidence_dir)
         batching = plan_batching(manifest, driver, requested=cfg.max_batch,
                                  evidence_dir=cfg.evidence_dir)
-        self._notes: tuple[str, ...] = tuple(p.note for p in (plan, batching) if p.note)
+        shapes = plan_buckets(manifest, driver, evidence_dir=cfg.evidence_dir)
+        self._notes: tuple[str, ...] = tuple(p.note for p in (plan, batching, shapes)
+                                             if p.note)
         for note in self._notes:
             log.warning("%s", note, extra={"stage": "config"})
         if plan.proof:
@@ -105,6 +110,8 @@ class DeviceExecutor:
         if batching.proof:
             log.info("continuous batching, %d rows per step: %s", batching.max_rows,
                      batching.proof, extra={"stage": "config"})
+        if shapes.proof:
+            log.info("shape buckets: %s", shapes.proof, extra={"stage": "config"})
         #: rows one device step carries at most (1: no batching; calfsm/plan/batching.py)
         self.max_batch = batching.max_rows
         engines = plan.engines
@@ -144,7 +151,8 @@ class DeviceExecutor:
             build=epoch_builder(driver, max_inflight=plan.max_inflight,
                                 slots_per_engine=cfg.slots_per_engine,
                                 token_budget=cfg.token_budget, engines=engines,
-                                sync=THREADS, batch_rows=batching.max_rows))
+                                sync=THREADS, batch_rows=batching.max_rows,
+                                buckets=shapes.buckets))
         self._runtime = (ThreadRuntime if cfg.threaded else StepRuntime)(
             self._pipeline, self._control, life)
         self._sequences = SequenceAllocator(min(cfg.max_sequences, WARMUP_SEQ))
@@ -159,6 +167,13 @@ class DeviceExecutor:
         self.dump_sink = DumpSink(cfg.dump) if cfg.dump is not None else None
         if self.dump_sink is not None:
             self.add_observer(self.dump_sink)
+        #: the OpenTelemetry spans of each request when ``tracer`` (an OpenTelemetry
+        #: ``Tracer``; ``pip install calfsm[tracing]``) is given, else None: an observer
+        #: (calfsm/telemetry/tracing.py), so tracing off costs nothing
+        self.request_tracer = None
+        if tracer is not None:
+            from calfsm.telemetry.tracing import RequestTracer
+            self.request_tracer = RequestTracer(self, tracer)
         self._control.start(manifest, calbin or Calbin.from_manifest(manifest))
         self._runtime.start()
         if self._cache is not None:
@@ -245,7 +260,7 @@ class DeviceExecutor:
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, request_id: str | None = None,
                  n: int | None = None, parent: str | None = None,
-                 priority: int = 0) -> Any:
+                 priority: int = 0, arrival: float | None = None) -> Any:
         """One-shot generation on a fresh sequence, released when the stream ends (its
         id is free again by the time the stream's result is delivered). ``prompt``:
         token ids, or text with the executor's ``tokenizer``.
@@ -271,7 +286,10 @@ class DeviceExecutor:
         lost the sequence's KV, replay the prompt and the tokens so far on the new
         generation and go on, at most ``max_resumes`` times for this stream.
         ``priority``: every step's admission priority (higher first, aged while it
-        waits; :attr:`calfsm.request.Request.priority`).
+        waits; :attr:`calfsm.request.Request.priority`). ``arrival``: when the request
+        arrived, on :attr:`clock` (a server's read of it, so the stream's ``ttft_s`` and
+        the metrics count from where the client's clock starts); default: the stream's
+        creation.
 
         What can be judged against the model alone is judged first, before anything is
         taken (:mod:`calfsm.generate.arguments`): ``n`` against ``max_sequences`` and
@@ -286,7 +304,7 @@ class DeviceExecutor:
             raise
         if n is None:
             return self._generate(prompt, params, deadline_s, resume, max_resumes,
-                                  request_id, parent, priority)
+                                  request_id, parent, priority, arrival)
         parent, ids = self.live_requests.reserve_parent(request_id, n)
         streams: list[Stream] = []
         try:
@@ -294,7 +312,7 @@ class DeviceExecutor:
                 own = params if params.seed is None else attrs.evolve(
                     params, seed=params.seed + i)
                 streams.append(self._generate(prompt, own, deadline_s, resume,
-                                              max_resumes, rid, parent, priority))
+                                              max_resumes, rid, parent, priority, arrival))
         except BaseException:
             for s in streams:
                 s.cancel()
@@ -319,7 +337,8 @@ class DeviceExecutor:
 
     def _generate(self, prompt: Any, params: SamplingParams, deadline_s: Any,
                   resume: bool, max_resumes: int, request_id: str | None,
-                  parent: str | None, priority: int) -> Stream:
+                  parent: str | None, priority: int, arrival: float | None = None
+                  ) -> Stream:
         cache = self._cache
         try:        # the estimate first: a refusal costs no sequence and no buffers
             key = None if cache is None else cache.key(prompt)
@@ -341,7 +360,7 @@ class DeviceExecutor:
             return Stream(seq, prompt, params, deadline_s=deadline_s, resume=resume,
                           max_resumes=max_resumes, close_sequence=True, admitted=True,
                           request_id=request_id, parent=parent, priority=priority,
-                          keeper=cache, cached=cached)
+                          keeper=cache, cached=cached, arrival=arrival)
         except BaseException as e:
             seq.close()
             if isinstance(e, CalfsmError):
@@ -476,10 +495,11 @@ class DeviceExecutor:
     async def create(cls, driver: Driver, manifest: Manifest,
                      config: ExecutorConfig | None = None, *,
                      calbin: Calbin | None = None,
-                     tokenizer: Tokenizer | None = None) -> DeviceExecutor:
+                     tokenizer: Tokenizer | None = None, tracer: Any = None
+                     ) -> DeviceExecutor:
         """Construct (start-up and warm-up) without blocking the event loop."""
         return await asyncio_module().to_thread(cls, driver, manifest, config, calbin=calbin,
-                                                tokenizer=tokenizer)
+                                                tokenizer=tokenizer, tracer=tracer)
 
     async def aclose(self, timeout: float | None = None, *, grace_s: float | None = None
                      ) -> None:
@@ -576,6 +596,14 @@ class DeviceExecutor:
             errors_by_category=by_category, admitting=self._pipeline.admission.parked(),
             **{k: counts[k] for k in COUNTERS})
 
+    def _graph_notes(self) -> tuple[str, ...]:
+        """The shape buckets the current generation took out, each with why."""
+        epoch = self._life.epoch
+        if epoch is None or not epoch.graph_failures:
+            return ()
+        return tuple(f"shape bucket {name} taken out: {why}"
+                     for name, why in epoch.graph_failures.items())
+
     def health(self) -> Health:
         """Liveness and readiness (spec section 9), cheap and safe from any thread.
 
@@ -620,7 +648,8 @@ class DeviceExecutor:
             generation=life.generation, inflight=inflight, queue_depth=depth,
             submitter_heartbeat=p.heartbeat("submitter"),
             completion_heartbeat=p.heartbeat("completion"), reason=life.reason,
-            max_inflight=p.max_inflight, max_batch=self.max_batch, notes=self._notes,
+            max_inflight=p.max_inflight, max_batch=self.max_batch,
+            notes=self._notes + self._graph_notes(),
             broken=p.broken,
             live=live_reason is None, live_reason=live_reason, oldest_job_s=age,
             hang_suspected=suspect, ready_reason=ready_reason)

@@ -45,6 +45,7 @@ __all__ = [
     "MAX_FILE_BYTES",
     "REQUIRED_KINDS",
     "DType",
+    "GraphKey",
     "Manifest",
     "ModelGeneration",
     "ModelInfo",
@@ -78,6 +79,9 @@ _LOGITS_KINDS = frozenset({TaskKind.PREFILL_IDS, TaskKind.PREFILL_EMBEDS, TaskKi
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 #: the largest manifest file read (the built-in ones are ~4 KiB)
 MAX_FILE_BYTES = 4 << 20
+#: a graph's key within a manifest: ``(kind, max_batch, max_seq)`` (shape buckets: several
+#: graphs of one kind, each looked up by its exact key, spec 10.2)
+GraphKey = tuple[TaskKind, int, int]
 
 
 class DType(enum.StrEnum):
@@ -163,6 +167,20 @@ class SubmodelContract:
         return self.max_batch > 1
 
     @property
+    def key(self) -> GraphKey:
+        """``(kind, max_batch, max_seq)``: what names this graph among a kind's buckets."""
+        return (self.kind, self.max_batch, self.max_seq)
+
+    @property
+    def label(self) -> str:
+        """``decode b8 s8192``: the key in words, for notes, metrics and evidence."""
+        return f"{self.kind.value} b{self.max_batch} s{self.max_seq}"
+
+    def covers(self, other: SubmodelContract) -> bool:
+        """Whether this graph takes every step ``other`` takes (as many rows, as long)."""
+        return self.max_batch >= other.max_batch and self.max_seq >= other.max_seq
+
+    @property
     def max_tokens(self) -> int:
         """Most tokens one job of this graph can carry (elements of the token tensor)."""
         return self.token_or_embed.shape[-1] if self.kind is not TaskKind.PREFILL_EMBEDS \
@@ -214,6 +232,8 @@ class ModelGeneration:
     calrt_version: str
     submodels: Mapping[TaskKind, SubmodelContract]
     device_models: Mapping[TaskKind, ModelInfo] = attrs.field(factory=dict)
+    #: every graph by its key (shape buckets); ``submodels`` holds each kind's widest
+    graphs: Mapping[GraphKey, SubmodelContract] = attrs.field(factory=dict)
 
     def submodel(self, kind: TaskKind) -> SubmodelContract:
         try:
@@ -317,9 +337,12 @@ class Manifest:
                 problems.append(f"{at}.exact_name: {sub.exact_name!r} is not unique")
             problems.extend(_submodel_problems(at, sub))
         kinds = Counter(s.kind for s in self.submodels)
-        for kind, n in kinds.items():
+        keys = Counter(s.key for s in self.submodels)
+        for (kind, batch, seq), n in keys.items():
             if n > 1:
-                problems.append(f"submodels: {n} sub-models of kind {kind.value}")
+                problems.append(f"submodels: {n} sub-models keyed ({kind.value}, max_batch "
+                                f"{batch}, max_seq {seq}); a key names one graph")
+        problems.extend(self._bucket_problems())
         for kind in REQUIRED_KINDS:
             if self.submodels and kind not in kinds:
                 problems.append(f"submodels: no {kind.value} sub-model (required: "
@@ -335,6 +358,23 @@ class Manifest:
                                     f"{value!r}")
         if problems:
             raise ManifestError("invalid manifest: " + "; ".join(problems), stage="manifest")
+
+    def _bucket_problems(self) -> list[str]:
+        """Several graphs of one kind (shape buckets): the widest must cover every other
+        (as many rows, as long a context), so any step has a graph to run on."""
+        problems = []
+        for kind in self.kinds:
+            graphs = [(i, s) for i, s in enumerate(self.submodels) if s.kind is kind]
+            if len(graphs) < 2:
+                continue
+            i, widest = max(graphs, key=lambda g: (g[1].max_batch, g[1].max_seq))
+            for j, other in graphs:
+                if not widest.covers(other):
+                    problems.append(f"submodels[{j}]: {other.label} is not covered by the "
+                                    f"widest {kind.value} graph (submodels[{i}], "
+                                    f"{widest.label}): one graph of a kind must take every "
+                                    "step the others take")
+        return problems
 
     def _vocabulary_problems(self) -> list[str]:
         """Every sub-model that yields logits must share the decode sub-model's vocabulary
@@ -353,9 +393,11 @@ class Manifest:
         """The decode sub-model must reach as far as every prefill: a sequence prefilled
         to a prefill's ``max_seq`` is decoded next, by the decode graph."""
         decodes = [(i, s) for i, s in enumerate(self.submodels) if s.kind is TaskKind.DECODE]
-        if len(decodes) != 1 or decodes[0][1].max_seq <= 0:
-            return []               # reported above: no decode, two, or a bad max_seq
-        j, decode = decodes[0]
+        if not decodes:
+            return []               # reported above
+        j, decode = max(decodes, key=lambda d: (d[1].max_seq, d[1].max_batch))
+        if decode.max_seq <= 0:
+            return []               # reported above
         return [f"submodels[{j}].max_seq: {decode.max_seq} is below the max_seq "
                 f"{s.max_seq} of the {s.kind.value} sub-model (submodels[{i}]): a sequence "
                 "it prefills could not be decoded"
@@ -373,16 +415,30 @@ class Manifest:
                                f"{runtime_version}", stage="manifest")
 
     def submodel(self, kind: TaskKind) -> SubmodelContract:
-        for sub in self.submodels:
-            if sub.kind is kind:
-                return sub
+        """The graph of ``kind`` that takes every step: the only one, or the widest of its
+        shape buckets (:meth:`graphs`)."""
+        graphs = self.graphs(kind)
+        if graphs:
+            return graphs[-1]
         from calfsm.errors import Unsupported
         raise Unsupported(f"manifest {self.name or self.calbin_sha256[:12]!r} has no "
                           f"{kind.value} sub-model", stage="lookup")
 
+    def graphs(self, kind: TaskKind) -> tuple[SubmodelContract, ...]:
+        """Every graph of ``kind``, narrowest first (by ``max_batch``, then ``max_seq``):
+        one on a manifest without shape buckets."""
+        return tuple(sorted((s for s in self.submodels if s.kind is kind),
+                            key=lambda s: (s.max_batch, s.max_seq)))
+
+    @property
+    def bucketed(self) -> bool:
+        """Whether some kind has several graphs (shape buckets)."""
+        return len({s.key for s in self.submodels}) > len(set(self.kinds))
+
     @property
     def kinds(self) -> tuple[TaskKind, ...]:
-        return tuple(s.kind for s in self.submodels)
+        """The kinds this manifest holds, each once, in the order they first appear."""
+        return tuple(dict.fromkeys(s.kind for s in self.submodels))
 
     # ---- against a device ----------------------------------------------------------
     def resolve(self, device_models: Iterable[ModelInfo]) -> dict[TaskKind, ModelInfo]:
@@ -411,9 +467,10 @@ class Manifest:
                 continue
             dev = found[0]
             problems.extend(_model_problems(at, sub, dev))
-            resolved[sub.kind] = dev
+            if sub is self.submodel(sub.kind):
+                resolved[sub.kind] = dev
         kinds = set(self.kinds)
-        missing = len(resolved) < len(self.submodels)
+        missing = any(not by_name.get(s.exact_name) for s in self.submodels)
         for m in listed:
             if m.name in wanted:
                 continue
@@ -432,7 +489,9 @@ class Manifest:
                    device_models: Mapping[TaskKind, ModelInfo] | None = None
                    ) -> ModelGeneration:
         return ModelGeneration(generation_id, self.calbin_sha256, self.calrt_version,
-                               {s.kind: s for s in self.submodels}, dict(device_models or {}))
+                               {k: self.submodel(k) for k in self.kinds},
+                               dict(device_models or {}),
+                               {s.key: s for s in self.submodels})
 
 
 def _submodel_problems(at: str, sub: SubmodelContract) -> list[str]:
@@ -675,7 +734,9 @@ def _describe(exc: BaseException, type_: Any) -> str:
 
 
 _BUILTINS = {"qwen3-b1": "qwen3-b1.manifest.json", "tiny": "tiny.manifest.json",
-             "qwen3-b8": "qwen3-b8.manifest.json", "tiny-b8": "tiny-b8.manifest.json"}
+             "qwen3-b8": "qwen3-b8.manifest.json", "tiny-b8": "tiny-b8.manifest.json",
+             "qwen3-buckets": "qwen3-buckets.manifest.json",
+             "tiny-buckets": "tiny-buckets.manifest.json"}
 
 
 def builtin_manifest_names() -> tuple[str, ...]:
@@ -687,7 +748,9 @@ def builtin_manifest(name: str = "qwen3-b1") -> Manifest:
     """A manifest shipped with calfsm: ``qwen3-b1`` (the current Qwen3 batch=1 calbin),
     ``tiny`` (same graph shapes, vocabulary 1024 and max_seq 8192, for fast tests), and
     their batch-8 forms ``qwen3-b8`` and ``tiny-b8`` (every graph ``max_batch=8``: the
-    calbin a batch build would ship, for continuous batching)."""
+    calbin a batch build would ship, for continuous batching), and ``qwen3-buckets`` and
+    ``tiny-buckets`` (shape buckets: decode graphs at batch 1, 2, 4, 8, 16, 32 and 64 beside
+    batch-1 prefills, docs/driver-protocol.md, Shape buckets)."""
     if name not in _BUILTINS:
         raise ManifestError(f"no built-in manifest {name!r} (have {sorted(_BUILTINS)})",
                             stage="manifest")

@@ -6,7 +6,8 @@ device), each writing its evidence into ``--out`` (by default the directory ever
 command reads), then asks
 :class:`calfsm.plan.capabilities.EvidenceStore` what is proven on this device — the same
 answer the executor and ``calfsm capabilities --evidence-dir OUT`` give — and prints
-whether two jobs in flight and continuous batching may be enabled.
+whether two jobs in flight, continuous batching and switching between shape buckets may be
+enabled.
 
 Exit status 0 when every runner made all its observations (whatever they found).
 """
@@ -23,9 +24,11 @@ from calfsm.manifest import builtin_manifest
 from calfsm.plan.capabilities import DIR_RULE, EvidenceStore, Level, device_identity, evidence_dir
 
 RUNNERS = ("parallel_mode", "overlap", "cancel_after_timeout", "kv_after_failed_wait",
-           "reset_semantics", "batch_semantics")
+           "reset_semantics", "batch_semantics", "step_costs")
 #: the batch runner asks a batch calbin: the batch form of the manifest the others use
 BATCH_FORM = {"tiny": "tiny-b8", "qwen3-b1": "qwen3-b8"}
+#: the step-cost runner asks a calbin with shape buckets: the bucket form of the manifest
+BUCKET_FORM = {"tiny": "tiny-buckets", "qwen3-b1": "qwen3-buckets"}
 VENDOR = Path(__file__).resolve().parent / "vendor"
 
 
@@ -49,8 +52,10 @@ def main(argv: list[str] | None = None) -> int:
               "--latency", args.latency]
     batch = [BATCH_FORM.get(args.manifest, args.manifest) if a == args.manifest else a
              for a in common]
-    codes = {name: run_one(name, batch if name == "batch_semantics" else common)
-             for name in RUNNERS}
+    buckets = [BUCKET_FORM.get(args.manifest, args.manifest) if a == args.manifest else a
+               for a in common]
+    forms = {"batch_semantics": batch, "step_costs": buckets}
+    codes = {name: run_one(name, forms.get(name, common)) for name in RUNNERS}
     with load_driver(args.driver, manifest_or_calbin=builtin_manifest(args.manifest)) as d:
         device, version, declared = device_identity(d), d.version(), d.capabilities()
     store = EvidenceStore(out)
@@ -63,6 +68,10 @@ def main(argv: list[str] | None = None) -> int:
     rows = store.capability("batch_rows_independent", device=device, runtime_version=version)
     print(f"continuous batching: {'may be enabled' if rows.level is Level.PROVEN else 'stays off'}"
           f" ({rows.reason[:80]}...)")
+    moves = [store.capability(c, device=device, runtime_version=version)
+             for c in ("graph_step_costs", "graph_kv_continuity")]
+    print(f"shape buckets: {'may switch graphs' if all(c.proven for c in moves) else 'one graph'}"
+          f" ({moves[1].reason[:80]}...)")
     return 0 if all(rc == 0 for rc in codes.values()) else 1
 
 

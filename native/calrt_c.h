@@ -423,6 +423,17 @@ int32_t calrt_emu_set_transfer_share(calrt_device_t dev, double share);
  * each row's cur_seq tokens and positions (calfsm LatencyModel.batch_row_share). */
 int32_t calrt_emu_set_batch_row_share(calrt_device_t dev, double share);
 
+/* Shape cost (calfsm LatencyModel.shape_cost and context_token_s; docs/driver-protocol.md,
+ * Timing). graph 0 (the default) models a dynamic-shape device: a step costs the rows it
+ * carries, a decode row adds context_s_per_token x its total_seq. graph 1 models a static
+ * calbin: a step costs its model's whole batch, padded rows included (a prefill: every
+ * row as long as its longest; a decode: the batch row share over all of them), each
+ * decode row attending over the whole context window (the configuration's max_seq).
+ * graph other than 0 or 1, or context_s_per_token not a finite number >= 0:
+ * INVALID_VALUE. */
+int32_t calrt_emu_set_shape_cost(calrt_device_t dev, int32_t graph,
+                                 double context_s_per_token);
+
 /* Phase timeline (docs/driver-protocol.md, Timeline): the device keeps the last `jobs`
  * jobs that ended (executed or aborted; default 256, 0 keeps none, at most 2^20, else
  * INVALID_VALUE), each with the planned start and end of its H2D, compute and D2H in

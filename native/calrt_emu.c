@@ -160,6 +160,8 @@ typedef struct device {
     uint32_t n_dma;
     double h2d_per_byte, prefill_per_token, decode_per_step, d2h_per_byte, jitter;
     double transfer_share, batch_row_share;
+    int shape_graph;              /* LatencyModel.shape_cost: 0 rows, 1 graph */
+    double context_per_token;     /* LatencyModel.context_token_s */
     uint32_t seed;
 
     calrt_emu_job_record_t *timeline;  /* ring of the last ended jobs (NULL: none yet) */
@@ -1352,18 +1354,29 @@ static int64_t book_dma(device *d, int64_t now, int64_t earliest, int64_t len) {
  * tokens of all its rows (prefill) or a decode step priced by batch_row_share. */
 static int64_t schedule(device *d, job *j, emu_buf *bi, emu_model *m, int hang) {
     int64_t now = dev_now(d);
-    uint64_t in_bytes = 0, n_tokens = 0;
+    uint64_t in_bytes = 0, n_tokens = 0, longest = 0, context = 0;
     if (m->batch > 1) {
         uint64_t tb = token_bytes(m), pb = m->tensors[1].itemsize;
         for (uint32_t r = 0; r < j->rows; r++) {
             uint64_t cur = bi->csr_vals[(uint64_t)r * m->n_csrs];
             n_tokens += cur;
+            if (cur > longest) longest = cur;
+            context += bi->csr_vals[(uint64_t)r * m->n_csrs + 1];
             in_bytes += cur * tb + cur * pb;
         }
     } else {
         for (uint32_t t = 0; t < m->n_inputs; t++)
             in_bytes += active_bytes(bi, t, &m->tensors[t]);
-        n_tokens = active_bytes(bi, 0, &m->tensors[0]) / 4;
+        n_tokens = longest = active_bytes(bi, 0, &m->tensors[0]) / 4;
+        context = bi->csr_vals[1];
+    }
+    /* shape cost (LatencyModel.compute_s): a static graph pays for all its rows, padded
+     * ones included, each as long as the longest and attending over the whole window */
+    double paid_rows = (double)j->rows;
+    if (d->shape_graph) {
+        paid_rows = (double)(m->batch > j->rows ? m->batch : j->rows);
+        n_tokens = (uint64_t)paid_rows * longest;
+        context = (uint64_t)paid_rows * (uint64_t)(j->cfg->max_seq > 0 ? j->cfg->max_seq : 0);
     }
     double factor = 1.0;
     if (d->jitter != 0.0) {
@@ -1371,7 +1384,8 @@ static int64_t schedule(device *d, job *j, emu_buf *bi, emu_model *m, int hang) 
         factor = 1.0 + d->jitter * (2.0 * (double)u / 4294967296.0 - 1.0);
     }
     double comp_s = m->kind == CALRT_KIND_DECODE
-        ? d->decode_per_step * (1.0 + d->batch_row_share * (double)(j->rows - 1))
+        ? d->decode_per_step * (1.0 + d->batch_row_share * (paid_rows - 1.0))
+              + d->context_per_token * (double)context
         : d->prefill_per_token * (double)n_tokens;
     double h2d_s = (double)in_bytes * d->h2d_per_byte * factor;
     comp_s *= factor;
@@ -1775,6 +1789,16 @@ int32_t calrt_emu_set_batch_row_share(calrt_device_t h, double share) {
     ENTER(h);
     if (!(share >= 0) || !(share < 1)) RETURN(CALRT_INVALID_VALUE);
     d->batch_row_share = share;
+    RETURN(CALRT_SUCCESS);
+}
+
+int32_t calrt_emu_set_shape_cost(calrt_device_t h, int32_t graph,
+                                 double context_s_per_token) {
+    ENTER(h);
+    if ((graph != 0 && graph != 1) || !(context_s_per_token >= 0) ||
+        !(context_s_per_token < 1e300)) RETURN(CALRT_INVALID_VALUE);
+    d->shape_graph = graph;
+    d->context_per_token = context_s_per_token;
     RETURN(CALRT_SUCCESS);
 }
 

@@ -59,6 +59,7 @@ LONG_FIRST = (
     "tests/native/test_conformance_instant.py",
     "tests/serve/test_serve_probes.py",
     "tests/tools/test_soak.py",
+    "tests/generate/test_constraint.py",             # ~50 s of constrained outputs
 )
 
 

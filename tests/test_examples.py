@@ -61,8 +61,12 @@ def test_vendor_evidence_example_runs_every_runner(tmp_path: Path) -> None:
     assert levels["safe_cancel_after_timeout"] == "failed"
     assert len(levels) == len(CAPABILITIES)
     assert levels["batch_rows_independent"] == "proven"
+    assert levels["graph_step_costs"] == levels["graph_kv_continuity"] == "proven"
+    assert "shape buckets: may switch graphs" in p.stdout
     assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.json"))) == 6
     assert len(list((tmp_path / "ev").glob("*-sim-0.7.6.md"))) == 6
+    # the step costs are the calbin's: their file names it
+    assert (tmp_path / "ev" / "step_costs-sim-tiny-buckets-0.7.6.json").is_file()
 
 
 def test_custom_server_uses_every_embedder_feature(tmp_path: Path) -> None:

@@ -147,7 +147,7 @@ EMULATOR = (
     "calrt_emu_set_latency", "calrt_emu_set_kv_capacity", "calrt_emu_set_capabilities",
     "calrt_emu_add_rule", "calrt_emu_clear_rules", "calrt_emu_stats",
     "calrt_emu_set_transfer_share", "calrt_emu_set_timeline", "calrt_emu_timeline",
-    "calrt_emu_set_batch_row_share",
+    "calrt_emu_set_batch_row_share", "calrt_emu_set_shape_cost",
 )
 
 
@@ -501,6 +501,10 @@ class CalrtDriver(ClosesOnExit, HandleChecks):
             rows = float(getattr(latency, "batch_row_share", 0.0) or 0.0)
             _must_succeed(lib.calrt_emu_set_batch_row_share(h, rows),
                           "calrt_emu_set_batch_row_share", rows)
+            graph = int(getattr(latency, "shape_cost", "rows") == "graph")
+            context = float(getattr(latency, "context_token_s", 0.0) or 0.0)
+            _must_succeed(lib.calrt_emu_set_shape_cost(h, graph, context),
+                          "calrt_emu_set_shape_cost", graph, context)
         _must_succeed(lib.calrt_emu_set_timeline(h, self._timeline_jobs),
                       "calrt_emu_set_timeline", self._timeline_jobs)
         _must_succeed(lib.calrt_emu_set_kv_capacity(h, min(self._kv_capacity, _U64_MAX)),

@@ -90,7 +90,7 @@ from calfsm.drivers.timeline import DEFAULT_TIMELINE_JOBS, JobRing, PhaseSpan, s
 from calfsm.errors import CalrtCode, InvalidArgument
 from calfsm.manifest import DType, Manifest, ModelInfo, TaskKind
 
-__all__ = ["DEFAULT_CAPABILITIES", "LatencyModel", "SimDriver"]
+__all__ = ["DEFAULT_CAPABILITIES", "SHAPE_COSTS", "LatencyModel", "SimDriver"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -123,12 +123,33 @@ def _share(_inst: Any, attr: attrs.Attribute, value: float) -> None:
                               f"{value!r}", stage="driver")
 
 
+def _seconds(_inst: Any, attr: attrs.Attribute, value: float) -> None:
+    if isinstance(value, bool) or not (isinstance(value, int | float)
+                                       and math.isfinite(value) and value >= 0):
+        raise InvalidArgument(f"LatencyModel.{attr.name} must be a finite number >= 0, got "
+                              f"{value!r}", stage="driver")
+
+
+#: the two models of what a step's shape costs (:attr:`LatencyModel.shape_cost`): ``rows``
+#: a dynamic-shape device (a step costs the rows it carries and their real lengths),
+#: ``graph`` a static calbin (a step costs its graph's whole shape, padded rows included)
+SHAPE_COSTS = ("rows", "graph")
+
+
+def _shape_cost(_inst: Any, attr: attrs.Attribute, value: str) -> None:
+    if value not in SHAPE_COSTS:
+        raise InvalidArgument(f"LatencyModel.{attr.name} must be one of "
+                              f"{', '.join(SHAPE_COSTS)}, got {value!r}", stage="driver")
+
+
 #: the command lines' latency parameters: name -> (LatencyModel field, its unit in
-#: seconds, or 1 for a share)
+#: seconds, or 1 for a share); ``shape_cost=rows|graph`` is the one word among them
 LATENCY_PARAMS = {"decode_ms": ("decode_s", 1e-3),
                   "prefill_token_us": ("prefill_per_token_s", 1e-6),
                   "transfer_share": ("transfer_share", 1.0),
-                  "batch_row_share": ("batch_row_share", 1.0)}
+                  "batch_row_share": ("batch_row_share", 1.0),
+                  "context_token_ns": ("context_token_s", 1e-9),
+                  "shape_cost": ("shape_cost", 1.0)}
 
 
 _SHARES = ("transfer_share", "batch_row_share")
@@ -151,7 +172,16 @@ class LatencyModel:
 
     ``batch_row_share`` prices the rows of a batch job: a decode step of ``rows`` rows
     computes ``decode_s * (1 + batch_row_share * (rows - 1))``; a prefill computes every
-    row's tokens at ``prefill_per_token_s``.
+    row's tokens at ``prefill_per_token_s``. ``context_token_s`` (0 by default) adds, to a
+    decode step, that much per context token a row attends over (its ``total_seq``).
+
+    ``shape_cost`` says which rows and contexts a step pays for, two models of two kinds
+    of device (``docs/driver-protocol.md``, Timing): ``"rows"`` (the default here) a
+    dynamic-shape device, a step costs the rows it carries and their real contexts;
+    ``"graph"`` a static calbin, a step costs its graph's whole shape: all ``max_batch``
+    rows, padded ones included (a prefill: every row as long as its longest), and each
+    row its graph's whole context window. The command lines, the soak and the
+    benchmarks run ``"graph"`` unless told otherwise.
     """
 
     h2d_s_per_byte: float = 0.0
@@ -164,6 +194,11 @@ class LatencyModel:
     #: (rows - 1))``: a model of a decode bound by reading the weights once per step, not
     #: a measurement (``docs/driver-protocol.md``, Batches)
     batch_row_share: float = attrs.field(default=0.0, validator=_share)
+    #: what each context token a decode row attends over adds to its step: a model of
+    #: attention reading the KV, 0 by default (the step costs the weights alone)
+    context_token_s: float = attrs.field(default=0.0, validator=_seconds)
+    #: ``"rows"``: a step costs the rows it carries; ``"graph"``: its graph's whole shape
+    shape_cost: str = attrs.field(default="rows", validator=_shape_cost)
 
     @classmethod
     def virtual_default(cls) -> LatencyModel:
@@ -180,23 +215,31 @@ class LatencyModel:
     def fixed(cls, decode_s: float = 0.010, prefill_per_token_s: float = 0.0,
               h2d_s_per_byte: float = 0.0, d2h_s_per_byte: float = 0.0,
               jitter: float = 0.0, transfer_share: float = 0.0,
-              batch_row_share: float = 0.0) -> LatencyModel:
+              batch_row_share: float = 0.0, context_token_s: float = 0.0,
+              shape_cost: str = "rows") -> LatencyModel:
         """E.g. ``LatencyModel.fixed(decode_s=0.010, transfer_share=0.3)``: a 10 ms decode
         job of which 1.5 ms H2D, 7 ms compute, 1.5 ms D2H."""
         return cls(h2d_s_per_byte, prefill_per_token_s, decode_s, d2h_s_per_byte, jitter,
-                   transfer_share, batch_row_share)
+                   transfer_share, batch_row_share, context_token_s, shape_cost)
 
     def with_params(self, text: str, *, stage: str = "latency") -> LatencyModel:
         """This model with ``decode_ms=N,prefill_token_us=N,transfer_share=S`` (any of
         them, comma-separated) applied: the one parser of the command lines' latency
         option. A bad name or value is an InvalidArgument naming it."""
-        changes: dict[str, float] = {}
+        changes: dict[str, Any] = {}
         for part in filter(None, text.split(",")):
             key, _, value_text = (s.strip() for s in part.partition("="))
             if key not in LATENCY_PARAMS:
                 raise InvalidArgument(f"unknown parameter {key!r} (have "
                                       f"{', '.join(LATENCY_PARAMS)})", stage=stage)
             field, unit = LATENCY_PARAMS[key]
+            if key == "shape_cost":
+                if value_text not in SHAPE_COSTS:
+                    raise InvalidArgument(f"shape_cost must be one of "
+                                          f"{', '.join(SHAPE_COSTS)}, got {value_text!r}",
+                                          stage=stage)
+                changes[field] = value_text
+                continue
             try:
                 value = float(value_text)
             except ValueError:
@@ -209,11 +252,32 @@ class LatencyModel:
             changes[field] = value * unit
         return attrs.evolve(self, **changes)
 
+    def compute_s(self, decode: bool, *, rows: int = 1, n_tokens: int = 0,
+                  batch: int = 1, longest: int | None = None, context: int = 0,
+                  window: int = 0) -> float:
+        """Seconds of compute of one job: ``rows`` rows carried of its graph's ``batch``,
+        ``n_tokens`` tokens of all rows (``longest``: of its longest row), ``context``
+        the rows' contexts summed (their ``total_seq``), ``window`` the graph's context
+        window; which of them it pays for is :attr:`shape_cost`."""
+        if self.shape_cost == "graph":
+            paid_rows = max(batch, rows)
+            context = paid_rows * window
+            n_tokens = paid_rows * (n_tokens if longest is None else longest)
+        else:
+            paid_rows = rows
+        if decode:
+            return self.decode_s * (1.0 + self.batch_row_share * (paid_rows - 1)) \
+                + self.context_token_s * context
+        return self.prefill_per_token_s * n_tokens
+
     def stages(self, decode: bool, n_tokens: int, h2d_bytes: int, d2h_bytes: int,
-               factor: float = 1.0, rows: int = 1) -> tuple[float, float, float]:
-        """Seconds of (H2D, compute, D2H) of one job (``n_tokens``: of all its rows)."""
-        compute = self.decode_s * (1.0 + self.batch_row_share * (rows - 1)) if decode \
-            else self.prefill_per_token_s * n_tokens
+               factor: float = 1.0, rows: int = 1, *, batch: int = 1,
+               longest: int | None = None, context: int = 0,
+               window: int = 0) -> tuple[float, float, float]:
+        """Seconds of (H2D, compute, D2H) of one job (``n_tokens``: of all its rows; the
+        rest as :meth:`compute_s`)."""
+        compute = self.compute_s(decode, rows=rows, n_tokens=n_tokens, batch=batch,
+                                 longest=longest, context=context, window=window)
         h2d = h2d_bytes * self.h2d_s_per_byte * factor
         comp = compute * factor
         d2h = d2h_bytes * self.d2h_s_per_byte * factor
@@ -815,7 +879,9 @@ class SimDriver(ClosesOnExit, HandleChecks):
         """Finish time of a new job from the latency model and the pipeline state."""
         inp, model = job.inp, job.model
         if model.batch > 1:     # each row's own prefix of tokens and positions
-            n_tokens = sum(inp.row_csrs[r][model.csr_cur] for r in range(job.rows))
+            curs = [inp.row_csrs[r][model.csr_cur] for r in range(job.rows)]
+            n_tokens = sum(curs)
+            longest = max(curs, default=0)
             pos_item = inp.maps[model.pos_name].itemsize
             h2d_bytes = n_tokens * (model.row_bytes + pos_item)
         else:
@@ -825,13 +891,16 @@ class SimDriver(ClosesOnExit, HandleChecks):
                 h2d_bytes += region[1] if region is not None else inp.maps[name].nbytes
             tok = inp.slices.get(model.tok_name)
             n_tokens = (tok[1] if tok is not None else inp.maps[model.tok_name].nbytes) // 4
+            longest = n_tokens
+        context = sum(inp.row_csrs[r].get(model.csr_total, 0) for r in range(job.rows))
         lat = self.latency
         factor = 1.0
         if lat.jitter:
             u = refmodel.fmix32(self.seed ^ (job.ordinal * refmodel.TOKEN_MUL))
             factor = 1.0 + lat.jitter * (2.0 * u / 2**32 - 1.0)
         h2d, comp, d2h = lat.stages(model.decode, n_tokens, h2d_bytes, model.out_size, factor,
-                                    job.rows)
+                                    job.rows, batch=model.batch, longest=longest,
+                                    context=context, window=model.max_seq)
         now = self.clock.now()
         if job.effect == "hang":
             comp = math.inf

@@ -35,11 +35,12 @@ __all__ = ["batchable", "gather", "program_rows", "row_logits"]
 
 
 def batchable(job: JobContext, max_rows: int) -> bool:
-    """Whether ``job`` may share its device job with others: a decode of a batch graph
-    while batching is on (prefills run alone: they would hold every row's step for the
-    length of the longest prompt)."""
+    """Whether ``job`` may share its device job with others: a decode of a batch graph (or
+    prepared for the shape buckets, which move it to one at submit) while batching is on
+    (prefills run alone: they would hold every row's step for the length of the longest
+    prompt)."""
     return (max_rows > 1 and job.kind is TaskKind.DECODE and job.lease is not None
-            and job.lease.slot.contract.batched)
+            and (job.lease.slot.contract.batched or job.epoch.buckets is not None))
 
 
 def gather(leader: JobContext, queued: Iterable[JobContext], max_rows: int

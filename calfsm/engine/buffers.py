@@ -143,6 +143,9 @@ class BufferSlot:
     destroyed: bool = False
     #: rows its input buffer is set to carry (a batch graph; ``set_batch_rows``)
     batch_rows: int = 1
+    #: the exact name of the shape bucket it is a slot of (None: its kind's widest
+    #: graph, the one every job is prepared in): lent only by name, to the submitter
+    graph: str | None = None
 
     def tensor(self, name: str) -> tuple[TensorContract, Any] | None:
         """The contract of a tensor of this slot by exact name, and the buffer it is in."""
@@ -397,14 +400,15 @@ class BufferLease:
 
     def load_row(self, row: int, src: BufferSlot, seq_id: int, n: int, *,
                  job_id: int | None = None) -> None:
-        """Row ``row`` (>= 1) of this batch graph's slot: the first ``n`` tokens and
-        positions of ``src`` (another job's slot, written and checked when that job was
-        prepared), its KV sequence and both CSRs, as :meth:`load` sets row 0's. An error
-        names ``job_id`` (the row's own job) and ``seq_id``."""
+        """Row ``row`` of this batch graph's slot: the first ``n`` tokens and positions of
+        ``src`` (another job's slot, written and checked when that job was prepared), its
+        KV sequence and both CSRs, as :meth:`load` sets row 0's. Row 0 is a job moved to
+        this slot of another graph (a shape bucket) from the slot it was prepared in. An
+        error names ``job_id`` (the row's own job) and ``seq_id``."""
         core = self._core or self._live()
         slot = core.slot
         c = slot.contract
-        if not 1 <= row < c.max_batch or not 1 <= n <= c.max_tokens:
+        if not 0 <= row < c.max_batch or not 1 <= n <= c.max_tokens:
             raise InvalidArgument(f"row {row} of {n} tokens outside the {c.kind.value} "
                                   f"graph's {c.max_batch} rows of {c.max_tokens}",
                                   stage="prepare", **self._ctx(core))
@@ -415,10 +419,11 @@ class BufferLease:
         ctx = {**self._ctx(core), "seq_id": seq_id}    # the row's job, not the leader's
         if job_id is not None:
             ctx["job_id"] = job_id
-        check(driver.set_kv_seq(inp, int(seq_id), row=row), "kv_seq", **ctx)
+        where = {"row": row} if row else {}     # row 0: the single-row calls
+        check(driver.set_kv_seq(inp, int(seq_id), **where), "kv_seq", **ctx)
         for name, value in ((c.csr_cur_seq, int(n)),
                             (c.csr_total_seq, int(src.positions[n - 1]) + 1)):
-            code = driver.set_csr(inp, name, value, row=row)
+            code = driver.set_csr(inp, name, value, **where)
             if code:
                 raise csr_refused(code, name, declared=True, **ctx)
 
@@ -535,11 +540,11 @@ class BufferPool:
         self.generation = generation
         self._slots: tuple[BufferSlot, ...] = tuple(slots)
         self._lock = sync.lock()
-        self._free: dict[tuple[TaskKind, EngineSlot], deque[BufferSlot]] = {}
-        self._kinds: dict[TaskKind, list[EngineSlot]] = {}
+        self._free: dict[tuple[TaskKind, EngineSlot, str | None], deque[BufferSlot]] = {}
+        self._kinds: dict[tuple[TaskKind, str | None], list[EngineSlot]] = {}
         for s in self._slots:
-            self._free.setdefault((s.kind, s.engine), deque()).append(s)
-            engines = self._kinds.setdefault(s.kind, [])
+            self._free.setdefault((s.kind, s.engine, s.graph), deque()).append(s)
+            engines = self._kinds.setdefault((s.kind, s.graph), [])
             if s.engine not in engines:
                 engines.append(s.engine)
         self._n_free = len(self._slots)
@@ -550,7 +555,8 @@ class BufferPool:
         #: serves it again, and ``on_exhausted(kind, reason)`` is told (no lock held)
         self._usable: dict[TaskKind, int] = {}
         for s in self._slots:
-            self._usable[s.kind] = self._usable.get(s.kind, 0) + 1
+            if s.graph is None:     # a shape bucket's slots are a choice, not a need
+                self._usable[s.kind] = self._usable.get(s.kind, 0) + 1
         self.on_exhausted: Callable[[TaskKind, str], None] | None = None
         #: called (no lock held) when a slot came back free: the owner's admission
         #: queue may try again
@@ -563,11 +569,14 @@ class BufferPool:
               sync: Sync,
               engines: Sequence[EngineSlot] = (EngineSlot.AUTO,),
               slots_per_engine: int = 1,
-              extra: Mapping[TaskKind, int] | None = None) -> BufferPool:
+              extra: Mapping[TaskKind, int] | None = None,
+              buckets: Mapping[str, tuple[Any, SubmodelContract]] | None = None,
+              bucket_slots: int = 1) -> BufferPool:
         """Create every slot now: per (task kind, engine) ``slots_per_engine`` buffer sets
-        (and ``extra[kind]`` more), host arrays allocated and mapped once. Any failure
-        destroys what was created and raises the classified error (stage ``buffers`` or
-        ``map``)."""
+        (and ``extra[kind]`` more), and per shape bucket (``buckets``: by exact name) and
+        engine ``bucket_slots`` more, lent only by name; host arrays allocated and mapped
+        once. Any failure destroys what was created and raises the classified error
+        (stage ``buffers`` or ``map``)."""
         if slots_per_engine < 1:
             raise InvalidArgument(f"slots_per_engine must be >= 1, got {slots_per_engine}",
                                   stage="buffers", generation=generation)
@@ -581,6 +590,12 @@ class BufferPool:
                     for _ in range(slots_per_engine + (extra or {}).get(kind, 0)):
                         slots.append(_make_slot(driver, generation, len(slots), kind,
                                                 EngineSlot(engine), model, contract))
+            for name, (model, contract) in (buckets or {}).items():
+                for engine in engines:
+                    for _ in range(bucket_slots):
+                        slots.append(_make_slot(driver, generation, len(slots),
+                                                contract.kind, EngineSlot(engine), model,
+                                                contract, graph=name))
         except BaseException:
             for s in slots:
                 _destroy(driver, s)
@@ -588,20 +603,23 @@ class BufferPool:
         return cls(driver, generation, slots, sync=sync)
 
     # ---- lending --------------------------------------------------------------------------
-    def _take(self, kind: TaskKind, engine: EngineSlot) -> BufferSlot | None:
+    def _take(self, kind: TaskKind, engine: EngineSlot, graph: str | None = None
+              ) -> BufferSlot | None:
         """Pop a free slot (lock held). Raises for a kind/engine the pool never had."""
-        engines = self._kinds.get(kind)
+        engines = self._kinds.get((kind, graph))
         if engines is None:
+            of = f" of graph {graph!r}" if graph is not None else ""
             raise Unsupported(f"pool of generation {self.generation} has no "
-                              f"{kind.value} slots", stage="lease", generation=self.generation)
+                              f"{kind.value} slots{of}", stage="lease",
+                              generation=self.generation)
         if engine is EngineSlot.AUTO:     # the engine with the most free slots (ping/pong
             best = None                   # stays even); ties go to the first
             for e in engines:
-                q = self._free[(kind, e)]
+                q = self._free[(kind, e, graph)]
                 if q and (best is None or len(q) > len(best)):
                     best = q
             return best.popleft() if best is not None else None
-        q = self._free.get((kind, engine))
+        q = self._free.get((kind, engine, graph))
         if q is None:
             raise Unsupported(f"pool of generation {self.generation} has no {kind.value} "
                               f"slots on engine {engine.name}", stage="lease",
@@ -620,12 +638,14 @@ class BufferPool:
         raise Unavailable(f"buffer pool of generation {self.generation} is retired",
                           stage="lease", generation=self.generation)
 
-    def acquire(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO) -> BufferLease:
-        """Lease a free slot now, or raise ResourceExhausted (Unavailable once retired)."""
+    def acquire(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO,
+                graph: str | None = None) -> BufferLease:
+        """Lease a free slot now (of the shape bucket named ``graph``; None: the kind's
+        widest graph), or raise ResourceExhausted (Unavailable once retired)."""
         with self._lock:
             if self._retired:
                 self._refuse_retired()
-            slot = self._take(kind, engine)
+            slot = self._take(kind, engine, graph)
             if slot is None:
                 raise ResourceExhausted(f"no free {kind.value} buffer slot "
                                         f"(engine {engine.name})", stage="lease",
@@ -654,7 +674,7 @@ class BufferPool:
         slot.state = SlotState.RETIRED if self._retired else SlotState.QUARANTINED
         self._n_leased -= 1
         self._n_quarantined += 1
-        if self._retired:
+        if self._retired or slot.graph is not None:
             return None
         self._usable[slot.kind] -= 1
         if self._usable[slot.kind]:
@@ -708,7 +728,7 @@ class BufferPool:
                 else:
                     slot.holder = None
                     slot.state = SlotState.FREE
-                    self._free[(slot.kind, slot.engine)].append(slot)
+                    self._free[(slot.kind, slot.engine, slot.graph)].append(slot)
                     self._n_leased -= 1
                     self._n_free += 1
                     freed = True
@@ -799,7 +819,8 @@ def _host_array(t: TensorContract, generation: int, where: str) -> np.ndarray:
 
 
 def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
-               engine: EngineSlot, model: Any, contract: SubmodelContract) -> BufferSlot:
+               engine: EngineSlot, model: Any, contract: SubmodelContract, *,
+               graph: str | None = None) -> BufferSlot:
     ctx = {"generation": generation}
     token = _host_array(contract.token_or_embed, generation, f"{kind.value}.token_or_embed")
     position = _host_array(contract.position, generation, f"{kind.value}.position")
@@ -815,7 +836,7 @@ def _make_slot(driver: Driver, generation: int, index: int, kind: TaskKind,
                       model=model, inp=inp, out=out, contract=contract, token_host=token,
                       position_host=position, logits=logits, tokens=token.reshape(-1),
                       positions=position.reshape(-1),
-                      logits_bf16=logits.reshape(-1).view(bf16_dtype()))
+                      logits_bf16=logits.reshape(-1).view(bf16_dtype()), graph=graph)
     try:
         check(driver.map_buffer(inp, contract.token_or_embed.name, token), "map", **ctx)
         check(driver.map_buffer(inp, contract.position.name, position), "map", **ctx)

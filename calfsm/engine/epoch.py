@@ -22,6 +22,7 @@ from calfsm.drivers.base import SEQ_LIMIT, Calbin, Driver, EngineSlot, JobTag
 from calfsm.engine.buffers import BufferPool
 from calfsm.engine.kv import KvCoordinator
 from calfsm.engine.readback import check_output, read_output
+from calfsm.engine.shapes import ShapeBuckets
 from calfsm.engine.stepcost import ServiceModel, WarmupTiming
 from calfsm.engine.sync import Sync
 from calfsm.errors import (
@@ -32,7 +33,7 @@ from calfsm.errors import (
     check,
     from_calrt,
 )
-from calfsm.manifest import Manifest, ModelGeneration, SubmodelContract, TaskKind
+from calfsm.manifest import GraphKey, Manifest, ModelGeneration, SubmodelContract, TaskKind
 
 __all__ = ["WARMUP_PROMPT", "WARMUP_SEQ", "Epoch", "build_epoch", "warm_up"]
 
@@ -57,6 +58,19 @@ class Epoch:
     kv: KvCoordinator
     pool: BufferPool
     retired: bool = False
+    #: every graph's handle by its key: shape buckets beside each kind's widest graph
+    #: (``handles``); the device lists and resolves them all (spec 10.2)
+    graph_handles: Mapping[GraphKey, Any] = attrs.field(factory=dict)
+    #: the decode graphs a step may be moved to (None: one graph, the widest), and the
+    #: ones taken out because their warm-up golden failed (exact name -> why)
+    buckets: ShapeBuckets | None = None
+    graph_failures: dict[str, str] = attrs.field(factory=dict)
+
+    def usable_buckets(self) -> tuple[str, ...]:
+        """The shape buckets steps may run on now (their golden passed)."""
+        if self.buckets is None:
+            return ()
+        return tuple(n for n in self.buckets.names if n not in self.graph_failures)
 
     def contract(self, kind: TaskKind) -> SubmodelContract:
         return self.model.submodel(kind)
@@ -86,7 +100,8 @@ def check_batch_calls(manifest: Manifest, driver: Driver) -> None:
 def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: int, *,
                 max_inflight: int, slots_per_engine: int, token_budget: int | None,
                 sync: Sync, engines: tuple[EngineSlot, ...] = (EngineSlot.AUTO,),
-                configure: bool = True, batch_rows: int = 1) -> Epoch:
+                configure: bool = True, batch_rows: int = 1,
+                buckets: ShapeBuckets | None = None) -> Epoch:
     """Resolve, configure and build an epoch. Raises a classified :class:`CalfsmError`.
 
     The manifest is resolved against the calbin's model list *before* the device is
@@ -97,6 +112,10 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     With ``batch_rows`` > 1 (continuous batching) the decode graph gets that many times
     the slots plus one batch more: every row of the step on the device, the rows queued
     for the next step and their steps staged ahead each hold a slot of their own.
+    ``buckets``: the shape buckets steps may move to. Jobs are then prepared in slots of
+    the narrowest decode graph (a row's tokens and positions, copied into the graph its
+    step runs on at submit: docs/driver-protocol.md, Shape buckets) and every graph gets
+    ``slots_per_engine + 1`` slots per engine of its own for the steps on the device.
     """
     manifest.resolve(calbin.models)
     manifest.check_runtime(driver.version())   # before the device hears of it, like FI01
@@ -107,23 +126,32 @@ def build_epoch(driver: Driver, manifest: Manifest, calbin: Calbin, generation: 
     check(code, "get_all_models", generation=generation)
     device_models = manifest.resolve(listed or ())
     handles: dict[TaskKind, Any] = {}
+    graph_handles: dict[GraphKey, Any] = {}
     for sub in manifest.submodels:
         code, handle = driver.model(sub.exact_name)
         check(code, "model_lookup", generation=generation)
-        handles[sub.kind] = handle
+        graph_handles[sub.key] = handle
+        if sub is manifest.submodel(sub.kind):   # the widest graph takes every step
+            handles[sub.kind] = handle
     model = manifest.generation(generation, device_models)
     max_seq = max(s.max_seq for s in manifest.submodels)
     rows = max(1, batch_rows)
     kv = KvCoordinator(driver, max_seq=max_seq,
                        token_budget=token_budget or max_seq * max(4, 2 * max_inflight, rows),
                        generation=generation, sync=sync)
+    kinds = {kind: (handles[kind], model.submodel(kind)) for kind in handles}
+    on_device = None
+    if buckets is not None:     # prepared in the narrowest, run on the one chosen
+        narrowest = buckets.graphs[0]
+        kinds[TaskKind.DECODE] = (graph_handles[narrowest.key], narrowest)
+        on_device = {g.exact_name: (graph_handles[g.key], g) for g in buckets.graphs}
     pool = BufferPool.build(
-        driver, generation,
-        {kind: (handles[kind], model.submodel(kind)) for kind in handles},
+        driver, generation, kinds,
         sync=sync, engines=engines, slots_per_engine=slots_per_engine,
         extra={TaskKind.DECODE: (slots_per_engine + 1) * rows - slots_per_engine}
-        if rows > 1 else None)
-    return Epoch(generation, manifest, calbin, model, handles, kv, pool)
+        if rows > 1 else None, buckets=on_device, bucket_slots=slots_per_engine + 1)
+    return Epoch(generation, manifest, calbin, model, handles, kv, pool,
+                 graph_handles=graph_handles, buckets=buckets)
 
 
 def expected_warmup_tokens(vocab: int) -> list[int]:
@@ -154,27 +182,47 @@ def warm_up(driver: Driver, epoch: Epoch, service: ServiceModel) -> WarmupTiming
     if prefill is None or decode is None:
         raise ManifestError("warm-up needs a prefill_ids and a decode sub-model",
                             generation=epoch.generation, stage="warmup")
-    want = expected_warmup_tokens(decode.vocab)
+    widest = epoch.manifest.submodel(TaskKind.DECODE).exact_name
+    took = _golden(driver, epoch, service, decode.vocab,
+                   widest if epoch.buckets is not None else None)
+    for name in epoch.buckets.names if epoch.buckets is not None else ():
+        if name == widest:
+            continue                    # the golden above ran on it
+        try:            # every graph runs its golden before Ready; one failing is
+            _golden(driver, epoch, service, decode.vocab, name)     # taken out alone
+        except CalfsmError as e:
+            epoch.graph_failures[name] = why = f"warm-up golden failed: {e.message}"
+            log.warning("shape bucket %s taken out: %s", name, why,
+                        extra={"generation": epoch.generation, "stage": "warmup"})
+    return WarmupTiming(len(WARMUP_PROMPT), took[0], tuple(took[1:]))
+
+
+def _golden(driver: Driver, epoch: Epoch, service: ServiceModel, vocab: int,
+            graph: str | None) -> list[float]:
+    """The golden prefill + decode, the decode on the shape bucket ``graph`` (None: the
+    widest); raises on any difference, the warm-up sequence released either way."""
+    want = expected_warmup_tokens(vocab)
     got: list[int] = []
     took: list[float] = []
-    logits = np.empty(decode.vocab, dtype=np.float32)
+    logits = np.empty(vocab, dtype=np.float32)
     clock = driver.clock
     try:
         tokens = list(WARMUP_PROMPT)
-        kind, past = TaskKind.PREFILL_IDS, 0
+        kind, past, on = TaskKind.PREFILL_IDS, 0, None
         for step in range(WARMUP_DECODE):
             t0 = clock.now()
             _run_direct(driver, epoch, kind, WARMUP_SEQ, tokens, past, logits,
-                        service.execution_timeout_s(kind, len(tokens)))
+                        service.execution_timeout_s(kind, len(tokens)), graph=on)
             took.append(clock.now() - t0)
             tok = int(np.argmax(logits))
             got.append(tok)
             past += len(tokens)
             tokens = [tok]
-            kind = TaskKind.DECODE
+            kind, on = TaskKind.DECODE, graph
             del step
         if got != want:
-            raise Internal(f"warm-up golden mismatch: got {got}, reference {want}",
+            raise Internal(f"warm-up golden mismatch{f' on {graph}' if graph else ''}: "
+                           f"got {got}, reference {want}",
                            generation=epoch.generation, stage="warmup")
     except CalfsmError as e:
         e.with_context(generation=epoch.generation, stage="warmup")
@@ -184,7 +232,7 @@ def warm_up(driver: Driver, epoch: Epoch, service: ServiceModel) -> WarmupTiming
         _release_warmup(driver, epoch, quiet=True)
         raise
     _release_warmup(driver, epoch, quiet=False)
-    return WarmupTiming(len(WARMUP_PROMPT), took[0], tuple(took[1:]))
+    return took
 
 
 def _release_warmup(driver: Driver, epoch: Epoch, *, quiet: bool) -> None:
@@ -201,19 +249,20 @@ def _release_warmup(driver: Driver, epoch: Epoch, *, quiet: bool) -> None:
 
 
 def _run_direct(driver: Driver, epoch: Epoch, kind: TaskKind, seq: int, tokens: list[int],
-                past: int, dst: np.ndarray, timeout_s: float) -> None:
-    contract = epoch.contract(kind)
+                past: int, dst: np.ndarray, timeout_s: float, *,
+                graph: str | None = None) -> None:
     n = len(tokens)
     ctx = {"seq_id": seq, "generation": epoch.generation}
     if not driver.kv_apply(seq, past + n):
         raise from_calrt(1, "warmup_kv", message="warm-up could not allocate KV", **ctx)
-    lease = epoch.pool.acquire(kind)
+    lease = epoch.pool.acquire(kind, graph=graph)
+    contract = lease.slot.contract
     clean = False
     try:
         lease.bind(seq_id=seq)
         lease.load(seq, tokens, range(past, past + n))
         slot = lease.slot
-        check(driver.infer(epoch.handles[kind], slot.inp, slot.out,
+        check(driver.infer(slot.model, slot.inp, slot.out,
                            tag=JobTag(0, seq, epoch.generation)), "warmup_infer", **ctx)
         lease.mark_on_device()
         check(driver.wait(slot.out, timeout_s), "warmup_wait", **ctx)

@@ -39,6 +39,7 @@ import attrs
 from calfsm.drivers.base import Calbin, Driver, EngineSlot, ResetKind
 from calfsm.engine.epoch import Epoch, build_epoch, warm_up
 from calfsm.engine.recovery import Decision, FaultPolicy, Verdict
+from calfsm.engine.shapes import ShapeBuckets
 from calfsm.engine.stepcost import ServiceModel
 from calfsm.engine.sync import Sync
 from calfsm.errors import (
@@ -739,13 +740,18 @@ def _on_exhausted(owner: DeviceLifecycle) -> Callable[[TaskKind, str], None]:
 
 def epoch_builder(driver: Driver, *, max_inflight: int, slots_per_engine: int,
                   token_budget: int | None, engines: tuple[EngineSlot, ...],
-                  sync: Sync, batch_rows: int = 1) -> Callable[..., Epoch]:
+                  sync: Sync, batch_rows: int = 1,
+                  buckets: ShapeBuckets | None = None) -> Callable[..., Epoch]:
     """``build(manifest, calbin, generation, configure=True)`` with one executor's
-    settings."""
+    settings. ``buckets`` (the shape buckets its evidence proved) apply to a manifest
+    holding every one of those graphs; another (a model switch) runs one graph."""
     def build(manifest: Manifest, calbin: Calbin, generation: int, *,
               configure: bool = True) -> Epoch:
+        keys = {g.exact_name: g.key for g in manifest.graphs(TaskKind.DECODE)}
+        fits = buckets is not None and all(keys.get(g.exact_name) == g.key
+                                           for g in buckets.graphs)
         return build_epoch(driver, manifest, calbin, generation, configure=configure,
                            max_inflight=max_inflight, slots_per_engine=slots_per_engine,
                            token_budget=token_budget, engines=engines, sync=sync,
-                           batch_rows=batch_rows)
+                           batch_rows=batch_rows, buckets=buckets if fits else None)
     return build

@@ -78,9 +78,15 @@ class StreamView(Protocol):
     prompt: tuple[int, ...]
     params: Any                         # calfsm.generate.sampling.SamplingParams
     sequence: Any                       # calfsm.generate.streams.Sequence
+    request_id: str
+    #: prompt tokens whose KV the prompt cache gave (not prefilled)
+    cached: int
 
     @property
     def started(self) -> float: ...
+
+    @property
+    def arrival(self) -> float: ...
 
     def cancel(self) -> bool: ...
 
@@ -165,12 +171,14 @@ class JobEnded:
 
 @attrs.frozen(slots=True)
 class DeviceStep:
-    """One device job of a batch graph submitted: ``rows`` rows (streams' steps) of the
-    graph's ``capacity`` (its ``max_batch``); the rest is padding."""
+    """One device job of a batch graph (or of a shape bucket) submitted: ``rows`` rows
+    (streams' steps) of the graph's ``capacity`` (its ``max_batch``); the rest is
+    padding. ``graph``: the graph's exact name."""
 
     kind: TaskKind
     rows: int
     capacity: int
+    graph: str = ""
 
 
 class Observer:

@@ -28,6 +28,7 @@ from calfsm.errors import (
     DeadlineExceeded,
     ErrorCategory,
     Internal,
+    ResourceExhausted,
     Unavailable,
     from_calrt,
 )
@@ -300,6 +301,9 @@ class Submission:
 
     def submit(self, job: JobContext) -> None:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
+        if job.kind is TaskKind.DECODE and job.epoch.buckets is not None \
+                and job.lease is not None:
+            self._fit_graph(job)
         if job.batch is not None:
             self._submit_rows(job)
             return
@@ -316,7 +320,7 @@ class Submission:
         epoch = job.epoch
         slot = job.lease.slot
         tag = JobTag(job.job_id, job.seq_id, job.generation)
-        handle = epoch.handles[job.kind]
+        handle = slot.model         # its graph's: the kind's widest, or a shape bucket
         driver = core.driver
         refused: CalfsmError | None = None
         with core.device_lock:      # no reset between this check and the job on the device
@@ -344,9 +348,9 @@ class Submission:
             self._program_refused([job], refused)
             return
         if rc == 0:
-            if slot.contract.batched:       # one row of a batch graph: the rest padding
-                outcomes.observers.device_step(DeviceStep(job.kind, 1,
-                                                          slot.contract.max_batch))
+            if slot.contract.batched or epoch.buckets is not None:  # the rest padding
+                outcomes.observers.device_step(DeviceStep(
+                    job.kind, 1, slot.contract.max_batch, slot.contract.exact_name))
             return
         if rc is None:
             self.release_inflight(job)
@@ -358,6 +362,50 @@ class Submission:
                 retry_after_s=life.retry_after_s, **job_ctx(job, "submit")))
             return
         self._submit_failed(job, from_calrt(rc, "submit", **job_ctx(job, None)))
+
+    # ---- shape buckets: the graph a step runs on ---------------------------------------
+    def _fit_graph(self, job: JobContext) -> None:
+        """Move ``job`` (and the rows it leads) to the cheapest graph that covers the
+        step, by the measured costs (calfsm/engine/shapes.py): a free slot of that graph
+        on the same engine is leased, the job's row written into it from the slot it was
+        prepared in (which goes back), its KV sequence and CSRs set. The KV is the
+        sequence's, whichever graph wrote it (the evidence proved it continues
+        bit-exact). No free slot there: the next cheapest that has one; none at all
+        (every covering slot busy), the rows it leads go back to the queue and it runs
+        alone where it is."""
+        epoch = job.epoch
+        buckets = epoch.buckets
+        assert buckets is not None and job.lease is not None
+        rows = job.batch if job.batch is not None else [job]
+        current = job.lease.slot
+        context = max(int(r.lease.slot.positions[r.token_count - 1]) + 1
+                      for r in rows if r.lease is not None)
+        tried: set[str] = set(epoch.graph_failures)
+        while (best := buckets.choose(len(rows), context, exclude=tried)) is not None:
+            if best.exact_name == current.contract.exact_name:
+                return              # prepared in it: runs where it is
+            tried.add(best.exact_name)
+            try:
+                moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
+                                           graph=best.exact_name)
+            except ResourceExhausted:
+                continue            # none free now: the next cheapest
+            except CalfsmError:
+                return              # the generation retired: the submit below says so
+            try:
+                moved.bind(job_id=job.job_id, seq_id=job.seq_id)
+                moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
+            except CalfsmError as e:
+                log.warning("job %s not moved to %s: %s", job.job_id, best.exact_name, e,
+                            extra=e.context())
+                epoch.pool.release(moved)
+                break
+            prepared, job.lease = job.lease, moved
+            epoch.pool.release(prepared)
+            return
+        if len(rows) > current.contract.max_batch:     # it cannot carry them: alone
+            self._requeue_rows(rows[1:])
+            _unbatch(rows)
 
     # ---- a batch: one device job, several rows ------------------------------------
     def _submit_rows(self, leader: JobContext) -> None:
@@ -371,7 +419,7 @@ class Submission:
         core, life = self.core, self.core.life
         epoch, slot = leader.epoch, leader.lease.slot
         tag = JobTag(leader.job_id, leader.seq_id, leader.generation)
-        handle = epoch.handles[leader.kind]
+        handle = slot.model         # its graph's: the kind's widest, or a shape bucket
         refused: CalfsmError | None = None
         with core.device_lock:      # programmed and run against no reset in between
             if epoch is not life.epoch or epoch.retired or life.state != READY:
@@ -386,8 +434,8 @@ class Submission:
             if rc == 0:
                 self._rows_on_device(rows)
         if rc == 0:
-            self.outcomes.observers.device_step(DeviceStep(leader.kind, len(rows),
-                                                           slot.contract.max_batch))
+            self.outcomes.observers.device_step(DeviceStep(
+                leader.kind, len(rows), slot.contract.max_batch, slot.contract.exact_name))
             return
         if refused is not None:
             self._program_refused(rows, refused)

@@ -83,6 +83,13 @@ from calfsm.errors import (
     Internal,
     InvalidArgument,
 )
+from calfsm.generate.constraint import (
+    Constraint,
+    RowConstraint,
+    check_constraint,
+    compile_constraint,
+    dead_end,
+)
 from calfsm.generate.logprobs import MAX_LOGPROBS, RowLogprobs, unusable_row
 from calfsm.generate.penalties import Penalties
 from calfsm.generate.processors import BanTokens, LogitBias, token_id
@@ -189,7 +196,11 @@ class SamplingParams:
     ``presence_penalty`` (in [-2, 2], 0 off) are vLLM's (:mod:`calfsm.generate.penalties`);
     ``min_tokens`` tokens are generated before a stop token, a stop sequence, a stop
     string or the end-of-sequence token can end the stream; ``ignore_eos``: the
-    end-of-sequence token (the tokenizer's ``eos_token_id``) does not end it. Every
+    end-of-sequence token (the tokenizer's ``eos_token_id``) does not end it.
+    ``constraint`` (:mod:`calfsm.generate.constraint`: a JSON schema, any JSON object, a
+    regex, a choice of strings or a Lark grammar) masks every row to the tokens its
+    grammar allows next, after the processors and penalties; the grammar's end ends the
+    stream ``stop`` (even before ``min_tokens``, even with ``ignore_eos``). Every
     field is checked here; a bad value raises InvalidArgument.
     ``docs/sampling.md`` has the whole story.
     """
@@ -210,6 +221,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     min_tokens: int = 0
     ignore_eos: bool = False
+    constraint: Constraint | None = None
     _stops: frozenset[int] = attrs.field(init=False, repr=False, eq=False)
     _multi: tuple[tuple[int, ...], ...] = attrs.field(init=False, repr=False, eq=False)
 
@@ -268,6 +280,7 @@ class SamplingParams:
             raise _bad(f"ignore_eos must be a boolean, got {reprlib.repr(self.ignore_eos)}",
                        "ignore_eos")
         _set(self, "ignore_eos", bool(self.ignore_eos))
+        check_constraint(self.constraint)
         procs = self.logits_processors
         if isinstance(procs, str | bytes) or not isinstance(procs, Sequence):
             raise _bad(f"logits_processors must be a sequence of callables, got "
@@ -332,13 +345,13 @@ class SamplingParams:
                 or self.repetition_penalty != 1.0 or self.min_tokens > 0)
 
     def sampler_for(self, vocab: int, *, native: bool | None = None, prompt_len: int = 0,
-                    eos_token_id: int | None = None) -> Sampler:
+                    eos_token_id: int | None = None, tokenizer: Any = None) -> Sampler:
         """A new :class:`Sampler` (one per stream) for a vocabulary of ``vocab``;
         ``prompt_len``: the history's first tokens that are the prompt (the penalties'
         output begins after them); ``eos_token_id``: the model's end-of-sequence token
-        (None: it has none)."""
+        (None: it has none); ``tokenizer``: the executor's (a constraint needs it)."""
         return Sampler(self, vocab, native=native, prompt_len=prompt_len,
-                       eos_token_id=eos_token_id)
+                       eos_token_id=eos_token_id, tokenizer=tokenizer)
 
 
 # ---- the native kernel ------------------------------------------------------------------
@@ -415,13 +428,13 @@ class Sampler:
     same tokens.
     """
 
-    __slots__ = ("_bitgen", "_ends", "_inv_t", "_kernel", "_mode", "_p_q", "_pen",
-                 "_procs", "_scratch", "_tail", "_top_k", "_user", "params", "plain",
-                 "tail_capable", "vocab")
+    __slots__ = ("_bitgen", "_con", "_con_start", "_ends", "_inv_t", "_kernel", "_mode",
+                 "_p_q", "_pen", "_procs", "_scratch", "_tail", "_top_k", "_user", "params",
+                 "plain", "tail_capable", "vocab")
 
     def __init__(self, params: SamplingParams, vocab: int, *,
                  native: bool | None = None, prompt_len: int = 0,
-                 eos_token_id: int | None = None) -> None:
+                 eos_token_id: int | None = None, tokenizer: Any = None) -> None:
         if not isinstance(params, SamplingParams):
             raise InvalidArgument(f"params must be SamplingParams, got "
                                   f"{reprlib.repr(params)}", stage=_STAGE)
@@ -463,9 +476,14 @@ class Sampler:
             presence=params.presence_penalty, min_tokens=params.min_tokens,
             stop_ids=(*params._stops, *eos), prompt_len=prompt_len) \
             if params.penalized else None
-        #: no processors, no penalties and no logprobs: ``sample(row)`` is all a stream
-        #: needs
-        self.plain = not self._procs and self._pen is None and params.logprobs is None
+        #: the stream's matcher (None: no constraint); it reads the tokens after the prompt
+        self._con: RowConstraint | None = None if params.constraint is None else \
+            compile_constraint(params.constraint, tokenizer, vocab).start()
+        self._con_start = prompt_len
+        #: no processors, no penalties, no constraint and no logprobs: ``sample(row)`` is
+        #: all a stream needs
+        self.plain = not self._procs and self._pen is None and params.logprobs is None \
+            and self._con is None
         self._scratch: np.ndarray | None = None
         self._tail: Any = _AUTO
         self._user = params.sampler
@@ -496,7 +514,8 @@ class Sampler:
         #: logprobs (those rows are converted natively and sampled here)
         self.tail_capable = (self._mode == "greedy" or (self._mode == "draw"
                                                         and self._kernel is not None)) \
-            and not self._procs and params.logprobs is None and native is not False
+            and not self._procs and params.logprobs is None and native is not False \
+            and self._con is None       # a constraint's mask: TailRow.allow, not yet wired
 
     # ---- the native tail: the token chosen in the completion's one native call -----
     def tail_row(self, tokens: Sequence[int] = ()) -> TailRow | None:
@@ -544,14 +563,28 @@ class Sampler:
     @property
     def uses_tokens(self) -> bool:
         """Whether :meth:`sample` reads ``tokens`` (there are logits processors,
-        penalties or ``min_tokens``)."""
-        return bool(self._procs) or self._pen is not None
+        penalties, ``min_tokens`` or a constraint)."""
+        return bool(self._procs) or self._pen is not None or self._con is not None
+
+    @property
+    def constrained(self) -> bool:
+        """Whether a constraint masks the rows (:meth:`prepare` is worth calling)."""
+        return self._con is not None
 
     def ends(self, token: int, made: int) -> bool:
         """Whether ``token``, after ``made`` generated tokens, ends the stream: a stop
         token (or one-token stop sequence), or the end-of-sequence token unless
-        ``ignore_eos``; none does before ``min_tokens`` tokens were made."""
-        return token in self._ends and made >= self.params.min_tokens
+        ``ignore_eos``; none does before ``min_tokens`` tokens were made. The end of a
+        constraint's grammar always does."""
+        return (token in self._ends and made >= self.params.min_tokens) or (
+            self._con is not None and token == self._con.eos)
+
+    def prepare(self, tokens: Sequence[int]) -> None:
+        """Make the constraint's mask for the token after ``tokens`` (the prompt, then
+        what was generated), off the token path: while the device runs the step whose
+        row it masks. No-op without a constraint."""
+        if self._con is not None:
+            self._con.prepare(tokens, self._con_start)
 
     def sample(self, row: np.ndarray, tokens: Sequence[int] = ()) -> int:
         """The next token from ``row``: a float32 1-D array of at least ``vocab`` values,
@@ -563,10 +596,44 @@ class Sampler:
         whose every token the processors banned; Internal for a processor or a user
         sampler that fails, or a row whose maximum is NaN or ``+inf``."""
         x = self._row(row)
+        con = self._con
+        if con is not None:
+            plan = con.plan(tokens, self._con_start)
+            if plan.kind == "end":
+                return con.eos
+            self._process(x, tokens)
+            con.apply(x, plan)
+            try:
+                tok = self._choose_processed(x)
+            except InvalidArgument as e:
+                raise self._dead(e) from None
+            if self._mode == "user":
+                self._check_allowed(tok, plan)
+            return tok
         if self._procs or self._pen is not None:
             self._process(x, tokens)
             return self._choose_processed(x)
         return self._choose(x)
+
+    def _dead(self, e: InvalidArgument) -> InvalidArgument:
+        """A constrained row with no token left: the dead end (else ``e`` itself)."""
+        if e.field is None and e.stage == _STAGE:
+            return dead_end("the logits processors or penalties banned every token the "
+                            "grammar allows")
+        return e
+
+    def _check_allowed(self, tok: int, plan: Any) -> None:
+        """A user sampler's token, against the constraint's plan."""
+        kind, ids = plan.kind, plan.ids
+        if kind == "keep":
+            ok = bool((ids == tok).any())
+        elif kind == "ban":
+            ok = not (ids == tok).any()
+        else:
+            ok = bool(plan.row[tok] == 0)
+        if not ok:
+            raise dead_end(f"the sampler chose token {tok}, which the grammar does not "
+                           f"allow")
 
     def sample_logprobs(self, row: np.ndarray, tokens: Sequence[int] = ()
                         ) -> tuple[int, float, tuple[tuple[int, float], ...]]:
@@ -576,9 +643,19 @@ class Sampler:
         (:class:`~calfsm.generate.logprobs.RowLogprobs`). A draw or a user sampler changes the
         row, so the row is copied first into a buffer the sampler keeps (one row)."""
         x = self._row(row)
+        con, plan = self._con, None
+        if con is not None:
+            plan = con.plan(tokens, self._con_start)
+            if plan.kind == "end":
+                return con.eos, 0.0, ()
         if self._procs or self._pen is not None:
             self._process(x, tokens)
-        lp = RowLogprobs(x)
+        if plan is not None:
+            con.apply(x, plan)
+        try:
+            lp = RowLogprobs(x)
+        except InvalidArgument as e:
+            raise (self._dead(e) if con is not None else e) from None
         top = lp.top(x, self.params.logprobs or 0)
         if self._mode == "greedy":
             return lp.argmax, lp.of(lp.max_logit), top
@@ -587,6 +664,8 @@ class Sampler:
             kept = self._scratch = np.empty(self.vocab, _F32)
         np.copyto(kept, x)
         tok = self._choose(x)
+        if plan is not None and self._mode == "user":
+            self._check_allowed(tok, plan)
         return tok, lp.of(kept[tok]), top
 
     def _row(self, row: np.ndarray) -> np.ndarray:

@@ -79,6 +79,7 @@ from calfsm.generate.arguments import (
     check_prompt,
     default_params,
 )
+from calfsm.generate.constraint import compile_constraint
 from calfsm.generate.flow import Flow
 from calfsm.generate.front import Front
 from calfsm.generate.livestreams import stream_work_s
@@ -393,7 +394,7 @@ class Sequence:
     def generate(self, prompt: Seq[int] | str, params: SamplingParams | None = None, *,
                  deadline_s: float | None = None, resume: bool = True,
                  max_resumes: int = 2, request_id: str | None = None,
-                 priority: int = 0) -> Stream:
+                 priority: int = 0, arrival: float | None = None) -> Stream:
         """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
         tokenizer) after what the sequence holds, then sample and decode until a finish
         reason. ``priority``: every step's (see :class:`Stream`). A prompt or a
@@ -402,7 +403,7 @@ class Sequence:
         default ``max_tokens`` clipped to the room left."""
         return Stream(self, prompt, params, deadline_s=deadline_s,
                       resume=resume, max_resumes=max_resumes, request_id=request_id,
-                      priority=priority)
+                      priority=priority, arrival=arrival)
 
     # ---- closing -------------------------------------------------------------------
     def close(self, timeout: float | None = 30.0) -> None:
@@ -509,11 +510,11 @@ class Stream:
 
     def __init__(self, sequence: Sequence, prompt: Seq[int] | str,
                  params: SamplingParams | None, *,
-                 deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2, close_sequence: bool = False,
-                 admitted: bool = False, request_id: str | None = None,
-                 parent: str | None = None, priority: int = 0,
-                 keeper: Keeper | None = None, cached: int = 0) -> None:
+                 deadline_s: float | None = None, resume: bool = True, max_resumes: int = 2,
+                 close_sequence: bool = False, admitted: bool = False,
+                 request_id: str | None = None, parent: str | None = None, priority: int = 0,
+                 keeper: Keeper | None = None, cached: int = 0,
+                 arrival: float | None = None) -> None:
         ex, seq_id = sequence.front, sequence.seq_id
         epoch = ex.epoch
         if epoch is None:
@@ -532,10 +533,11 @@ class Stream:
         self.params = params
         self._sampler: Sampler = params.sampler_for(
             contract.vocab, prompt_len=len(self.prompt),
-            eos_token_id=getattr(tokenizer, "eos_token_id", None))
+            eos_token_id=getattr(tokenizer, "eos_token_id", None), tokenizer=tokenizer)
         self._max_seq = contract.max_seq
         self._clock = ex.clock
         now = self._clock.now()
+        self.arrival = _arrival(arrival, now, seq_id)   #: when its request arrived
         self._deadline = now + deadline_s if deadline_s is not None else math.inf
         #: where the stream's own history (its prompt, then its tokens) begins
         self._start = sequence.position - cached
@@ -553,8 +555,7 @@ class Stream:
                           vocab=contract.vocab, resume=resume, max_resumes=max_resumes)
         self._new_books()
         #: the text of the tokens (None without a tokenizer)
-        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop,
-                                                                sequence.seq_id)
+        self._text = None if tokenizer is None else StreamText(tokenizer, params.stop, seq_id)
         #: a token is delivered at once, with no text: the one branch of the hot path
         self._plain = tokenizer is None and not params.holds_back
         #: this stream's id in the executor (calfsm/generate/liverequests.py)
@@ -600,7 +601,9 @@ class Stream:
 
     @property
     def started(self) -> float:
-        """When the stream was created (the driver's clock); ``ttft_s`` counts from here."""
+        """When the stream was created (the driver's clock). ``ttft_s`` counts from
+        :attr:`arrival`: when its request arrived (``generate(arrival=...)``, a server's
+        read of it, where a client's clock starts), else this."""
         return self._t0
 
     # ---- consumer side -------------------------------------------------------------
@@ -732,8 +735,9 @@ class Stream:
     def _started(self, handle: JobHandle, request: Request) -> None:
         """``handle`` runs ``request``, the stream's step in flight now: it carries the
         stream's continuation, and the step after it is prepared (deferred)."""
-        if self._track(handle, request):
-            self.sequence.defer(self._stage_next)
+        then = _off_path(self, self._track(handle, request))
+        if then is not None:
+            self.sequence.defer(then)
 
     def _track(self, handle: JobHandle, request: Request) -> bool:
         """Make ``handle`` (running ``request``) the step in flight: it carries the
@@ -760,6 +764,8 @@ class Stream:
             lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
                                             priority=priority, request_id=rid),
             lambda: self._ending or self._cancelled)
+        if self._sampler.constrained:
+            _prepare_mask(self)
 
     # ---- a step's end: decide (on the completion side), then deliver ---------------
     def _continue(self, job: JobContext, logits: np.ndarray) -> Successor | None:
@@ -870,8 +876,7 @@ class Stream:
         if chain is not None and staged is not None:
             # the core runs it with its token, right after this continuation returns
             if self.sequence.follow(staged, after=chain):
-                then = self._stage_next if self._track(
-                    staged, staged.context.request) else None
+                then = _off_path(self, self._track(staged, staged.context.request))
                 return None, None, Successor(staged, token, then)
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
@@ -1117,7 +1122,7 @@ class Stream:
             self._held = []
             delivered = self._delivered
             times = self._times[:delivered]
-            ttft = times[0] - self._t0 if times else None
+            ttft = times[0] - self.arrival if times else None
             itl = tuple(b - a for a, b in itertools.pairwise(times))
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
@@ -1164,6 +1169,22 @@ class Stream:
     def __repr__(self) -> str:
         state = self._result.finish_reason.value if self._result else "running"
         return f"<Stream seq={self.sequence.seq_id} {len(self._tokens)} tokens {state}>"
+
+
+def _off_path(stream: Stream, worth: bool) -> Callable[[], None] | None:
+    """What ``stream`` does off the token path while its step in flight runs: prepare
+    the step after it (``worth``: another may follow), and the constraint's mask for
+    its token; None: nothing."""
+    if worth:
+        return stream._stage_next
+    return (lambda: _prepare_mask(stream)) if stream._sampler.constrained else None
+
+
+def _prepare_mask(stream: Stream) -> None:
+    """The constraint's mask for the token of ``stream``'s step in flight, made while
+    the device runs it (the history read in place: only its length is taken now)."""
+    if not stream._ending:
+        stream._sampler.prepare(TokenHistory(stream.prompt, stream._tokens))
 
 
 class StreamText:
@@ -1229,6 +1250,19 @@ def _check_options(deadline_s: Any, max_resumes: Any, cached: Any, most_cached: 
                               stage="request", seq_id=seq_id)
 
 
+def _arrival(arrival: Any, now: float, seq_id: int) -> float:
+    """A request's arrival time (None: ``now``, the stream's creation); refused unless a
+    finite time no later than ``now`` on the executor's clock."""
+    if arrival is None:
+        return now
+    if isinstance(arrival, bool) or not isinstance(arrival, int | float) \
+            or not math.isfinite(arrival) or arrival > now:
+        raise InvalidArgument(f"arrival must be a time of the executor's clock no later "
+                              f"than now ({now}), got {arrival!r}", stage="request",
+                              seq_id=seq_id)
+    return float(arrival)
+
+
 def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenizer: Any,
                  priority: Any, model: Any, *, position: int = 0,
                  seq_id: int | None = None) -> tuple[Request, SamplingParams]:
@@ -1249,6 +1283,9 @@ def judge_stream(prompt: Seq[int] | str, params: SamplingParams | None, tokenize
         else:
             check_max_tokens(params.max_tokens, n, limits, position=position,
                              field="SamplingParams.max_tokens")
+        if params.constraint is not None:     # compiled now (cached): a 400 up front
+            compile_constraint(params.constraint, tokenizer,
+                               model.submodel(TaskKind.DECODE).vocab)
     except InvalidArgument as e:
         raise e.with_context(seq_id=seq_id) from None
     return checked, params

@@ -165,6 +165,9 @@ class ByteTokenizer:
     """Text <-> token ids for a vocabulary of ``vocab`` ids, byte by byte, reversibly
     (see "The byte-level tokenizer" above); a :class:`Tokenizer`."""
 
+    #: ids 0..255 are the bytes, the rest escapes (what constrained decoding reads)
+    byte_level = True
+
     def __init__(self, vocab: int) -> None:
         if not (_is_int(vocab) and BYTE_IDS <= vocab <= MAX_VOCAB):
             raise InvalidArgument(f"the byte-level tokenizer needs a vocabulary of "

@@ -156,6 +156,13 @@ CAPABILITIES: tuple[CapabilityInfo, ...] = (
                    "batch graphs: does a failed batch job (or a failed row) leave every "
                    "row's KV untouched or fully written, never partly?", "batch_semantics",
                    lambda c: c.batch_rows),
+    CapabilityInfo("graph_step_costs",
+                   "shape buckets: what does a step of each graph cost, against the rows it "
+                   "carries, the context (total_seq) and the prefilled tokens, measured?",
+                   "step_costs"),
+    CapabilityInfo("graph_kv_continuity",
+                   "shape buckets: can a sequence's KV written by one graph be continued by "
+                   "another, bit-exact against staying on one graph?", "step_costs"),
     *(CapabilityInfo(f"reset_{kind.value}",
                      f"reset {kind.value}: does it stop in-flight DMA, leave host buffers "
                      "alone, end both engines' jobs, and pass the golden after it (its "

@@ -15,10 +15,13 @@ before any routing. Requests are checked by
 stream (:mod:`calfsm.serve.generation`) and every failure is
 answered by :mod:`calfsm.serve.httperrors`.
 
-Status of a streaming answer: the app waits for the first piece of text (or the end of
-the request) before it sends the headers, so an error before the first token — a full
-queue, a device that is recovering, a deadline — is a proper 429/503/504, not a 200 with
-an error inside. An error after that is sent as a last ``data: {"error": ...}`` event.
+Status of a streaming answer: the headers go out once the executor has admitted the
+request's choices, not after the first token: its refusals at the door (a full wait
+queue, the admission estimate, a device that is recovering: 429/503) are synchronous
+and stay proper statuses, while a client that times its response by the headers (locust)
+does not see the time to the first token as the response time. What fails after the
+headers (a deadline, a device fault that no resume hides) is a last
+``data: {"error": ...}`` event and ``data: [DONE]``.
 A client that disconnects, streaming or not, cancels its own streams and no others.
 
 The door: with API keys configured (``ServerConfig.api_keys``) every route but the
@@ -56,6 +59,7 @@ import contextlib
 import functools
 import logging
 import math
+import threading
 import time
 import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -73,6 +77,8 @@ from starlette.routing import Route
 from calfsm.errors import CalfsmError, ExecutorClosed, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.arguments import ContextLimits
+from calfsm.generate.constraint import constraints_available
+from calfsm.generate.constraint import warm as warm_constraints
 from calfsm.generate.streams import Stream
 from calfsm.generate.tokenizer import Tokenizer
 from calfsm.manifest import TaskKind
@@ -81,13 +87,20 @@ from calfsm.serve.auth import ApiKeys, BearerAuth, client_of
 from calfsm.serve.bodies import UploadAbandoned, parse_json, read_body
 from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
 from calfsm.serve.fields import count, count_or_none, non_negative, positive_or_none
-from calfsm.serve.front import GENERATION_PATHS, PROBE_PATHS, Front
+from calfsm.serve.front import ARRIVAL_KEY, GENERATION_PATHS, PROBE_PATHS, Front
 from calfsm.serve.generation import Choice, Piece, merged
 from calfsm.serve.httperrors import ApiError, clip, from_calfsm
 from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of, ready_answer
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
 from calfsm.serve.tokenizer import ByteTokenizer
+from calfsm.serve.toolcalls import (
+    DEFAULT_TOOL_PARSER,
+    collect_tool_calls,
+    tool_parser,
+    with_tool_calls,
+)
+from calfsm.serve.tracecontext import TRACEPARENT, traced_start, traceparent_of
 from calfsm.telemetry.metrics import ExecutorMetrics
 from calfsm.util.lazy import bf16_dtype
 from calfsm.util.lograte import RateLimitedLog
@@ -154,6 +167,18 @@ class ServerConfig:
     #: ``--chat-template FILE``); None: the tokenizer's own (``chat_template``), else the
     #: built-in one (calfsm.serve.tokenizer.chat_prompt)
     chat_template: Any = None
+    #: how a chat's answer is read for tool calls: a parser's name in
+    #: calfsm.serve.toolcalls.TOOL_PARSERS (``--tool-call-parser``; default Hermes/Qwen's
+    #: ``<tool_call>...</tool_call>``)
+    tool_call_parser: str = attrs.field(default=DEFAULT_TOOL_PARSER)
+
+    @tool_call_parser.validator
+    def _known_parser(self, attribute: Any, value: Any) -> None:
+        try:
+            tool_parser(value)
+        except InvalidArgument as e:
+            raise InvalidArgument(f"ServerConfig.tool_call_parser: {e.message}",
+                                  stage="config") from None
 
     def __attrs_post_init__(self) -> None:
         if self.default_max_tokens > self.max_tokens_cap:
@@ -200,6 +225,11 @@ class _Server:
             else ByteTokenizer(contract.vocab)
         self.chat_template = self.config.chat_template \
             or getattr(executor.tokenizer, "chat_template", None)
+        if constraints_available():
+            # llguidance reads the tokenizer once (seconds at 151,936 ids): now, beside
+            # the start-up, not in the first constrained request's parse
+            threading.Thread(target=warm_constraints, args=(self.tokenizer, contract.vocab),
+                             name="llguidance-warm", daemon=True).start()
         name = self.config.model_name or epoch.manifest.name or "calfsm"
         cfg = self.config
         context = ContextLimits.of(epoch.model)
@@ -238,6 +268,11 @@ class _Server:
             return live_answer(self.executor, self.start_error)
         return ready_answer(self.executor, self.start_error, closing=self.closing,
                             start_failed=self.start_error is not None)
+
+    def now(self) -> float | None:
+        """The executor's clock now (a request's arrival), None before there is one."""
+        ex = self.executor
+        return None if ex is None else ex.clock.now()
 
     def refused(self, reason: str) -> None:
         if self.refusals is not None:
@@ -335,7 +370,8 @@ class _Server:
 
     async def chat(self, request: Request) -> Response:
         return await self._generate(
-            request, functools.partial(parse_chat, chat_template=self.chat_template), CHAT)
+            request, functools.partial(parse_chat, chat_template=self.chat_template,
+                                       tool_parser=self.config.tool_call_parser), CHAT)
 
     async def _generate(self, request: Request, parse: Callable[..., GenerationPlan],
                         shape: Shape) -> Response:
@@ -351,12 +387,16 @@ class _Server:
             except InvalidArgument as e:
                 raise ApiError(400, e.message, code="invalid_argument",
                                param=REQUEST_ID_HEADER) from None
+            arrival = request.scope.get(ARRIVAL_KEY)
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),
                                   self.config.max_json_depth)
                 plan = parse(body, self.limits, self.tokenizer,
                              text_stops=self.text_stops)
-                choices = self._start(ex, plan, client, rid)
+                with traced_start(ex.request_tracer, request.headers):
+                    choices = self._start(ex, plan, client, rid, arrival)
+                tp = traceparent_of(ex.request_tracer,
+                                    [c.stream.request_id for c in choices])
         except ApiError as e:
             return _with_id(_error_response(e, client), rid)
         except CalfsmError as e:
@@ -377,10 +417,12 @@ class _Server:
                 answer = await self._collect(request, plan, choices, shape, client)
         except Exception as e:
             answer = _internal(request, e)
+        if tp is not None:
+            answer.headers[TRACEPARENT] = tp
         return _with_id(answer, rid)
 
     def _start(self, ex: DeviceExecutor, plan: GenerationPlan, client: str,
-               rid: str) -> list[Choice]:
+               rid: str, arrival: float | None = None) -> list[Choice]:
         """A stream per choice, booked to ``client``, named ``rid`` (several choices:
         ``rid-i``, grouped under ``rid``); if one cannot start, those started are
         cancelled (a stream whose start failed half-way too)."""
@@ -393,7 +435,8 @@ class _Server:
                     choices.append(Choice(
                         ex, i, prompt, params, deadline_s=self.config.request_timeout_s,
                         request_id=rid if one else f"{rid}-{i}",
-                        parent=None if one else rid, priority=plan.priority))
+                        parent=None if one else rid, priority=plan.priority,
+                        arrival=arrival))
             except BaseException:
                 for stream in started:
                     stream.cancel()
@@ -412,10 +455,12 @@ class _Server:
         texts = [[] for _ in choices]
         scored: list[list[Piece]] = [[] for _ in choices]     # token pieces, for logprobs
         ends: list[Piece | None] = [None] * len(choices)
+        calls: list[list[dict[str, Any]]] = [[] for _ in choices]
 
         async def run() -> None:
-            async for piece in merged(choices):
+            async for piece in _pieces(plan, choices):
                 texts[piece.index].append(piece.text)
+                calls[piece.index].extend(piece.tool_calls)
                 if piece.event is not None:
                     scored[piece.index].append(piece)
                 if piece.finish_reason or piece.error:
@@ -446,40 +491,29 @@ class _Server:
         return JSONResponse(shape.body(
             shape.new_id(), self.limits.model, ["".join(t) for t in texts],
             [p.finish_reason for p in done], self._usage(plan, done),
-            scored if plan.logprobs is not None else None))
+            scored if plan.logprobs is not None else None,
+            [collect_tool_calls(c) for c in calls] if plan.tools is not None else None))
 
     async def _stream(self, request: Request, plan: GenerationPlan, choices: list[Choice],
                       shape: Shape, client: str) -> Response:
-        pieces = merged(choices)
-        first_piece = asyncio.ensure_future(anext(pieces))
-        gone = asyncio.ensure_future(_disconnected(request))
-        try:
-            await asyncio.wait({first_piece, gone}, return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            gone.cancel()
-            if not first_piece.done():  # the client left before the first token
-                first_piece.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await first_piece
-        try:
-            first = first_piece.result()
-        except BaseException:
+        """The headers go out once the executor has admitted every choice (its refusals
+        at the door, 429/503, are synchronous and are proper statuses); the first event
+        comes with the first token. What fails after the headers is an SSE error event."""
+        refused = _refused_at_start(choices)
+        pieces = _pieces(plan, choices)
+        if refused is not None:
             await pieces.aclose()
-            if first_piece.cancelled():
-                log.info("%s left before the first token of %s", client, request.url.path)
-                return Response(status_code=499)     # nobody reads it
-            raise
-        if first.error is not None:
-            await pieces.aclose()
-            return _error_response(from_calfsm(first.error), client)
+            return _error_response(from_calfsm(refused), client)
+        sent = [False]                  # a token's event has gone out (for the log line)
         assert self.limits is not None
-        return EventStream(self._events(plan, shape, first, pieces), close=pieces.aclose,
-                           on_disconnect=lambda: log.info(
-                               "%s left in the middle of the stream of %s", client,
-                               request.url.path))
+        return EventStream(
+            self._events(plan, shape, pieces, sent), close=pieces.aclose,
+            on_disconnect=lambda: log.info(
+                "%s left %s of %s", client, "in the middle of the stream" if sent[0]
+                else "before the first token", request.url.path))
 
-    async def _events(self, plan: GenerationPlan, shape: Shape, first: Piece,
-                      pieces: AsyncIterator[Piece]) -> AsyncIterator[bytes]:
+    async def _events(self, plan: GenerationPlan, shape: Shape,
+                      pieces: AsyncIterator[Piece], sent: list[bool]) -> AsyncIterator[bytes]:
         assert self.limits is not None
         rid, model, created = shape.new_id(), self.limits.model, int(time.time())
         inc, lps = plan.include_usage, plan.logprobs is not None
@@ -490,12 +524,15 @@ class _Server:
         def so_far() -> dict[str, Any] | None:
             return usage(prompt_tokens, made) if plan.continuous_usage else None
 
-        if shape.chat:
-            for i in range(len(plan.prompts)):
-                yield sse(shape.chunk(rid, model, created, Piece(i, "", ()),
-                                      include_usage=inc, role=True, used=so_far()))
         try:
-            piece: Piece | None = first
+            # the chat's role chunks wait for the first piece: a client that times its
+            # first token by its first chunk must not count them
+            piece: Piece | None = await anext(pieces, None)
+            sent[0] = True
+            if shape.chat:
+                for i in range(len(plan.prompts)):
+                    yield sse(shape.chunk(rid, model, created, Piece(i, "", ()),
+                                          include_usage=inc, role=True, used=so_far()))
             while piece is not None:
                 if piece.error is not None:
                     yield sse(from_calfsm(piece.error).body())
@@ -504,7 +541,8 @@ class _Server:
                 # with logprobs, a token whose text is not complete yet (a byte of a
                 # character) still has its chunk: its logprobs are its own
                 made += piece.event is not None
-                if piece.text or piece.finish_reason or (lps and piece.event is not None):
+                if piece.text or piece.finish_reason or piece.tool_calls \
+                        or (lps and piece.event is not None):
                     yield sse(shape.chunk(rid, model, created, piece, include_usage=inc,
                                           logprobs=lps, used=so_far()))
                 if piece.finish_reason:
@@ -515,6 +553,24 @@ class _Server:
             yield sse("[DONE]")
         finally:
             await pieces.aclose()       # a client gone: its streams are cancelled
+
+
+def _pieces(plan: GenerationPlan, choices: list[Choice]) -> AsyncIterator[Piece]:
+    """The choices' pieces as they come; read for tool calls when the chat offered
+    tools (calfsm.serve.toolcalls)."""
+    if plan.tools is not None and plan.tools.parses:
+        return with_tool_calls(merged(choices), plan.tools)
+    return merged(choices)
+
+
+def _refused_at_start(choices: list[Choice]) -> CalfsmError | None:
+    """The error of a choice whose stream ended before it made anything (its first
+    step refused at once: a full wait queue), else None."""
+    for c in choices:
+        result = c.stream.result(0) if c.stream.done() else None
+        if result is not None and result.error is not None and not result.tokens:
+            return result.error
+    return None
 
 
 async def _disconnected(request: Request) -> None:

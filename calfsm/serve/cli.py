@@ -44,6 +44,7 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.serve.toolcalls import DEFAULT_TOOL_PARSER, TOOL_PARSERS
 
 __all__ = ["add_parser", "configs", "run", "warn_if_open"]
 
@@ -151,6 +152,12 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
                    help="render chats with the Jinja2 template in FILE (as a "
                         "tokenizer_config.json's chat_template; needs the hf extra) "
                         "instead of the tokenizer's own or the built-in one")
+    p.add_argument("--tool-call-parser", default=DEFAULT_TOOL_PARSER, metavar="NAME",
+                   choices=sorted(TOOL_PARSERS),
+                   help="how a chat's answer is read for tool calls: "
+                        f"{', '.join(sorted(TOOL_PARSERS))} (hermes: <tool_call>{{\"name\": "
+                        "..., \"arguments\": ...}</tool_call>, as Hermes and Qwen write "
+                        "it)")
     p.add_argument("--model-name", default=None,
                    help="the name clients send as 'model' (default: the manifest's name)")
     p.add_argument("--decode-ms", type=float, default=10.0,
@@ -160,6 +167,10 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
     p.add_argument("--batch-row-share", type=float, default=0.0, metavar="S",
                    help="sim, batch calbin: what each row past the first adds to a batch "
                         "decode step, as a share of --decode-ms (0 <= S < 1; a model)")
+    p.add_argument("--shape-cost", default="graph", choices=("graph", "rows"),
+                   help="sim: what a step costs: graph, a static calbin's (its graph's "
+                        "whole batch, padded rows included; the default), or rows, a "
+                        "dynamic-shape device's (the rows it carries); both are models")
     p.add_argument("--faults", default="none", metavar="none|swarm|PLAN.json",
                    help="sim: a fault plan (swarm: a random one drawn from --seed)")
     p.add_argument("--seed", type=int, default=0, help="seeds the driver and swarm plan")
@@ -215,11 +226,23 @@ def add_parser(sub: Any, **kw: Any) -> argparse.ArgumentParser:
                    help="open connections at most; a new one past them is closed at once")
     p.add_argument("--log-level", default="warning",
                    choices=("critical", "error", "warning", "info", "debug"))
+    p.add_argument("--otlp-traces-endpoint", default=None, metavar="URL",
+                   help="export a span tree per request to this OTLP/HTTP collector "
+                        "(e.g. http://127.0.0.1:4318/v1/traces; needs calfsm[tracing]); "
+                        "W3C traceparent in and out")
     # ---- shutdown ----
     p.add_argument("--shutdown-grace", type=float, default=10.0, metavar="S",
                    help="on SIGTERM/Ctrl-C: seconds running streams may go on finishing "
                         "before they are cut (503); new requests get 503 at once")
     return p
+
+
+def _tracer_provider(endpoint: str | None) -> Any:
+    """The OTLP tracer provider of ``--otlp-traces-endpoint`` (None: no tracing)."""
+    if endpoint is None:
+        return None
+    from calfsm.telemetry.tracing import otlp_tracer_provider
+    return otlp_tracer_provider(endpoint)
 
 
 def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
@@ -234,7 +257,8 @@ def _driver(args: argparse.Namespace, manifest: Manifest) -> Any:
     if args.driver == "sim":
         return realtime_sim(manifest, decode_ms=args.decode_ms,
                             prefill_token_us=args.prefill_token_us, seed=args.seed,
-                            faults=faults, batch_row_share=args.batch_row_share)
+                            faults=faults, batch_row_share=args.batch_row_share,
+                            shape_cost=args.shape_cost)
     return load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
                        faults=faults)
 
@@ -285,6 +309,7 @@ def configs(args: argparse.Namespace) -> tuple[ExecutorConfig, Any, Any]:
                               prompt_cache=_prompt_cache(args))
     config = ServerConfig(model_name=args.model_name,
                           chat_template=_chat_template(args),
+                          tool_call_parser=args.tool_call_parser,
                           request_timeout_s=args.request_timeout,
                           shutdown_grace_s=args.shutdown_grace,
                           default_max_tokens=args.default_max_tokens,
@@ -397,7 +422,11 @@ def run(args: argparse.Namespace) -> int:
         manifest = _timed(args, manifest_from_option(args.manifest))
         tokenizer = _tokenizer(args, manifest.submodel(TaskKind.DECODE).vocab)
         driver = _driver(args, manifest)
+        provider = _tracer_provider(args.otlp_traces_endpoint)
         sock = _listen(args.host, args.port)
+    except ImportError as e:
+        print(f"calfsm: error: {e}", file=sys.stderr)
+        return EXIT_USAGE
     except CalfsmError as e:
         print(f"calfsm: error: {e.message}", file=sys.stderr)
         return EXIT_USAGE
@@ -408,8 +437,9 @@ def run(args: argparse.Namespace) -> int:
 
     async def start() -> DeviceExecutor:
         try:
-            return await DeviceExecutor.create(driver, manifest, exconfig,
-                                               tokenizer=tokenizer)
+            return await DeviceExecutor.create(
+                driver, manifest, exconfig, tokenizer=tokenizer,
+                tracer=None if provider is None else provider.get_tracer("calfsm"))
         except CalfsmError as e:
             failed.append(str(e))
             server.should_exit = True
@@ -426,8 +456,12 @@ def run(args: argparse.Namespace) -> int:
         server = Server(uvicorn_config(
             create_app(start, config), limits, host=args.host, port=args.port,
             log_level=args.log_level, timeout_graceful_shutdown=_AFTER_GRACE_S))
-        with _stop_signals_handled():
-            server.run(sockets=[sock])
+        try:
+            with _stop_signals_handled():
+                server.run(sockets=[sock])
+        finally:
+            if provider is not None:
+                provider.shutdown()     # the spans still queued, within their timeout
     if failed:
         print(f"calfsm: start-up failed: {failed[0]}", file=sys.stderr)
         return EXIT_DEVICE_FAILED

@@ -29,7 +29,11 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 from calfsm.serve.httperrors import ApiError
 from calfsm.serve.probes import ProbeAnswer
 
-__all__ = ["GENERATION_PATHS", "PROBE_PATHS", "Front"]
+__all__ = ["ARRIVAL_KEY", "GENERATION_PATHS", "PROBE_PATHS", "Front"]
+
+#: the scope key of a generation request's arrival (the executor's clock, read here,
+#: before anything of it is read): where its TTFT and e2e start, as a client's do
+ARRIVAL_KEY = "calfsm.arrival"
 
 GENERATION_PATHS = frozenset({"/v1/completions", "/v1/chat/completions"})
 PROBE_PATHS = ("/health", "/ready")
@@ -50,8 +54,9 @@ _CLOSING = _prebuilt(ApiError(503, "the server is shutting down", code="unavaila
 class Front:
     """Pure-ASGI middleware (module docstring). ``server`` is the app's state: it has
     ``probe(path) -> ProbeAnswer``, ``closing`` (shutdown began: generation requests
-    are a 503 with Retry-After here), ``request_limit`` (None: no limit yet) and
-    ``refused(reason)`` (counts a refusal made here)."""
+    are a 503 with Retry-After here), ``request_limit`` (None: no limit yet),
+    ``refused(reason)`` (counts a refusal made here) and ``now()`` (the executor's clock,
+    stamped on a generation request as its arrival)."""
 
     def __init__(self, app: ASGIApp, server: Any) -> None:
         self.app = app
@@ -74,6 +79,7 @@ class Front:
                 self.server.refused("concurrency")
                 await _send(send, self._busy_answer(limit), head=False)
                 return
+            scope[ARRIVAL_KEY] = self.server.now()
             self.in_flight += 1
             try:
                 await self.app(scope, receive, send)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Sequence
+from typing import Any
 
 import attrs
 
@@ -51,6 +52,9 @@ class Piece:
     offset: int = 0
     #: prompt tokens whose KV the prompt cache gave (not prefilled again)
     cached_tokens: int = 0
+    #: tool-call deltas this piece completed, in OpenAI's form (calfsm.serve.toolcalls:
+    #: a chat with tools); ``text`` is then the content outside the calls
+    tool_calls: tuple[dict[str, Any], ...] = ()
 
 
 class Choice:
@@ -59,7 +63,7 @@ class Choice:
     def __init__(self, executor: DeviceExecutor, index: int, prompt: Sequence[int],
                  params: SamplingParams, *, deadline_s: float | None,
                  request_id: str | None = None, parent: str | None = None,
-                 priority: int = 0) -> None:
+                 priority: int = 0, arrival: float | None = None) -> None:
         self.index = index
         self._decoder = None if executor.tokenizer is not None else ByteDecoder()
         self._sent = 0                           # tokens given to the client
@@ -67,7 +71,7 @@ class Choice:
         self.stream: Stream = executor.generate(list(prompt), params,
                                                 deadline_s=deadline_s,
                                                 request_id=request_id, parent=parent,
-                                                priority=priority)
+                                                priority=priority, arrival=arrival)
 
     def push(self, event: TokenEvent) -> Piece:
         """A new token: the piece of text it completes (maybe empty)."""

@@ -28,12 +28,18 @@ so far; ignored without ``stream``), ``user``, ``store`` (a boolean, ignored: no
 stored), logprobs: completions'
 ``logprobs`` (an integer, 0..20: the chosen token's log-probability and that many
 alternatives) and chat's ``logprobs`` (a boolean) with ``top_logprobs`` (0..20; only with
-``logprobs`` true), and ``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
+``logprobs`` true), structured outputs (``response_format`` ``json_object`` or
+``json_schema``, vLLM's ``structured_outputs`` and ``guided_json``, ``guided_regex``,
+``guided_choice``, ``guided_grammar``: :mod:`calfsm.serve.structured`), and
+``priority`` (an integer in ``[PRIORITY_MIN, PRIORITY_MAX]`` of
 :mod:`calfsm.request`, default 0: *higher* is admitted first, as the library's
 ``Request.priority`` — vLLM's field of the same name is lower-first). Choice ``i`` of a
 request (prompt-major, then ``n``) draws from ``seed + i``.
-Features the simulated model cannot give (``echo``, ``best_of``, ``suffix``,
-``logit_bias``, tools) are refused unless they carry their default; unknown fields are
+Chat's ``tools``, ``tool_choice`` and ``parallel_tool_calls`` are read by
+:mod:`calfsm.serve.toolcalls` (a ``required`` or named tool choice becomes each
+choice's constraint). Features the simulated model cannot give (``echo``, ``best_of``,
+``suffix``, ``logit_bias``, tools on completions) are refused unless they carry their
+default; unknown fields are
 refused too, so a typo is never silently ignored. The prompt's ids and length, ``n`` and
 ``max_tokens`` are judged by the library's own rules (:mod:`calfsm.generate.arguments`, what
 ``executor.generate`` applies): the server refuses what the library refuses. A message
@@ -63,7 +69,16 @@ from calfsm.generate.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENG
 from calfsm.generate.tokenizer import Tokenizer, encode_prompt
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.structured import STRUCTURED_FIELDS, constraint_of
 from calfsm.serve.tokenizer import ByteTokenizer, encode_chat, render_chat
+from calfsm.serve.toolcalls import (
+    DEFAULT_TOOL_PARSER,
+    TOOL_FIELDS,
+    ToolParser,
+    ToolPlan,
+    parse_tools,
+    tool_constraint,
+)
 
 __all__ = ["CHAT_ROLES", "GenerationPlan", "Limits", "parse_chat", "parse_completion"]
 
@@ -73,13 +88,13 @@ _MAX_STOPS = 4
 _DEFAULTS_ONLY: Mapping[str, tuple[Any, ...]] = {
     "echo": (None, False), "best_of": (None, 1), "suffix": (None, ""),
     "logit_bias": (None, {}), "tools": (None, []),
-    "tool_choice": (None, "none"), "response_format": (None, {"type": "text"}),
+    "tool_choice": (None, "none"),
     "parallel_tool_calls": (None, False, True)}
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                      "top_k", "seed", "stop", "stop_token_ids", "n", "stream",
                      "stream_options", "user", "priority", "presence_penalty",
                      "frequency_penalty", "repetition_penalty", "min_tokens", "ignore_eos",
-                     "store", *_DEFAULTS_ONLY})
+                     "store", *_DEFAULTS_ONLY, *STRUCTURED_FIELDS})
 _COMPLETION_FIELDS = _COMMON | {"prompt", "logprobs"}
 _CHAT_FIELDS = _COMMON | {"messages", "logprobs", "top_logprobs"}
 #: what ``stream_options`` may hold
@@ -126,6 +141,9 @@ class GenerationPlan:
     #: ``stream_options.continuous_usage_stats`` (with ``include_usage``): every chunk
     #: carries the usage so far
     continuous_usage: bool = False
+    #: a chat's tools (calfsm.serve.toolcalls): the answer's text is read for tool calls
+    #: unless ``tool_choice`` is ``none``
+    tools: ToolPlan | None = None
 
     @property
     def prompt_tokens(self) -> int:
@@ -403,6 +421,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
         ("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0))}
     min_tokens = _int(body, "min_tokens", 0, 0)
     ignore_eos = _bool(body, "ignore_eos")
+    constraint = constraint_of(body, tok, limits.vocab)
     params = []
     try:
         for i in range(len(prompts) * n):
@@ -415,7 +434,7 @@ def _plan(body: Mapping[str, Any], prompts: list[tuple[int, ...]], max_key: str,
                 max_tokens=max_tokens or min(max(limits.default_max_tokens, min_tokens),
                                              limits.max_tokens_cap, room),
                 logprobs=logprobs, min_tokens=min_tokens, ignore_eos=ignore_eos,
-                **penalties))
+                constraint=constraint, **penalties))
     except InvalidArgument as e:        # SamplingParams names the field it refuses
         raise _bad(e.message, e.field) from None
     return GenerationPlan(tuple(p for p in prompts for _ in range(n)), tuple(params),
@@ -444,17 +463,44 @@ def parse_completion(body: Any, limits: Limits, tok: Tokenizer, *,
 
 
 def parse_chat(body: Any, limits: Limits, tok: Tokenizer, *,
-               text_stops: bool = False, chat_template: Any = None) -> GenerationPlan:
+               text_stops: bool = False, chat_template: Any = None,
+               tool_parser: ToolParser | str = DEFAULT_TOOL_PARSER) -> GenerationPlan:
     """``POST /v1/chat/completions``: the messages (and tools) through the model's chat
     template (``chat_template``, a :class:`~calfsm.generate.chattemplate.ChatTemplate`;
     one that refuses them is a 400), else the built-in one
-    (:func:`~calfsm.serve.tokenizer.chat_prompt`)."""
-    _check_fields(body, _CHAT_FIELDS, limits)
+    (:func:`~calfsm.serve.tokenizer.chat_prompt`). ``tools``, ``tool_choice`` and
+    ``parallel_tool_calls`` are read by :mod:`calfsm.serve.toolcalls` (the answer's text
+    by ``tool_parser``); ``required`` or a named function is enforced by a constraint on
+    every choice."""
+    _check_fields({k: v for k, v in body.items() if k not in TOOL_FIELDS}
+                  if isinstance(body, dict) else body, _CHAT_FIELDS, limits)
+    tools = parse_tools(body, tool_parser)
     messages = _messages(body.get("messages"))
     try:
-        text = render_chat(messages, template=chat_template, tools=body.get("tools") or None)
+        text = render_chat(messages, template=chat_template,
+                           tools=tools.specs if tools is not None and tools.tools else None)
         prompt = tuple(encode_chat(tok, text, templated=chat_template is not None))
     except InvalidArgument as e:
         raise _bad(e.message, "messages") from None
-    return _plan(body, [prompt], "max_completion_tokens", limits, tok,
+    plan = _plan(body, [prompt], "max_completion_tokens", limits, tok,
                  _chat_logprobs(body), text_stops)
+    if tools is None:
+        return plan
+    return attrs.evolve(plan, tools=tools,
+                        params=_enforced(plan.params, tools, tok, limits.vocab))
+
+
+def _enforced(params: tuple[SamplingParams, ...], tools: ToolPlan, tok: Tokenizer,
+              vocab: int) -> tuple[SamplingParams, ...]:
+    """Each choice's parameters with the constraint that enforces ``tool_choice``
+    (``required`` or a named function); as they are otherwise."""
+    constraint = tool_constraint(tools, tok, vocab)
+    if constraint is None:
+        return params
+    if any(getattr(p, "constraint", None) is not None for p in params):
+        raise _bad("tool_choice required (or a named function) cannot be combined with "
+                   "another constraint (response_format)", "tool_choice")
+    try:
+        return tuple(attrs.evolve(p, constraint=constraint) for p in params)
+    except InvalidArgument as e:
+        raise _bad(e.message, "tool_choice") from None

@@ -22,10 +22,12 @@ __all__ = ["realtime_sim"]
 def realtime_sim(manifest: Manifest, *, decode_ms: float = 10.0,
                  prefill_token_us: float = 50.0, seed: int = 0,
                  faults: FaultPlan | None = None,
-                 batch_row_share: float = 0.0) -> SimDriver:
+                 batch_row_share: float = 0.0, shape_cost: str = "graph") -> SimDriver:
     """A simulated device for ``manifest`` that takes real time: ``decode_ms`` per decode
     step and ``prefill_token_us`` per prefilled token, on ``time.monotonic``; a batch
-    decode step of R rows ``decode_ms * (1 + batch_row_share * (R - 1))``."""
+    decode step of R rows ``decode_ms * (1 + batch_row_share * (R - 1))``, where R is the
+    graph's whole batch (``shape_cost="graph"``, a static calbin: the default) or the
+    rows the step carries (``"rows"``, a dynamic-shape device)."""
     for name, value in (("decode_ms", decode_ms), ("prefill_token_us", prefill_token_us)):
         if isinstance(value, bool) or not isinstance(value, int | float) \
                 or not 0 <= value < float("inf"):
@@ -34,4 +36,5 @@ def realtime_sim(manifest: Manifest, *, decode_ms: float = 10.0,
     return SimDriver(manifest, seed=seed, faults=faults, clock=RealClock(), trace=False,
                      latency=LatencyModel.fixed(decode_s=decode_ms * 1e-3,
                                                 prefill_per_token_s=prefill_token_us * 1e-6,
-                                                batch_row_share=batch_row_share))
+                                                batch_row_share=batch_row_share,
+                                                shape_cost=shape_cost))

@@ -65,15 +65,18 @@ class Shape:
         return chat_logprobs(pieces) if self.chat else completion_logprobs(pieces)
 
     def body(self, rid: str, model: str, texts: list[str], reasons: list[str],
-             used: dict[str, Any], pieces: list[list[Piece]] | None = None
-             ) -> dict[str, Any]:
+             used: dict[str, Any], pieces: list[list[Piece]] | None = None,
+             tool_calls: list[list[dict[str, Any]]] | None = None) -> dict[str, Any]:
         """The non-streaming answer: one choice per text; ``pieces`` (each choice's
-        token pieces) when the request asked for logprobs."""
+        token pieces) when the request asked for logprobs; ``tool_calls`` (each choice's
+        calls) when it offered tools: a choice with calls has them in its message, and
+        ``content`` null when it wrote no other text, as OpenAI answers."""
         lps = [None] * len(texts) if pieces is None else [self.logprobs(p) for p in pieces]
         if self.chat:
-            choices = [{"index": i, "message": {"role": "assistant", "content": t},
-                        "logprobs": lp, "finish_reason": r}
-                       for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
+            calls = tool_calls or [[] for _ in texts]
+            choices = [{"index": i, "message": _message(t, c), "logprobs": lp,
+                        "finish_reason": r}
+                       for i, (t, r, lp, c) in enumerate(zip(texts, reasons, lps, calls))]
         else:
             choices = [{"index": i, "text": t, "logprobs": lp, "finish_reason": r}
                        for i, (t, r, lp) in enumerate(zip(texts, reasons, lps))]
@@ -88,8 +91,10 @@ class Shape:
         ``used``: the usage so far, ``stream_options.continuous_usage_stats``)."""
         if self.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": piece.text} if role \
-                else ({"content": piece.text} if piece.text or not piece.finish_reason
-                      else {})
+                else ({"content": piece.text} if piece.text or not (
+                    piece.finish_reason or piece.tool_calls) else {})
+            if piece.tool_calls:
+                delta["tool_calls"] = list(piece.tool_calls)
             choice: dict[str, Any] = {"index": piece.index, "delta": delta}
         else:
             choice = {"index": piece.index, "text": piece.text}
@@ -105,6 +110,13 @@ class Shape:
         """``stream_options.include_usage``: the last chunk, no choices."""
         return self._head(rid, model, created, self.chunk_object) | {
             "choices": [], "usage": used}
+
+
+def _message(text: str, calls: list[dict[str, Any]]) -> dict[str, Any]:
+    """A chat choice's message: its text, and its tool calls when it made some."""
+    if not calls:
+        return {"role": "assistant", "content": text}
+    return {"role": "assistant", "content": text or None, "tool_calls": calls}
 
 
 COMPLETION = Shape(chat=False)

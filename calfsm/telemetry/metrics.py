@@ -43,6 +43,7 @@ from calfsm.errors import ErrorCategory, ResourceExhausted
 from calfsm.generate.promptcache import EVICTION_CAUSES, PromptCacheStats
 from calfsm.generate.streams import FinishReason
 from calfsm.machines.lifecycle import LifecycleState
+from calfsm.manifest import TaskKind
 
 if TYPE_CHECKING:
     from calfsm.clock import Clock
@@ -105,7 +106,9 @@ class ExecutorMetrics(Observer):
         self._executor: Observed | None = executor
         self._clock = executor.clock
         self._lock = threading.Lock()
-        self._running: set[int] = set()     # ids of the streams seen starting
+        #: the streams seen starting, by request id: when their first prefill was
+        #: admitted (None until it was)
+        self._running: dict[str, float | None] = {}
         ns = namespace
 
         def hist(name: str, doc: str, buckets: tuple[float, ...],
@@ -117,13 +120,28 @@ class ExecutorMetrics(Observer):
             return Counter(name, doc, labels, namespace=ns, registry=None)
 
         self.ttft = hist("time_to_first_token_seconds",
-                         "Time from a stream's creation to its first token.", TTFT_BUCKETS)
+                         "Time from a request's arrival to its first token.", TTFT_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds",
                          "Time between two consecutive tokens of a stream (one "
                          "observation per gap).", TPOT_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds",
-                        "Time from a stream's creation to its end, whatever the reason.",
+                        "Time from a request's arrival to its end, whatever the reason.",
                         E2E_BUCKETS)
+        # the split of a request's time (vLLM separates queue time from TTFT the same
+        # way): front + queue + prefill = TTFT, and + decode = e2e
+        self.front_time = hist("request_front_time_seconds",
+                               "Time from a request's arrival to its stream's creation "
+                               "(the server's read, parse and tokenization).", E2E_BUCKETS)
+        self.request_queue = hist("request_queue_time_seconds",
+                                  "Time from a stream's creation to its prefill's "
+                                  "admission (the wait for KV and a buffer slot).",
+                                  TTFT_BUCKETS)
+        self.prefill_time = hist("request_prefill_time_seconds",
+                                 "Time from a stream's prefill's admission to its first "
+                                 "token.", TTFT_BUCKETS)
+        self.decode_time = hist("request_decode_time_seconds",
+                                "Time from a stream's first token to its end.",
+                                E2E_BUCKETS)
         self.queue_time = hist("job_queue_time_seconds",
                                "Time a job waited in the submit queue (prepared to "
                                "submitted), for jobs that reached the device.",
@@ -155,14 +173,26 @@ class ExecutorMetrics(Observer):
         self.padding_rows = counter("batch_padding_rows",
                                     "Rows of batch graph jobs that carried nothing (the "
                                     "graph's max_batch minus the rows it ran).", ("kind",))
+        self.graph_steps = counter("graph_steps",
+                                   "Device jobs by graph (shape buckets: which compiled "
+                                   "graph each step ran on).", ("graph",))
+        self.graph_rows = counter("graph_rows",
+                                  "Rows (streams' steps) the jobs of each graph carried.",
+                                  ("graph",))
+        self.graph_padded_rows = counter("graph_padded_rows",
+                                         "Rows of each graph's jobs that carried nothing.",
+                                         ("graph",))
         for r in FinishReason:
             self.finished.labels(r.value)
         for r in REJECTIONS:
             self.rejections.labels(r)
-        self._metrics = (self.ttft, self.tpot, self.e2e, self.queue_time,
+        self._metrics = (self.ttft, self.tpot, self.e2e, self.front_time,
+                         self.request_queue, self.prefill_time, self.decode_time,
+                         self.queue_time,
                          self.admission_wait, self.device_time, self.job_latency,
                          self.finished, self.rejections, self.resumes, self.prompt_tokens,
-                         self.generation_tokens, self.batch_rows, self.padding_rows)
+                         self.generation_tokens, self.batch_rows, self.padding_rows,
+                         self.graph_steps, self.graph_rows, self.graph_padded_rows)
         self._by_kind: dict[Any, tuple[Any, Any, Any, Any]] = {}
         self._collector = _BooksCollector(self)
         registered: list[Any] = []
@@ -218,26 +248,37 @@ class ExecutorMetrics(Observer):
             queue.observe(max(0.0, t.submitted - t.queued))
             device.observe(t.device_wait_ms * 1e-3)
         latency.observe(max(0.0, t.completed - start), _exemplar(event.request_id))
+        if event.kind is not TaskKind.DECODE and event.request_id in self._running \
+                and self._running[event.request_id] is None \
+                and (outcome == "succeeded" or t.admitted > 0):
+            self._running[event.request_id] = t.admitted    # a stream's first prefill
         if outcome == "failed" and isinstance(event.error, ResourceExhausted):
             self.rejections.labels("kv_budget").inc()   # larger than the whole budget
 
     def stream_started(self, stream: Stream) -> None:
         with self._lock:
-            self._running.add(id(stream))
+            self._running[stream.request_id] = None
 
     def stream_resumed(self, stream: Stream) -> None:
         self.resumes.inc()
 
     def stream_ended(self, stream: Stream, result: GenerationResult) -> None:
         with self._lock:
-            self._running.discard(id(stream))
+            admitted = self._running.pop(stream.request_id, None)
         self.finished.labels(result.finish_reason.value).inc()
-        exemplar = _exemplar(getattr(stream, "request_id", None))
+        exemplar = _exemplar(stream.request_id)
+        arrival, started, now = stream.arrival, stream.started, self._clock.now()
+        self.front_time.observe(max(0.0, started - arrival))
         if result.ttft_s is not None:
             self.ttft.observe(result.ttft_s, exemplar)
+            first = arrival + result.ttft_s
+            if admitted is not None:
+                self.request_queue.observe(max(0.0, admitted - started))
+                self.prefill_time.observe(max(0.0, first - admitted))
+            self.decode_time.observe(max(0.0, now - first))
         for gap in result.inter_token_s:
             self.tpot.observe(gap)
-        self.e2e.observe(max(0.0, self._clock.now() - stream.started), exemplar)
+        self.e2e.observe(max(0.0, now - arrival), exemplar)
         self.prompt_tokens.inc(result.usage.prompt_tokens)
         self.generation_tokens.inc(result.usage.completion_tokens)
 
@@ -248,6 +289,10 @@ class ExecutorMetrics(Observer):
         self.batch_rows.labels(step.kind.value).observe(step.rows)
         if step.capacity > step.rows:
             self.padding_rows.labels(step.kind.value).inc(step.capacity - step.rows)
+        if step.graph:
+            self.graph_steps.labels(step.graph).inc()
+            self.graph_rows.labels(step.graph).inc(step.rows)
+            self.graph_padded_rows.labels(step.graph).inc(step.capacity - step.rows)
 
 
 def _unlabelled(kind: type, name: str, doc: str, value: float | None) -> Metric:

@@ -19,6 +19,7 @@ from calfsm.drivers import driver_names, load_driver
 from calfsm.drivers.base import Capabilities
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.manifest import manifest_from_option
+from calfsm.plan.buckets import BucketPlan, plan_buckets
 from calfsm.plan.capabilities import (
     CAPABILITIES,
     DIR_RULE,
@@ -92,17 +93,29 @@ def _required(names: list[str] | None) -> tuple[str, ...]:
     return tuple(dict.fromkeys(names))
 
 
-def _identity(args: argparse.Namespace) -> tuple[str, str, Capabilities | None]:
-    """(device, runtime version, declared capabilities or None)."""
+def _identity(args: argparse.Namespace
+              ) -> tuple[str, str, Capabilities | None, BucketPlan | None]:
+    """(device, runtime version, declared capabilities or None, and on a manifest with
+    shape buckets what the executor would switch between, and why)."""
     if args.device is not None and args.runtime_version is not None:
-        return args.device, args.runtime_version, None
+        return args.device, args.runtime_version, None, None
     manifest = manifest_from_option(args.manifest)
     driver = load_driver(args.driver, manifest_or_calbin=manifest)
     try:
+        plan = plan_buckets(manifest, driver, evidence_dir=args.evidence_dir) \
+            if manifest.bucketed else None
         return (args.device or device_identity(driver),
-                args.runtime_version or driver.version(), driver.capabilities())
+                args.runtime_version or driver.version(), driver.capabilities(), plan)
     finally:
         driver.close()
+
+
+def _buckets(plan: BucketPlan | None) -> dict[str, Any] | None:
+    if plan is None:
+        return None
+    graphs = list(plan.buckets.names) if plan.buckets is not None else []
+    return {"switching": plan.buckets is not None, "graphs": graphs,
+            "why": plan.proof if plan.buckets is not None else plan.note}
 
 
 def _row(c: Capability, required: bool) -> dict[str, Any]:
@@ -117,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
         required = _required(args.require)
         if args.max_age_s is not None and not args.max_age_s >= 0:
             raise InvalidArgument("--max-age-s must be >= 0", stage="cli")
-        device, version, declared = _identity(args)
+        device, version, declared, buckets = _identity(args)
     except CalfsmError as e:
         print(f"calfsm: error: {e.message}", file=sys.stderr)
         return EXIT_USAGE
@@ -133,10 +146,16 @@ def main(args: argparse.Namespace) -> int:
         print(json.dumps({"device": device, "runtime_version": version,
                           "evidence_dir": str(store.directory), "required": list(required),
                           "unproven_required": unproven, "problems": store.problems(),
-                          "capabilities": [_row(c, c.name in required) for c in answers]},
+                          "capabilities": [_row(c, c.name in required) for c in answers],
+                          "shape_buckets": _buckets(buckets)},
                          indent=1))
     else:
         _print_table(answers, required, device, version, store)
+        shown = _buckets(buckets)
+        if shown is not None:
+            print(f"shape buckets ({args.manifest}): "
+                  + (f"switching between {len(shown['graphs'])} graphs: "
+                     if shown["switching"] else "") + str(shown["why"]))
     for name in unproven:
         print(f"calfsm: required capability {name} is not proven on {device} runtime "
               f"{version}", file=sys.stderr)

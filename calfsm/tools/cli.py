@@ -105,16 +105,17 @@ def _faults(spec: str, seed: int, sequences: int) -> FaultPlan:
 def _latency(spec: str) -> LatencyModel | None:
     """``virtual`` (None: the driver's own clock), ``real`` or
     ``real:decode_ms=10,prefill_token_us=50,transfer_share=0.3`` (a fixed model on the
-    wall clock)."""
+    wall clock; a static calbin's, ``shape_cost=graph``, unless ``shape_cost=rows``)."""
     from calfsm.drivers.sim import LatencyModel
     if spec == "virtual":
         return None
     kind, _, args = spec.partition(":")
     if kind != "real":
         raise InvalidArgument("must be 'virtual' or 'real[:decode_ms=N,prefill_token_us=N,"
-                              "transfer_share=F,batch_row_share=F]'", stage="cli")
-    return LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=50e-6).with_params(
-        args, stage="cli")
+                              "transfer_share=F,batch_row_share=F,context_token_ns=N,"
+                              "shape_cost=graph|rows]'", stage="cli")
+    return LatencyModel.fixed(decode_s=0.010, prefill_per_token_s=50e-6,
+                              shape_cost="graph").with_params(args, stage="cli")
 
 
 def build_driver(name: str, manifest: Manifest, *, faults: Any, seed: int,
@@ -450,14 +451,19 @@ def _parser() -> argparse.ArgumentParser:
                           "virtual clock, the order the sequences take turns in")
     run.add_argument("--latency", default="virtual",
                      metavar="virtual|real[:decode_ms=N,prefill_token_us=N,"
-                             "transfer_share=F,batch_row_share=F]",
+                             "transfer_share=F,batch_row_share=F,context_token_ns=N,"
+                             "shape_cost=graph|rows]",
                      help="virtual: the driver's own clock (the sim's is virtual and "
                           "never sleeps); real: a fixed latency on the wall clock, each "
                           "value a finite number >= 0 (decode_ms=10, "
                           "prefill_token_us=50 unless given; transfer_share, below 1, "
                           "is the part of each job spent in H2D/D2H, 0 unless given; "
                           "batch_row_share, below 1, what each row past the first adds "
-                          "to a batch decode step, 0 unless given)")
+                          "to a batch decode step, 0 unless given; context_token_ns, "
+                          "what each context token a decode row attends over adds, 0 "
+                          "unless given; shape_cost: graph, a static calbin's step costs "
+                          "its graph's whole batch and context window (the default), or "
+                          "rows, a dynamic-shape device's the rows it carries)")
     run.add_argument("--path", default="streams", choices=PATHS,
                      help="streams: each prompt a generation stream on a sequence of its "
                           "own (open_sequence + generate: the library samples and enqueues "

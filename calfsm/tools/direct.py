@@ -65,9 +65,8 @@ class DirectRunner:
         check(code, "get_all_models")
         resolved = manifest.resolve(models or ())
         self.sets: dict[TaskKind, DirectSet] = {}
-        for sub in manifest.submodels:
-            if sub.kind not in (TaskKind.PREFILL_IDS, TaskKind.DECODE):
-                continue
+        for kind in (TaskKind.PREFILL_IDS, TaskKind.DECODE):
+            sub = manifest.submodel(kind)       # the widest, of shape buckets
             s = DirectSet()
             s.kind = sub.kind
             s.contract = sub

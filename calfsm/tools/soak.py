@@ -67,6 +67,13 @@ from calfsm.manifest import (
     builtin_manifest_names,
     manifest_from_option,
 )
+from calfsm.telemetry.goodput import (
+    GoodputReport,
+    GoodputTally,
+    RequestRecord,
+    format_slos,
+    parse_slos,
+)
 from calfsm.tools.capabilities_cli import EVIDENCE_DIR_HELP
 from calfsm.tools.soak_gates import (
     DEVICE_CATEGORIES,
@@ -82,7 +89,8 @@ from calfsm.tools.soak_gates import (
     rss_trend,
 )
 
-__all__ = ["EXCLUDED_KINDS", "EXIT_FAILED_GATE", "REQUEST_KINDS", "SOAK_KINDS",
+__all__ = ["DEFAULT_SLOS", "EXCLUDED_KINDS", "EXIT_FAILED_GATE", "GOODPUT_KINDS", "REQUEST_KINDS",
+           "SOAK_KINDS",
            "SoakConfig", "SoakExecutor", "SoakResult", "add_parser", "main", "parse_duration",
            "rss_bytes", "run_soak", "soak_plan", "write_report"]
 
@@ -104,6 +112,13 @@ _BAD_KINDS = ("vocab", "empty", "negative", "deadline", "too_long", "params")
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(ms|s|m|h)?\s*$")
 _UNITS = {"ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0, None: 1.0}
 _WINDOW_CAP = 50_000        # latency values kept per sample window
+#: the SLOs the soak's goodput is judged against unless ``--goodput`` says otherwise
+#: (ms on the driver's clock; vLLM's ``--goodput`` form)
+DEFAULT_SLOS = "ttft:500 tpot:100 e2el:5000"
+#: the request kinds counted in the goodput: what a user asked to be answered (a cancel
+#: is the client's own end, a bad request's 400 its expected answer)
+GOODPUT_KINDS = ("stream", "generate")
+_GOODPUT_KEEP = 20_000      # values per figure kept for the whole soak's percentiles
 
 log = logging.getLogger("calfsm.soak")
 
@@ -171,6 +186,8 @@ class SoakConfig:
     executor: ExecutorConfig = attrs.field(factory=lambda: ExecutorConfig(
         execution_timeout_s=1.0))
     device_duration_s: float | None = None
+    #: the SLOs of the report's goodput (parse_slos' form: ``{"ttft": 500.0, ...}``, ms)
+    slos: dict[str, float] = attrs.field(factory=lambda: parse_slos(DEFAULT_SLOS))
 
     def __attrs_post_init__(self) -> None:
         if (self.duration_s is None) == (self.device_duration_s is None):
@@ -206,6 +223,9 @@ class SoakResult:
     clock: str                  # what the latencies are measured in
     device_s: float             # how far the driver's clock moved: the device time covered
     warmup_s: float             # the warm-up the gates used
+    #: latency percentiles, SLO attainment and goodput of the requests of
+    #: :data:`GOODPUT_KINDS`, per second of device time (None: not measured)
+    goodput: GoodputReport | None = None
 
     @property
     def passed(self) -> bool:
@@ -271,12 +291,15 @@ class _Ledger:
     """The requests: each issued once, answered once; the latency window."""
 
     def __init__(self, tally: Tally, lock: threading.Lock,
-                 observer: Callable[[str, Any], None] | None) -> None:
+                 observer: Callable[[str, Any], None] | None,
+                 slos: dict[str, float] | None = None) -> None:
         self.tally = tally
         self.lock = lock
         self.observer = observer
         self._next = 0
         self._open: dict[int, float] = {}       # request id -> wall time issued
+        self._kind: dict[int, str] = {}         # request id -> kind, while open
+        self.goodput = GoodputTally(slos, keep=_GOODPUT_KEEP)
         self._ttft: list[float] = []
         self._tpot: list[float] = []
 
@@ -284,6 +307,7 @@ class _Ledger:
         with self.lock:
             self._next += 1
             self._open[self._next] = time.perf_counter()
+            self._kind[self._next] = kind
             self.tally.issued[kind] += 1
             return self._next
 
@@ -294,6 +318,10 @@ class _Ledger:
                 self.tally.double_answers += 1
                 return
             self.tally.outcomes[outcome] += 1
+            if self._kind.pop(rid, None) in GOODPUT_KINDS:
+                self.goodput.add(RequestRecord.from_result(answer)
+                                 if isinstance(answer, GenerationResult)
+                                 else RequestRecord(ok=False))
             if isinstance(answer, GenerationResult) and len(self._tpot) < _WINDOW_CAP:
                 if answer.ttft_s is not None:
                     self._ttft.append(answer.ttft_s)
@@ -467,7 +495,7 @@ class _Soak:
         self.config = config
         self.ex = ex
         self.tally = tally
-        self.ledger = _Ledger(tally, lock, observer)
+        self.ledger = _Ledger(tally, lock, observer, config.slos)
         self.stop = threading.Event()
         self.crashes = 0
         self.samples: list[Sample] = []
@@ -569,7 +597,8 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
                                 slope_mib_per_h=limits.rss_slope_mib_per_h,
                                 floor_mib=limits.rss_floor_mib),
                       wall, "virtual device time" if driver.clock.virtual else "wall time",
-                      soak.device_elapsed(), limits.warmup_s)
+                      soak.device_elapsed(), limits.warmup_s,
+                      soak.ledger.goodput.report(soak.device_elapsed()))
 
 
 def _hold(soak: _Soak, clients: list[threading.Thread],
@@ -635,7 +664,8 @@ def write_report(result: SoakResult, out: Path, *, config: SoakConfig, about: di
                        if k != "executor"} | {"warmup_s": result.warmup_s,
                                               "sample_s": config.sample_every},
             "gates": [attrs.asdict(g) for g in result.gates],
-            "rss_trend": attrs.asdict(result.trend), "tally": result.tally.to_dict()}
+            "rss_trend": attrs.asdict(result.trend), "tally": result.tally.to_dict(),
+            "goodput": None if result.goodput is None else result.goodput.to_dict()}
     (out / "report.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     (out / "report.md").write_text(_markdown(result, config, about))
     paths = [out / "report.md", out / "report.json", out / "samples.csv"]
@@ -674,6 +704,11 @@ def _markdown(result: SoakResult, config: SoakConfig, about: dict[str, Any]) -> 
              f"| lifecycle at end | {t.final_state} |",
              f"| RSS at start / end | {result.samples[0].rss / 2**20:.1f} / "
              f"{last.rss / 2**20:.1f} MiB |", ""]
+    if result.goodput is not None:
+        lines += [f"## Latency and goodput ({', '.join(GOODPUT_KINDS)} requests; ms and "
+                  f"rates on the {result.clock}, errors and refusals counted as misses)",
+                  "", *result.goodput.markdown(rate_unit="s of device time"
+                                               if result.clock != "wall time" else "s"), ""]
     return "\n".join(lines)
 
 
@@ -764,8 +799,15 @@ def add_parser(sub: Any, formatter_class: type = argparse.HelpFormatter
     p.add_argument("--evidence-dir", default=None, metavar="DIR",
                    help=EVIDENCE_DIR_HELP + "; on a batch manifest it decides whether "
                         "the soak's steps carry several rows")
+    p.add_argument("--goodput", nargs="+", default=[DEFAULT_SLOS], metavar="KEY:MS",
+                   help="the SLOs of the report's goodput, vLLM's form: ttft, tpot, e2el "
+                        f"in ms of the driver's clock (default {DEFAULT_SLOS})")
     p.add_argument("--out", default="soak-out", metavar="DIR",
                    help="directory for report.md, report.json, samples.csv, soak-*.png")
+    p.add_argument("--shape-cost", default="graph", choices=("graph", "rows"),
+                   help="sim: what a step costs: graph, a static calbin's (its graph's "
+                        "whole batch, padded rows included; the default), or rows, a "
+                        "dynamic-shape device's (the rows it carries); both are models")
     p.add_argument("--no-plots", action="store_true", help="write no PNGs")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -792,9 +834,19 @@ def _config(args: argparse.Namespace) -> SoakConfig:
         max_tokens=args.max_tokens, max_prompt=args.max_prompt, warmup_s=warmup,
         sample_s=None if args.sample_every is None else parse_duration(args.sample_every),
         stuck_s=parse_duration(args.stuck), rss_slope_mib_per_h=args.rss_slope,
-        rss_floor_mib=args.rss_floor,
+        rss_floor_mib=args.rss_floor, slos=parse_slos(args.goodput),
         executor=ExecutorConfig(execution_timeout_s=parse_duration(args.execution_timeout),
                                 evidence_dir=args.evidence_dir))
+
+
+def _latency_of(args: argparse.Namespace) -> dict[str, Any]:
+    """The simulated device's plausible figures priced as ``--shape-cost`` says (a static
+    calbin's by default); other drivers keep their own latency."""
+    if args.driver != "sim":
+        return {}
+    from calfsm.drivers.sim import LatencyModel
+    return {"latency": attrs.evolve(LatencyModel.virtual_default(),
+                                    shape_cost=args.shape_cost)}
 
 
 def _kinds(text: str) -> tuple[str, ...]:
@@ -819,7 +871,7 @@ def main(args: argparse.Namespace) -> int:
         plan = soak_plan(args.faults, args.seed, config.clients, rate=args.fault_rate,
                          kinds=kinds)
         driver = load_driver(args.driver, manifest_or_calbin=manifest, seed=args.seed,
-                             faults=plan, trace=False)
+                             faults=plan, trace=False, **_latency_of(args))
         if not args.no_plots:
             from calfsm.tools.soak_plots import pyplot
             pyplot()                    # fail now, not after the soak, without matplotlib
@@ -883,4 +935,9 @@ def _print(result: SoakResult, paths: list[Path]) -> None:
     console.print(table)
     console.print(f"device time covered: {_span(result.device_s)} ({result.clock}) in "
                   f"{_span(result.wall_s)} of wall time")
+    if result.goodput is not None:
+        g = result.goodput
+        unit = "s of device time" if result.clock != "wall time" else "s"
+        console.print(f"goodput ({format_slos(g.slos)}): {g.goodput_rps:.2f} req/{unit}, "
+                      f"{g.attainment['all']:.1%} of {g.requests} requests met every SLO")
     console.print("wrote " + ", ".join(str(p) for p in paths))

@@ -52,7 +52,9 @@ from calfsm.drivers.base import Calbin, EngineSlot, JobTag, OutputStatus
 from calfsm.drivers.sim import LatencyModel
 from calfsm.errors import CalfsmError, InvalidArgument, code_name
 from calfsm.manifest import (
+    GraphKey,
     Manifest,
+    SubmodelContract,
     TaskKind,
     manifest_from_option,
 )
@@ -80,7 +82,8 @@ _DEFAULT_LATENCY = "virtual"
 def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
     """``virtual|real[:decode_ms=N,prefill_token_us=N,transfer_share=S]`` -> (real time?,
     the latency model). The base is the simulated device's plausible figures (16 GB/s
-    DMA, 0.2 ms per prefill token, 10 ms per decode); ``transfer_share`` (in [0, 1))
+    DMA, 0.2 ms per prefill token, 10 ms per decode) on a static calbin
+    (``shape_cost=graph`` unless ``shape_cost=rows``); ``transfer_share`` (in [0, 1))
     re-divides each job's time so that this share of it is transfers, half H2D and half
     D2H, its total unchanged (:class:`~calfsm.drivers.sim.LatencyModel`)."""
     kind, _, args = spec.partition(":")
@@ -89,7 +92,8 @@ def parse_latency(spec: str) -> tuple[bool, LatencyModel]:
                               "followed by :decode_ms=N,prefill_token_us=N,transfer_share=S",
                               stage="runner")
     try:
-        model = LatencyModel.virtual_default().with_params(args, stage="runner")
+        model = attrs.evolve(LatencyModel.virtual_default(),
+                             shape_cost="graph").with_params(args, stage="runner")
     except InvalidArgument as e:
         raise InvalidArgument(f"--latency: {e.message}", stage="runner") from None
     return kind == "real", model
@@ -263,6 +267,8 @@ class Bench:
         self.calbin = Calbin.from_manifest(manifest)
         self.chain = Chain()
         self.models: dict[TaskKind, Any] = {}
+        #: every graph's handle by its key (shape buckets; the widest are ``models``)
+        self.graph_models: dict[GraphKey, Any] = {}
 
     def configure(self) -> int:
         """Configure the calbin and look the models up; the CalRT code."""
@@ -280,6 +286,12 @@ class Bench:
             if rc:
                 return int(rc)
             self.models[kind] = handle
+        self.graph_models = {}
+        for sub in self.manifest.submodels:
+            rc, handle = d.model(sub.exact_name)
+            if rc:
+                return int(rc)
+            self.graph_models[sub.key] = handle
         return 0
 
     def ensure_configured(self) -> tuple[bool, int]:
@@ -294,13 +306,16 @@ class Bench:
         """Let device time pass (virtual clock: advanced; real: slept), bounded."""
         self.driver.clock.sleep(min(max(seconds, 0.01), 5.0))
 
-    def slot(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO) -> Slot:
-        """New buffers for ``kind`` on ``engine``, every tensor mapped; raises the
-        classified error if the device refuses (a runner cannot go on without them)."""
+    def slot(self, kind: TaskKind, engine: EngineSlot = EngineSlot.AUTO,
+             graph: SubmodelContract | None = None) -> Slot:
+        """New buffers for ``kind`` on ``engine`` (of ``graph``, one of its shape buckets;
+        None: the kind's widest graph), every tensor mapped; raises the classified error
+        if the device refuses (a runner cannot go on without them)."""
         from calfsm.errors import check
         d = self.driver
-        sub = next(s for s in self.manifest.submodels if s.kind is kind)
-        rc, bufs = d.create_buffers(self.models[kind], engine)
+        sub = self.manifest.submodel(kind) if graph is None else graph
+        model = self.models[kind] if graph is None else self.graph_models[graph.key]
+        rc, bufs = d.create_buffers(model, engine)
         check(rc, "create_buffers")
         inp, out = bufs  # type: ignore[misc]
         tok = np.zeros(sub.token_or_embed.shape, sub.token_or_embed.dtype.host_dtype)
@@ -309,7 +324,7 @@ class Bench:
         check(d.map_buffer(inp, sub.token_or_embed.name, tok), "map_buffer")
         check(d.map_buffer(inp, sub.position.name, pos), "map_buffer")
         check(d.map_buffer(out, sub.logits.name, logits), "map_buffer")
-        return Slot(self, kind, EngineSlot(engine), self.models[kind], inp, out,
+        return Slot(self, kind, EngineSlot(engine), model, inp, out,
                     tok.reshape(-1), pos.reshape(-1), logits.reshape(-1),
                     sub.token_or_embed.name, sub.position.name,
                     (sub.csr_cur_seq, sub.csr_total_seq), sub.vocab, sub.rows)
@@ -337,7 +352,7 @@ class Bench:
 
     def prompt(self, seq: int, n: int, offset: int = 0) -> list[int]:
         """A deterministic prompt of ``n`` tokens for ``seq``."""
-        vocab = next(s.vocab for s in self.manifest.submodels if s.kind is TaskKind.DECODE)
+        vocab = self.manifest.submodel(TaskKind.DECODE).vocab
         return [(seq * 7919 + offset * 104729 + i * 31 + 1) % vocab for i in range(n)]
 
     def probe_word(self, dec: Slot, seq: int, pos: int, candidates: dict[str, int]
@@ -366,7 +381,7 @@ def golden(driver: Driver, manifest: Manifest, *, prompts: int = 3, tokens: int 
            seq_base: int = 900, timeout_s: float = 30.0) -> dict[str, Any]:
     """A few fixed prompts through the direct path (the device must be configured),
     compared token for token with the reference model: ``{"passed": bool, ...}``."""
-    decode = next(s for s in manifest.submodels if s.kind is TaskKind.DECODE)
+    decode = manifest.submodel(TaskKind.DECODE)
     runner = None
     try:
         runner = DirectRunner(driver, manifest, timeout_s=timeout_s, configure=False)
@@ -458,11 +473,13 @@ def write_evidence(out: Path, stem: str, evidence: Evidence, summary: Sequence[s
 def run_runner(name: str, description: str, observe: Callable[[RunContext], Outcome],
                argv: Sequence[str] | None = None,
                add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, *,
-               driver: Driver | None = None) -> int:
+               driver: Driver | None = None, per_calbin: bool = False) -> int:
     """A runner's ``main``: options, driver, ``observe``, evidence. Returns the exit
     status (see the module docstring). ``driver``: ask this driver (unconfigured; it is
     closed at the end) instead of building one from ``--driver`` and ``--latency`` —
-    for a device that needs options the command line does not have."""
+    for a device that needs options the command line does not have. ``per_calbin``: the
+    evidence is about the calbin too (the step costs), so its file names the manifest
+    (one file per calbin on one device, none replacing another's)."""
     parser = runner_parser(name, description)
     if add_arguments is not None:
         add_arguments(parser)
@@ -485,7 +502,9 @@ def run_runner(name: str, description: str, observe: Callable[[RunContext], Outc
     try:
         device = args.device_id or device_identity(driver)
         version = driver.version()
-        stem = f"{name}-{_slug(device)}-{_slug(version)}"
+        calbin = f"-{_slug(manifest.name or manifest.calbin_sha256[:12])}" if per_calbin \
+            else ""
+        stem = f"{name}-{_slug(device)}{calbin}-{_slug(version)}"
         bench = Bench(driver, manifest, timeout_s=args.timeout_s)
         ctx = RunContext(args, driver, manifest, bench, out, stem)
         clock = "virtual" if getattr(driver.clock, "virtual", False) else "real"

@@ -28,6 +28,12 @@ evidence about this device's batch graphs. With raw protocol calls only it obser
    (the kinds that keep KV: CCU, configuration). Then every KV word F would have written
    is probed for every row, and each row's last prompt word.
 
+On a calbin whose prefill graph carries one row (shape buckets: ``tiny-buckets``,
+``qwen3-buckets``, whose decode graphs go up to 64 rows; the executor never batches a
+prefill) the prefills of 2 and 3 run one row per job and the batch jobs are the decodes,
+and F of 4 is one decode token per row; everything else is asked of the widest decode
+graph as above.
+
 Answers ``batch_rows_independent``, ``batch_mixed_rows`` and
 ``batch_kv_no_partial_update``; the observation ``max_rows`` is the real maximum. A
 driver without the batch calls (``set_batch_rows``, ``row_status``, ``row=``) answers
@@ -155,6 +161,9 @@ class Rows:
         """Rows, then each row's tokens, positions, CSRs, sequence and KV; ``("", 0)`` or
         the first call that failed and its code."""
         d, inp = self.bench.driver, self.slot.inp
+        if self.batch == 1:     # a one-row graph (a bucket calbin's prefill): sliced
+            row = rows[0]
+            return self.slot.program(row.seq, row.tokens, row.start, total=row.total)
         rc = int(d.set_batch_rows(inp, len(rows)))  # type: ignore[attr-defined]
         if rc:
             return "set_batch_rows", rc
@@ -391,6 +400,21 @@ def max_rows(ctx: RunContext, batch: int) -> dict[str, Any]:
 # 2. row independence
 
 
+def prefill_rows(b: Bench) -> bool:
+    """Whether the prefill graph carries several rows (else prefills go one per job)."""
+    return b.manifest.submodel(TaskKind.PREFILL_IDS).batched
+
+
+def run_prefills(pre: Rows, alone: Rows, rows: Sequence[Row], where: str,
+                 problems: Problems) -> None:
+    """Prefill ``rows`` one per job on a one-row prefill graph (and each twin alone),
+    each compared as a batch row is."""
+    for row in rows:
+        job = run(pre, [row])
+        twin = run(alone, [attrs.evolve(row, seq=row.seq + TWIN)])
+        compare(f"{where} (one row per job)", job, [twin], [row], problems)
+
+
 def row_counts(most: int) -> list[int]:
     """Several row counts up to ``most``: 2, 3, about half, all."""
     return sorted({c for c in (2, 3, (most + 1) // 2, most) if 2 <= c <= most})
@@ -414,6 +438,10 @@ def independence(ctx: RunContext, most: int, steps: int) -> dict[str, Any]:
                                row.end) for r, row in enumerate(current)]
             # the rows move between row slots each step: the KV follows the sequence
             order = [current[(i + step) % k] for i in range(k)]
+            if step == 0 and not prefill_rows(b):
+                run_prefills(pre, alone_pre, order, f"{k} rows, step 0", problems)
+                jobs += 2 * k
+                continue
             buf, alone = (pre, alone_pre) if step == 0 else (dec, alone_dec)
             batch = run(buf, order)
             twin = [run(alone, [attrs.evolve(row, seq=row.seq + TWIN)]) for row in order]
@@ -462,10 +490,13 @@ def mixed(ctx: RunContext, most: int) -> dict[str, Any]:
         rows = [Row(s, b.prompt(s, n, offset=1), p)
                 for s, (p, n) in zip(seqs, pats, strict=True)]
         obs["prefill"] = {"lengths": [len(r.tokens) for r in rows],
-                          "starts": [r.start for r in rows]}
-        batch = run(pre, rows)
-        twin = [run(alone_pre, [attrs.evolve(r, seq=r.seq + TWIN)]) for r in rows]
-        compare("mixed prefill", batch, twin, rows, problems)
+                          "starts": [r.start for r in rows], "batched": prefill_rows(b)}
+        if prefill_rows(b):
+            batch = run(pre, rows)
+            twin = [run(alone_pre, [attrs.evolve(r, seq=r.seq + TWIN)]) for r in rows]
+            compare("mixed prefill", batch, twin, rows, problems)
+        else:
+            run_prefills(pre, alone_pre, rows, "mixed prefill", problems)
         rows = [Row(r.seq, [(11 * i + 5) % dec.vocab], r.end) for i, r in enumerate(rows)]
         obs["decode"] = {"positions": [r.start for r in rows]}
         batch = run(dec, rows)
@@ -507,11 +538,15 @@ def failure(ctx: RunContext, name: str, index: int, k: int) -> dict[str, Any]:
     alone.destroy()
     rejected = name == "row_rejected"
     bad = k // 2 if rejected else None       # the row the device must reject
-    rows = [Row(seq, b.prompt(seq, CONTINUATION, offset=1), n,
-                total=n + CONTINUATION + 1 if r == bad else None)
+    # F: a prefill continuation of CONTINUATION tokens per row, or one decode token
+    # where the prefill graph carries one row
+    cont, f_kind = (CONTINUATION, TaskKind.PREFILL_IDS) if prefill_rows(b) \
+        else (1, TaskKind.DECODE)
+    rows = [Row(seq, b.prompt(seq, cont, offset=1), n,
+                total=n + cont + 1 if r == bad else None)
             for r, (seq, n) in enumerate(zip(seqs, prompts, strict=True))]
     obs["rejected_row"] = bad
-    f = Rows(b, TaskKind.PREFILL_IDS)
+    f = Rows(b, f_kind)
     call, rc = start(f, rows)
     obs["submit"] = f"{call}: {_name(rc)}" if rc else "SUCCESS"
     if rc:
@@ -554,7 +589,7 @@ def failure(ctx: RunContext, name: str, index: int, k: int) -> dict[str, Any]:
         written = b.chain.hashes(row.seq, row.tokens, row.start)
         words = {row.start + i: probe(dec, row.seq, row.start + i,
                                       {"written": written[i], "unwritten": 0})[0]
-                 for i in reversed(range(CONTINUATION))}
+                 for i in reversed(range(cont))}
         prefix = probe(dec, row.seq, row.start - 1,
                        {"intact": b.chain.word(row.seq, row.start - 1), "unwritten": 0})[0]
         outcome = _kv_outcome(set(words.values()))
@@ -639,7 +674,8 @@ def decide(obs: dict[str, Any]) -> tuple[dict[str, Verdict], bool]:
         mixed_v = Verdict(False, f"{mp.count} problem(s) with {mix['rows']} mixed rows: "
                                  f"{mp.first()}")
     else:
-        mixed_v = Verdict(True, f"one prefill of {mix['rows']} rows, lengths "
+        how = "one prefill" if mix["prefill"].get("batched", True) else "prefills"
+        mixed_v = Verdict(True, f"{how} of {mix['rows']} rows, lengths "
                                 f"{mix['prefill']['lengths']} at starts "
                                 f"{mix['prefill']['starts']}, and one decode at positions "
                                 f"{mix['decode']['positions']}: every row bit-exact with "

@@ -180,8 +180,9 @@ BAD: dict[str, tuple[Callable[[dict], None], tuple[str, ...]]] = {
         ("submodels[0].logits.shape", "16 rows", "logits_tile_d0 is 8")),
     "duplicate exact names": (setter("submodels", 1, "exact_name", value=PREFILL),
                               ("submodels[1].exact_name", repr(PREFILL), "not unique")),
-    "two sub-models of one kind": (setter("submodels", 1, "kind", value="prefill_ids"),
-                                   ("submodels: 2 sub-models of kind prefill_ids",)),
+    "two sub-models of one key": (setter("submodels", 1, "kind", value="prefill_ids"),
+                                  ("submodels: 2 sub-models keyed (prefill_ids, max_batch 1, "
+                                   "max_seq 40960)",)),
     "empty submodels": (setter("submodels", value=[]), ("submodels: empty",)),
     "empty decode logits shape": (setter("submodels", 1, "logits", "shape", value=[]),
                                   ("submodels[1].logits.shape: empty",)),
@@ -339,7 +340,8 @@ def test_embedding_prefill_rows_pass_the_position_check() -> None:
 
 
 def test_builtin_manifest_names() -> None:
-    assert builtin_manifest_names() == ("qwen3-b1", "tiny", "qwen3-b8", "tiny-b8")
+    assert builtin_manifest_names() == ("qwen3-b1", "tiny", "qwen3-b8", "tiny-b8",
+                                        "qwen3-buckets", "tiny-buckets")
     for name in builtin_manifest_names():
         assert builtin_manifest(name).name == name
 

@@ -71,6 +71,7 @@ from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind, builtin_manifest
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.tools.direct import DirectRunner
+from tests.helpers.buckets import write_step_costs
 from tests.helpers.executor import (
     TINY,
     make_executor,
@@ -80,6 +81,7 @@ from tests.helpers.executor import (
 )
 
 B8 = builtin_manifest("tiny-b8")
+BUCKETS = builtin_manifest("tiny-buckets")
 #: chained reservations checked (see test_the_model_check_sees_chained_reservations)
 CHAINS_SEEN = [0]
 SEQS = 3                                   #: the executor's max_sequences
@@ -189,11 +191,12 @@ class StreamMachine(RuleBasedStateMachine):
 
     @initialize(fault_seed=st.integers(0, 10_000), sched_seed=st.integers(0, 10_000),
                 rate=st.sampled_from([0.02, 0.05, 0.15]), inflight=st.sampled_from([1, 2]),
-                rows=st.sampled_from([1, 2, SEQS]))
+                rows=st.sampled_from([1, 2, SEQS]), buckets=st.booleans())
     def start(self, fault_seed: int, sched_seed: int, rate: float, inflight: int,
-              rows: int) -> None:
-        # rows > 1: the batch calbin, its steps batched up to ``rows`` per device job
-        manifest = B8 if rows > 1 else TINY
+              rows: int, buckets: bool = False) -> None:
+        # rows > 1: the batch calbin, its steps batched up to ``rows`` per device job;
+        # buckets: the shape-bucket calbin, each step on the graph its evidence chooses
+        manifest = (BUCKETS if buckets else B8) if rows > 1 else TINY
         kinds = BATCH_SWARM_KINDS if rows > 1 else None
         plan = FaultPlan.swarm(fault_seed, rate=rate, kinds=kinds).targeting(
             range(SEQS), fault_seed)
@@ -201,6 +204,8 @@ class StreamMachine(RuleBasedStateMachine):
         two = two_in_flight(EVIDENCE.name, self.driver) if inflight == 2 else {}
         if rows > 1:
             write_batch_evidence(Path(EVIDENCE.name), self.driver)
+            if buckets:
+                write_step_costs(Path(EVIDENCE.name), self.driver)
             two = {**two, "evidence_dir": EVIDENCE.name, "max_batch": rows}
         self.rows = rows
         self.loop = asyncio.new_event_loop()
@@ -548,6 +553,9 @@ class StreamMachine(RuleBasedStateMachine):
             assert len({r.seq_id for r in rows}) == len(rows), rows
             assert all(r.batch is rows for r in rows)
             assert not rows[0].rides and all(r.rides for r in rows[1:])
+            lead = rows[0].lease
+            if lead is not None and lead.valid:   # the graph it runs on covers its rows
+                assert len(rows) <= lead.slot.contract.max_batch, (rows, lead.slot)
             for r in rows[1:]:
                 assert r.lease is None or not r.lease.on_device, r
             if job.state == "Submitted":

@@ -360,3 +360,16 @@ def test_evidence_without_max_rows_proves_no_row_count(proven, tmp_path: Path) -
     assert plan.max_rows == 1
     assert f"{proven[2].name} proves the batch capabilities but records no 'max_rows'" \
         in plan.note
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("driver", ["sim", "calrt"])
+def test_a_bucket_calbin_proves_batching_up_to_its_widest_decode_graph(mod, tmp_path, driver):
+    """tiny-buckets: one-row prefills, decode graphs up to 64 rows (issue 36). The
+    prefills go one per job, the batch jobs are the decodes, F one decode token a row."""
+    rc = mod.main(["--manifest", "tiny-buckets", "--driver", driver, "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("batch_semantics-*-0.7.6.json")
+    ev = Evidence.load(path)
+    assert rc == 0 and ev.complete and holds(ev) == ALL_HOLD, ev.verdicts
+    assert ev.observations["max_rows"] == 64
+    assert ev.verdicts["batch_mixed_rows"].reason.startswith("prefills of 64 rows")

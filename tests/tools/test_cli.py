@@ -102,6 +102,22 @@ def test_latency_transfer_share_reaches_the_device_and_stays_below_one(capsys):
     assert_usage_error(rc, out, err, "--latency real:transfer_share=1: ", "transfer_share")
 
 
+def test_real_latency_models_a_static_calbin_unless_told_rows(capsys):
+    # issue 36: a static calbin computes its graph's whole shape, so the command line's
+    # real device prices steps by the graph unless shape_cost=rows says otherwise
+    from calfsm.tools.cli import build_driver
+    for spec, cost in (("real:decode_ms=5", "graph"), ("real:shape_cost=rows", "rows"),
+                       ("real:shape_cost=graph,context_token_ns=20", "graph")):
+        with build_driver("sim", builtin_manifest("tiny"), faults=None, seed=0,
+                          latency=spec) as d:
+            assert d.latency.shape_cost == cost
+    with build_driver("sim", builtin_manifest("tiny"), faults=None, seed=0,
+                      latency="real:context_token_ns=20") as d:
+        assert d.latency.context_token_s == pytest.approx(20e-9)
+    rc, out, err = run(capsys, *SMALL, "--latency", "real:shape_cost=dynamic")
+    assert_usage_error(rc, out, err, "--latency real:shape_cost=dynamic: ", "rows, graph")
+
+
 @pytest.mark.parametrize("driver", ["sim", "calrt"])
 def test_a_fault_code_beyond_int32_is_refused_at_load(capsys, tmp_path, driver):
     """The cffi driver cannot carry a code above 2**31-1 (it raised OverflowError):
@@ -151,7 +167,8 @@ def test_a_name_neither_builtin_nor_a_file(capsys, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     rc, out, err = run(capsys, *SMALL[2:], "--manifest", "qwen3")
     assert_usage_error(rc, out, err, "--manifest qwen3: not a built-in manifest "
-                       "(qwen3-b1, tiny, qwen3-b8, tiny-b8) and not a file")
+                       "(qwen3-b1, tiny, qwen3-b8, tiny-b8, qwen3-buckets, tiny-buckets) "
+                       "and not a file")
 
 
 # ---- --help ----------------------------------------------------------------------------

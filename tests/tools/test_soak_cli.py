@@ -79,6 +79,15 @@ def test_short_soak_passes_its_gates_and_writes_report_and_plots(tmp_path, caplo
         k.startswith("refused:request") for k in tally["outcomes"])
     md = (out / "report.md").read_text()
     assert "# calfsm soak: PASS" in md and "- device time covered: " in md
+    # latency and goodput (issue 38): every stream and generate request, answered or not
+    gp = report["goodput"]
+    assert gp["requests"] == tally["issued"]["stream"] + tally["issued"]["generate"]
+    assert 0 < gp["good"] <= gp["requests"] - gp["errors"]
+    assert gp["goodput_rps"] == pytest.approx(gp["good"] / report["device_s"], rel=1e-6)
+    assert gp["slos"] == {"ttft": 500.0, "tpot": 100.0, "e2el": 5000.0}
+    assert all(gp["percentiles"][m]["p99"] >= gp["percentiles"][m]["p50"] > 0
+               for m in ("ttft", "tpot", "itl", "e2el"))
+    assert "## Latency and goodput" in md and "**goodput " in md
     # the device time it covered, on the virtual clock far more than the wall time
     assert report["device_s"] > 5 * report["wall_s"] > 0
     assert 0 < tally["device_busy_s"] <= report["device_s"]   # one job in flight at a time
@@ -447,6 +456,8 @@ def test_swarm_plan_is_seeded_never_empty_and_aimed_at_the_clients():
     (["--device-duration", "0h"], "duration"),
     (["--rss-slope", "-1"], "--rss-slope"),
     (["--rss-floor", "inf"], "--rss-floor"),
+    (["--goodput", "ttft:200", "itl:5"], "not an SLO"),
+    (["--goodput", "ttft:0"], "SLO ttft"),
 ])
 def test_usage_errors_exit_2_with_one_line(argv, message, capsys, tmp_path):
     assert main(["soak", *argv, "--out", str(tmp_path), "--quiet"]) == 2

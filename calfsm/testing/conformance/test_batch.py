@@ -620,6 +620,43 @@ def test_a_decode_step_of_rows_costs_a_share_per_row(make_driver) -> None:
     _finish_after_submit(d, dec, [Row(0, [1], 2)], 0.01)
 
 
+def test_a_static_graph_prices_a_decode_step_by_its_whole_batch(make_driver) -> None:
+    # shape_cost="graph": a static calbin computes all B rows whatever is in them, so a
+    # step of one row costs what a step of B rows costs (docs/driver-protocol.md, Timing)
+    lat = LatencyModel.fixed(decode_s=0.01, batch_row_share=0.05, shape_cost="graph")
+    d = _dev(make_driver, latency=lat)
+    if not d.clock.virtual:
+        pytest.skip("device time is measured, not modelled, on a real device")
+    dec = _bufs(d, BATCH, TaskKind.DECODE)
+    _finish_after_submit(d, dec, [Row(0, [1], 0)], 0.0115)
+    _finish_after_submit(d, dec, [Row(s, [1], 1) for s in range(4)], 0.0115)
+
+
+def test_a_decode_row_pays_its_context_or_the_graphs_window(make_driver) -> None:
+    # context_token_s: rows pay their own total_seq; a static graph pays its whole
+    # context window (the configuration's max_seq, S) for every one of its B rows
+    per = 1e-5
+    rows = [Row(0, [1], 9), Row(1, [1], 3)]        # total_seq 10 and 4
+    for cost, expected in (("rows", 0.01 + per * 14), ("graph", 0.01 + per * B * S)):
+        d = _dev(make_driver, latency=LatencyModel.fixed(decode_s=0.01, context_token_s=per,
+                                                         shape_cost=cost))
+        if not d.clock.virtual:
+            pytest.skip("device time is measured, not modelled, on a real device")
+        dec = _bufs(d, BATCH, TaskKind.DECODE)
+        _finish_after_submit(d, dec, rows, expected)
+        d.close()
+
+
+def test_a_static_graph_prefill_pads_every_row_to_the_longest(make_driver) -> None:
+    lat = LatencyModel.fixed(decode_s=0.01, prefill_per_token_s=1e-3, shape_cost="graph")
+    d = _dev(make_driver, latency=lat)
+    if not d.clock.virtual:
+        pytest.skip("device time is measured, not modelled, on a real device")
+    pre = _bufs(d, BATCH, TaskKind.PREFILL_IDS)
+    _finish_after_submit(d, pre, [Row(1, list(range(3))), Row(2, list(range(20)))],
+                         B * 20 * 1e-3)
+
+
 def test_a_batch_prefill_costs_the_tokens_of_its_rows(make_driver) -> None:
     lat = LatencyModel.fixed(decode_s=0.01, prefill_per_token_s=1e-3, h2d_s_per_byte=1e-6,
                              d2h_s_per_byte=1e-7, batch_row_share=0.5)
