@@ -31,6 +31,7 @@ from calfsm.engine.readback import (
     row_failure,
 )
 from calfsm.engine.submission import Submission
+from calfsm.engine.tail import tail_rows
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -226,6 +227,9 @@ class Completion:
             if early:
                 self._continue(row, result, later)
         let_go()
+        tail_ms = (core.clock.now() - waited) * 1e3
+        for row in rows:
+            row.timings.tail_ms = tail_ms
         for fn in later:
             self._defer(fn)
         decided = False
@@ -257,17 +261,26 @@ class Completion:
 
         if judged(job_ctx(leader, None)) is not None:    # the job failed: every row, once
             return [judged(job_ctx(row, None)) for row in rows]
-        results: list[Any] = []
+        results: list[Any] = [None] * len(rows)
+        ok = []
         for r, row in enumerate(rows):
             if ends[r] != OutputStatus.DONE_OK:
-                results.append(row_failure(ends[r], r, job_ctx(row, None)))
+                results[r] = row_failure(ends[r], r, job_ctx(row, None))
+            else:
+                ok.append(r)
+        tailed = tail_rows(leader.lease.slot.logits_bf16, reading, contract,
+                           [(r * contract.rows * contract.vocab, rows[r]) for r in ok])
+        for r, done in zip(ok, tailed, strict=True):
+            row = rows[r]
+            if done is not None:
+                results[r] = done
                 continue
             try:
-                results.append(convert_row(reading, row_logits(leader, r), contract,
-                                           row.token_count, row.request.target,
-                                           job_ctx(row, None)))
+                results[r] = convert_row(reading, row_logits(leader, r), contract,
+                                         row.token_count, row.request.target,
+                                         job_ctx(row, None))
             except CalfsmError as e:
-                results.append(e)
+                results[r] = e
         return results
 
     def _execution_timeout_rows(self, rows: list[JobContext]) -> None:
@@ -308,8 +321,14 @@ class Completion:
             if rc != 0:
                 raise from_calrt(rc, "wait", **job_ctx(job, None))
             t2 = core.clock.now()
-            logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
-                                  job.request.target, job_ctx(job, None))
+            logits = None
+            if job.tail is not None:    # a stream's step: its token in the same call
+                check_job(reading, contract, job_ctx(job, None))
+                if reading[3] is None or reading[3] == OutputStatus.DONE_OK:
+                    logits = tail_rows(slot.logits_bf16, reading, contract, [(0, job)])[0]
+            if logits is None:
+                logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
+                                      job.request.target, job_ctx(job, None))
             job.timings.d2h_ms = (core.clock.now() - t2) * 1e3
         except CalfsmError as e:
             self._completion_failed(job, e)
@@ -335,6 +354,7 @@ class Completion:
         early = kv.prev_len <= kv.target_len
         if early and not continued:
             self._continue(job, logits)
+            job.timings.tail_ms = (core.clock.now() - waited) * 1e3
         try:
             job.epoch.kv.commit(kv)
         except CalfsmError as e:

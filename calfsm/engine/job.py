@@ -52,6 +52,10 @@ class JobTimings:
     d2h_ms: float = 0.0
     postprocess_ms: float = 0.0
     released: float = 0.0
+    #: the host's critical tail of the job's step: from its wait's return until the next
+    #: steps its continuations decided were handed to the submitter (a batch's whole,
+    #: the same in each of its rows): what the device waits for between two steps
+    tail_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
@@ -117,6 +121,14 @@ class JobContext:
     #: a :class:`Successor` it returns is run by the core itself (the step after it
     #: reaches the submitter first), so nothing on the way back climbs out of the core
     continuation: Callable[[JobContext, np.ndarray], Successor | None] | None = None
+    #: the continuation's row of the native tail (calfsm/engine/tail.py), asked for
+    #: once the job's output is judged, before its rows are converted: the token is then
+    #: chosen in the same native call as the conversion. None (or returning None): the
+    #: continuation chooses in Python
+    tail: Callable[[JobContext], Any] | None = None
+    #: the :class:`~calfsm.engine.tail.TailRow` the tail ran for this job (its token is
+    #: the continuation's to take), from the conversion until the continuation took it
+    tailed: Any = None
     #: called once a parked job is queued for the device, by a caller that blocks until
     #: its job is admitted (:func:`calfsm.runtime.waits.wait_admitted`)
     on_admitted: Callable[[], None] | None = None

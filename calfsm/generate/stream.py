@@ -40,6 +40,7 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import operator
@@ -139,6 +140,22 @@ class Keeper(Protocol):
     def keep(self, sequence: StreamSequence, tokens: tuple[int, ...]) -> None: ...
 
 
+def _tail_row(stream: Stream, job: JobContext) -> Any:
+    """The stream's sampler's row of the completion's native tail for ``job``'s token
+    (calfsm/engine/tail.py), or None: :meth:`Stream._decide` samples. Not for a replay
+    (it draws nothing) nor a cancelled stream."""
+    if stream._cancelled or stream._flow.replay_check is not None:
+        return None
+    row = stream._tail
+    if row is not None:
+        return row
+    sampler = stream._sampler
+    if sampler.uses_tokens:
+        return sampler.tail_row(TokenHistory(stream.prompt, stream._tokens))
+    row = stream._tail = sampler.tail_row()     # the same every step: asked for once
+    return row
+
+
 class Stream:
     """Tokens of one generation: a sync and an async iterator of :class:`TokenEvent`,
     ``cancel()``, and ``result()`` / ``await stream.final()``. ``request_id`` names it
@@ -154,6 +171,10 @@ class Stream:
     ``priority`` (:attr:`calfsm.request.Request.priority`) is every step's: the prefill,
     each decode and a replay wait for admission at the stream's priority, each aged from
     its own acceptance (docs/architecture.md, Admission)."""
+
+    #: the sampler's row of the native tail, when it reads no tokens (else asked for at
+    #: every step: :func:`_tail_row`)
+    _tail: Any = None
 
     def __init__(self, sequence: StreamSequence, prompt: Seq[int] | str,
                  params: SamplingParams | None, *,
@@ -394,6 +415,8 @@ class Stream:
         stream's continuation and its end is the stream's. Whether the step after it
         is worth preparing ahead."""
         handle.context.continuation = self._continue
+        if self._sampler.tail_capable:  # its token in the completion's native call
+            handle.context.tail = functools.partial(_tail_row, self)
         with self._lock:
             self._flow.handed_on(handle, request)
             cancelled = self._cancelled
@@ -423,8 +446,9 @@ class Stream:
         go the ordinary way) happens in :meth:`_step_done`."""
         successor = None
         try:
+            tailed, job.tailed = job.tailed, None
             outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
-                                   chain=job.handle)
+                                   chain=job.handle, tailed=tailed)
         except Exception as e:          # a bug: the stream ends, nobody is left waiting
             outcome = (FinishReason.ERROR, self._bug(e), None)
         if isinstance(outcome[2], Successor):
@@ -439,6 +463,7 @@ class Stream:
         # continuation is set once the job exists, so only this callback, which runs for
         # every end, even one before the continuation was set, can clear it every time
         handle.context.continuation = None
+        handle.context.tail = None
         try:
             with self._lock:
                 # only this job's own decision: a step that ended first (its successor,
@@ -453,8 +478,10 @@ class Stream:
                 return
             if outcome is None:         # no continuation ran: decide here
                 job = handle.context
+                tailed, job.tailed = job.tailed, None
                 outcome = self._decide(handle.result(0).logits, job.timings,
-                                       job.past_len + job.token_count, chain=None)
+                                       job.past_len + job.token_count, chain=None,
+                                       tailed=tailed)
             self._deliver(outcome)
         except Exception as e:          # a bug must not leave the consumer waiting
             self._finish(FinishReason.ERROR, self._bug(e))
@@ -468,7 +495,7 @@ class Stream:
             seq_id=self.sequence.seq_id, stage="stream")
 
     def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
-                chain: JobHandle | None) -> _Outcome:
+                chain: JobHandle | None, tailed: Any = None) -> _Outcome:
         """A step's logits are in: sample, record the token (not yet woken), and decide
         how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
         to run the ordinary way (its request and the step prepared for it). ``chain``:
@@ -485,6 +512,8 @@ class Stream:
             # on as if no fault had happened; greedy checks the replay instead
             if want is not None and not self.params.greedy:
                 token = want
+            elif tailed is not None and (chosen := self._sampler.tail_token(tailed)) is not None:
+                token = chosen              # the native tail chose (calfsm/engine/tail.py)
             elif self._sampler.plain:         # no processors, no logprobs: the hot path
                 token = self._sampler.sample(logits)
             else:
