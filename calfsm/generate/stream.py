@@ -506,18 +506,8 @@ class Stream:
             return FinishReason.CANCELLED, None, None
         flow = self._flow
         want, flow.replay_check = flow.replay_check, None
-        scored = None
         try:
-            # a replay after a resume draws nothing: the seeded sequence of draws goes
-            # on as if no fault had happened; greedy checks the replay instead
-            if want is not None and not self.params.greedy:
-                token = want
-            elif tailed is not None and (chosen := self._sampler.tail_token(tailed)) is not None:
-                token = chosen              # the native tail chose (calfsm/engine/tail.py)
-            elif self._sampler.plain:         # no processors, no logprobs: the hot path
-                token = self._sampler.sample(logits)
-            else:
-                token, scored = self._sample_rich(logits, replay=want is not None)
+            token, scored = self._draw(logits, want, tailed)
         except CalfsmError as e:
             return FinishReason.ERROR, e, None
         if want is not None and token != want:
@@ -556,13 +546,25 @@ class Stream:
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
 
-    def _sample_rich(self, logits: np.ndarray, *, replay: bool
-                     ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
-        """Sample with logits processors or logprobs: the processors see the prompt and
-        the tokens before this one (a replay checks the last delivered token, so it is
-        not theirs); logprobs (``(logprob, top)``) only for a new token, not a replay's
-        (its event was delivered already)."""
+    def _draw(self, logits: np.ndarray, want: int | None, tailed: Any
+              ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """The step's token and, when asked for, its logprobs (``(logprob, top)``).
+
+        A replay after a resume (``want``) draws nothing: the seeded sequence of draws
+        goes on as if no fault had happened; greedy checks the replay instead. The
+        native tail's choice (calfsm/engine/tail.py) when it made one; else a plain
+        sample (the hot path), or one with logits processors or logprobs: the
+        processors see the prompt and the tokens before this one (a replay checks the
+        last delivered token, so it is not theirs); logprobs only for a new token, not
+        a replay's (its event was delivered already)."""
         sampler = self._sampler
+        replay = want is not None
+        if want is not None and not self.params.greedy:
+            return want, None
+        if tailed is not None and (chosen := sampler.tail_token(tailed)) is not None:
+            return chosen, None
+        if sampler.plain:
+            return sampler.sample(logits), None
         tokens: Seq[int] = ()
         if sampler.uses_tokens:
             tokens = TokenHistory(self.prompt, self._tokens,
