@@ -19,7 +19,8 @@ from setuptools.command.build_ext import build_ext
 
 HERE = Path(__file__).resolve().parent
 SOURCES = ["native/calrt_emu.c", "native/emu_calbin.c", "native/emu_refmodel.c",
-           "native/calfsm_kernels.c", "native/calfsm_sampling.c"]
+           "native/calfsm_kernels.c", "native/calfsm_sampling.c",
+           "native/calfsm_tail.c"]
 NAME = "calfsm._native.libcalrt_emu"
 
 

@@ -57,7 +57,7 @@ from runs import add_smoke_option
 
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, Stream
+from calfsm.generate.stream import FinishReason, Stream
 from calfsm.manifest import TaskKind, builtin_manifest
 
 TIMEOUT_S = 120.0

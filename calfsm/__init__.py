@@ -39,14 +39,8 @@ from calfsm.executor import DeviceExecutor, ExecutorConfig, ExecutorStats, Healt
 from calfsm.generate.constraint import Choice, Grammar, JsonObject, JsonSchema, Regex
 from calfsm.generate.promptcache import PromptCacheConfig, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import (
-    FinishReason,
-    GenerationResult,
-    Sequence,
-    Stream,
-    TokenEvent,
-    Usage,
-)
+from calfsm.generate.sequence import Sequence
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream, TokenEvent, Usage
 from calfsm.manifest import (
     DType,
     Manifest,

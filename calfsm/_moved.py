@@ -65,10 +65,13 @@ MOVED = {
     "soak_plots": "tools.soak_plots",
     "staging": "engine.readback",
     "stopstrings": "generate.stopstrings",
-    "streams": "generate.streams",
+    "streams": "generate.sequence",
     "submission": "engine.submission",
     "tokenizer": "generate.tokenizer",
     "vendor_runner": "tools.vendor_runner",
+    # a module split inside its folder (its old path is public): the sequence module
+    # exports the stream module's names too
+    "generate.streams": "generate.sequence",
 }
 
 

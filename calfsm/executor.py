@@ -50,13 +50,8 @@ from calfsm.generate.liverequests import LiveRequests, RequestInfo
 from calfsm.generate.livestreams import LiveStreams
 from calfsm.generate.promptcache import PromptCache, PromptCacheStats
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import (
-    Sequence,
-    SequenceAllocator,
-    Stream,
-    judge_stream,
-    max_new_tokens,
-)
+from calfsm.generate.sequence import Sequence, SequenceAllocator
+from calfsm.generate.stream import Stream, judge_stream, max_new_tokens
 from calfsm.generate.tokenizer import Tokenizer, check_tokenizer, encode_prompt
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.plan.batching import plan_batching
@@ -135,7 +130,7 @@ class DeviceExecutor:
                 default_deadline_s=cfg.default_deadline_s,
                 zombie_wait_s=cfg.recovery.zombie_wait_s, max_waiting=cfg.max_waiting,
                 priority_aging_s=cfg.priority_aging_s),
-            service=self.service, apply=self._apply, drain=self.recover,
+            service=self.service, apply=self._apply, drain=self._drain,
             max_rows=batching.max_rows,
             # a window is wall time: on a virtual clock nobody advances it never ends
             batch_window_s=cfg.batch_window_s
@@ -179,8 +174,14 @@ class DeviceExecutor:
         if self._cache is not None:
             self._cache.lifecycle_changed()     # Ready in generation 1: it may keep now
 
+    # the core acts on the lifecycle's procedures, which are built after it (they use
+    # the pipeline): through these two, never through the public recover() (a subclass
+    # or an observer of that must not see, or change, the core's own drains)
     def _apply(self, verdict: Any) -> None:
         self._control.apply(verdict)
+
+    def _drain(self, reason: str) -> bool:
+        return self._control.begin_drain(reason)
 
     # ---- jobs ----------------------------------------------------------------------
     def enqueue(self, request: Request) -> JobHandle:

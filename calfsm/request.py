@@ -245,13 +245,18 @@ class Request:
         tokens = self.tokens
         if tokens is None:
             raise _bad("tokens missing", seq_id=seq_id)
-        _set(self, "tokens", _embeds(tokens) if kind is TaskKind.PREFILL_EMBEDS
-             else _int_array(tokens, "tokens"))
+        if kind is TaskKind.PREFILL_EMBEDS:
+            _set(self, "tokens", _embeds(tokens))
+        elif not (type(tokens) is np.ndarray and tokens.dtype == _I64 and tokens.ndim == 1):
+            # (a plain 1-D int64 array, a decode's own, is kept as it is, with no call)
+            _set(self, "tokens", _int_array(tokens, "tokens"))
         past, positions = self.past_len, self.positions
         if past is not None and type(past) is not int:
             _set(self, "past_len", past := _integer(past, "past_len"))
         if positions is not None:
-            _set(self, "positions", positions := _int_array(positions, "positions"))
+            if not (type(positions) is np.ndarray and positions.dtype == _I64
+                    and positions.ndim == 1):
+                _set(self, "positions", positions := _int_array(positions, "positions"))
             if past is None:
                 _set(self, "past_len", positions.item(0) if len(positions) else 0)
         else:
@@ -306,6 +311,10 @@ class Request:
     @classmethod
     def decode(cls, seq_id: int, token: int, position: int, **kw: Any) -> Request:
         """One decode step: ``token`` at ``position``."""
+        if type(token) is int and type(position) is int and 0 <= token <= _I64_MAX \
+                and 0 <= position <= _I64_MAX:     # the usual case, without two calls
+            return cls(seq_id, TaskKind.DECODE, np.array((token,), _I64),
+                       np.array((position,), _I64), position, **kw)
         return cls(seq_id, TaskKind.DECODE, _one(token, "token"),
                    _one(position, "position"), position, **kw)
 

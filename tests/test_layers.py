@@ -32,7 +32,7 @@ def test_type_only_imports_count_too() -> None:
 #: the modules a job passes through between ``enqueue`` and its result
 CORE_PATH = ("engine/parts", "engine/admission", "engine/overlap", "engine/submission",
              "engine/completion", "engine/outcomes", "engine/pipeline", "generate/flow",
-             "generate/streams", "runtime/drive", "engine/kv", "engine/buffers",
+             "generate/stream", "generate/sequence", "runtime/drive", "engine/kv", "engine/buffers",
              "engine/readback", "engine/job")
 
 

@@ -28,7 +28,7 @@ LIBRARY_NAME = "libcalrt_emu.so"
 HEADER_NAME = "calrt_c.h"
 #: the emulator's translation units, relative to ``native/``
 SOURCES = ("calrt_emu.c", "emu_calbin.c", "emu_refmodel.c", "calfsm_kernels.c",
-           "calfsm_sampling.c")
+           "calfsm_sampling.c", "calfsm_tail.c")
 #: flags of every build (setup.py uses the same)
 CFLAGS = ("-std=c11", "-O2", "-g", "-fPIC", "-pthread", "-Wall", "-Wextra",
           "-fvisibility=default")

@@ -91,7 +91,13 @@ class Admission:
         return bool(self._parked or self._deferred or self._admitting or self._running)
 
     def has_parked(self) -> bool:
-        return bool(self._parked)
+        return self._parked.size > 0
+
+    def capacity_freed(self) -> None:
+        """The KV books or the pool gave something back: the admission step runs if a
+        job waits for it (a cheap check on every token's commit; no wake-up otherwise)."""
+        if self._parked.size:
+            self.core.hooks.job_parked()
 
     def parked(self) -> int:
         """Jobs in the admission queue (the head being admitted now included)."""
@@ -100,12 +106,21 @@ class Admission:
 
     def blocks_staging(self) -> bool:
         """A job waits for admission: a slot taken ahead must never starve it."""
-        return bool(self._parked) or self._admitting is not None
+        return self._parked.size > 0 or self._admitting is not None
 
     def can_admit(self) -> bool:
         """A job waits for admission and the device takes work (not Ready: the parked
         jobs wait for the next generation)."""
-        return bool(self._parked) and self.core.life.state == READY
+        return self._parked.size > 0 and self.core.life.state == READY
+
+    def due(self, now: float) -> tuple[bool, bool, bool]:
+        """What a step driver asks of admission at every step, in one look: (a parked
+        job's admission deadline passed by ``now``, :meth:`can_admit`,
+        :meth:`has_deferred`)."""
+        if not self._parked.size:
+            return False, False, bool(self._deferred)
+        return (self.first_deadline() <= now, self.core.life.state == READY,
+                bool(self._deferred))
 
     def fingerprint(self) -> int:
         """Changes whenever something that could let a parked job proceed changed (KV
@@ -266,7 +281,7 @@ class Admission:
             with self.core.lock:
                 # the head being admitted counts: were it refused and put back, a job
                 # admitted meanwhile would have passed it
-                parked = bool(self._parked) or self._admitting is not None
+                parked = self._parked.size > 0 or self._admitting is not None
                 if parked:
                     self._parked.push(job)
                     self._parked_changed_locked()

@@ -18,6 +18,7 @@ from typing import Any
 
 from calfsm.drivers.base import OutputStatus
 from calfsm.engine.batchrows import row_logits
+from calfsm.engine.buffers import BufferSlot
 from calfsm.engine.job import InferenceResult, JobContext
 from calfsm.engine.outcomes import Outcomes, limited
 from calfsm.engine.parts import Core, job_ctx
@@ -30,6 +31,7 @@ from calfsm.engine.readback import (
     row_failure,
 )
 from calfsm.engine.submission import Submission
+from calfsm.engine.tail import tail_rows
 from calfsm.errors import (
     CalfsmError,
     CalrtCode,
@@ -96,12 +98,14 @@ class Completion:
                 self._completing -= 1
             self.core.hooks.changed()
 
-    def completion_timeout_s(self, job: JobContext) -> float:
+    def completion_timeout_s(self, job: JobContext, now: float | None = None) -> float:
         """How long the Wait of ``job`` may block (its execution deadline; a slice for a
-        job already given up)."""
+        job already given up); ``now``: the clock's time, if the caller has read it."""
         if job.ended:
             return self.core.t.zombie_wait_s
-        return max(0.0, job.execution_deadline - self.core.clock.now())
+        if now is None:
+            now = self.core.clock.now()
+        return max(0.0, job.execution_deadline - now)
 
     def complete(self, job: JobContext) -> None:
         """The only caller of ``wait`` (spec 6.5); holds no lock while waiting."""
@@ -115,7 +119,7 @@ class Completion:
         slot = job.lease.slot
         zombie = job.ended         # already failed by its execution deadline
         t0 = clock.now()
-        rc = core.driver.wait(slot.out, self.completion_timeout_s(job))
+        rc = core.driver.wait(slot.out, self.completion_timeout_s(job, t0))
         t1 = clock.now()
         core.heartbeat["completion"] = t1
         job.timings.device_wait_ms += (t1 - t0) * 1e3
@@ -129,13 +133,13 @@ class Completion:
                 return
             self.device.wait_again(job)     # keep waiting: the device still owns it
             return
-        self.device.release_inflight(job)   # the device is free: the next job goes first
-        core.hooks.after_device_freed()
+        if self.device.release_inflight(job):   # the device is free: the next job first
+            core.hooks.hand_off()
         job.lease.mark_off_device()
         if zombie:
             self._late_completion(job, rc)
             return
-        logits = self._output(job, rc)
+        logits = self._output(job, rc, slot)
         if logits is None:
             return
         self._succeed(job, logits, t1)
@@ -171,11 +175,12 @@ class Completion:
             if held[0]:
                 self.device.rows_following(-held[0])
                 held[0] = 0
+                core.hooks.hand_off()       # a batch held back for them may go now
 
         self.device.rows_following(len(rows))
         try:
-            self.device.release_inflight(leader, rows[1:])
-            core.hooks.after_device_freed()
+            if self.device.release_inflight(leader, rows[1:]):
+                core.hooks.hand_off()
             leader.lease.mark_off_device()
             self._end_rows(leader, rows, rc, zombie, t1, let_go)
         finally:
@@ -222,6 +227,9 @@ class Completion:
             if early:
                 self._continue(row, result, later)
         let_go()
+        tail_ms = (core.clock.now() - waited) * 1e3
+        for row in rows:
+            row.timings.tail_ms = tail_ms
         for fn in later:
             self._defer(fn)
         decided = False
@@ -253,17 +261,26 @@ class Completion:
 
         if judged(job_ctx(leader, None)) is not None:    # the job failed: every row, once
             return [judged(job_ctx(row, None)) for row in rows]
-        results: list[Any] = []
+        results: list[Any] = [None] * len(rows)
+        ok = []
         for r, row in enumerate(rows):
             if ends[r] != OutputStatus.DONE_OK:
-                results.append(row_failure(ends[r], r, job_ctx(row, None)))
+                results[r] = row_failure(ends[r], r, job_ctx(row, None))
+            else:
+                ok.append(r)
+        tailed = tail_rows(leader.lease.slot.logits_bf16, reading, contract,
+                           [(r * contract.rows * contract.vocab, rows[r]) for r in ok])
+        for r, done in zip(ok, tailed, strict=True):
+            row = rows[r]
+            if done is not None:
+                results[r] = done
                 continue
             try:
-                results.append(convert_row(reading, row_logits(leader, r), contract,
-                                           row.token_count, row.request.target,
-                                           job_ctx(row, None)))
+                results[r] = convert_row(reading, row_logits(leader, r), contract,
+                                         row.token_count, row.request.target,
+                                         job_ctx(row, None))
             except CalfsmError as e:
-                results.append(e)
+                results[r] = e
         return results
 
     def _execution_timeout_rows(self, rows: list[JobContext]) -> None:
@@ -278,11 +295,11 @@ class Completion:
             _fire(row, "quarantine")
             self.outcomes.finish(row, err, "quarantined")
 
-    def _output(self, job: JobContext, rc: int) -> Any:
-        """Read and check the output of a job whose Wait returned ``rc`` (the slices are
-        undone in the same device-lock section); None when the job ended on the way."""
+    def _output(self, job: JobContext, rc: int, slot: BufferSlot) -> Any:
+        """Read and check the output of a job whose Wait returned ``rc`` from ``slot``,
+        its lease's (the slices are undone in the same device-lock section); None when
+        the job ended on the way."""
         core = self.core
-        slot = job.lease.slot
         contract = slot.contract
         undo_error: CalfsmError | None = None
         with core.device_lock:      # no reset between the fence check and device calls
@@ -304,8 +321,14 @@ class Completion:
             if rc != 0:
                 raise from_calrt(rc, "wait", **job_ctx(job, None))
             t2 = core.clock.now()
-            logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
-                                  job.request.target, job_ctx(job, None))
+            logits = None
+            if job.tail is not None:    # a stream's step: its token in the same call
+                check_job(reading, contract, job_ctx(job, None))
+                if reading[3] is None or reading[3] == OutputStatus.DONE_OK:
+                    logits = tail_rows(slot.logits_bf16, reading, contract, [(0, job)])[0]
+            if logits is None:
+                logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
+                                      job.request.target, job_ctx(job, None))
             job.timings.d2h_ms = (core.clock.now() - t2) * 1e3
         except CalfsmError as e:
             self._completion_failed(job, e)
@@ -331,6 +354,7 @@ class Completion:
         early = kv.prev_len <= kv.target_len
         if early and not continued:
             self._continue(job, logits)
+            job.timings.tail_ms = (core.clock.now() - waited) * 1e3
         try:
             job.epoch.kv.commit(kv)
         except CalfsmError as e:
@@ -345,7 +369,8 @@ class Completion:
         job.timings.completed = now
         job.timings.postprocess_ms = (now - t3) * 1e3
         lease, job.lease = job.lease, None
-        self.outcomes.leave_waiting(job)
+        if job.waiting:             # (it left the waiting books when it was submitted)
+            self.outcomes.leave_waiting(job)
         if JOB_MACHINE.fire(job, "succeed"):
             self.outcomes.succeeded(job, InferenceResult(
                 job.job_id, job.seq_id, job.generation, job.kind, job.token_count, logits,
@@ -380,6 +405,7 @@ class Completion:
         if successor is not None:
             if later is None:
                 self._follow(job, successor)
+                self.core.hooks.hand_off()  # its next step may go before this one's end
             else:
                 self._follow(job, successor, defer=later.append)
 

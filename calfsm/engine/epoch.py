@@ -1,4 +1,8 @@
-"""An *epoch* is everything calfsm builds for one model generation, and its golden check.
+"""An *epoch* is the resources of one model generation, and its golden check.
+
+One name for one thing: the *generation* is the number (``Lifecycle.generation``,
+``JobContext.generation``, ``Epoch.generation``), counted up by every configure; the
+:class:`Epoch` is what was built for that number. Nothing else is called an epoch.
 
 Configuring a model creates, together and only together: the resolved sub-model handles,
 the KV coordinator and the buffer pool, all stamped with one generation number. Recovery
@@ -48,7 +52,8 @@ WARMUP_DECODE = 2
 
 @attrs.define(eq=False)
 class Epoch:
-    """One configured generation: model handles, KV coordinator and buffer pool."""
+    """The resources of one generation (its number: :attr:`generation`): the model
+    handles, the KV coordinator and the buffer pool, built and retired together."""
 
     generation: int
     manifest: Manifest
@@ -65,6 +70,9 @@ class Epoch:
     #: ones taken out because their warm-up golden failed (exact name -> why)
     buckets: ShapeBuckets | None = None
     graph_failures: dict[str, str] = attrs.field(factory=dict)
+    #: the contracts asked for so far (every job's validation asks: one call, not two)
+    _contracts: dict[TaskKind, SubmodelContract] = attrs.field(factory=dict, init=False,
+                                                               repr=False)
 
     def usable_buckets(self) -> tuple[str, ...]:
         """The shape buckets steps may run on now (their golden passed)."""
@@ -73,7 +81,10 @@ class Epoch:
         return tuple(n for n in self.buckets.names if n not in self.graph_failures)
 
     def contract(self, kind: TaskKind) -> SubmodelContract:
-        return self.model.submodel(kind)
+        c = self._contracts.get(kind)
+        if c is None:
+            c = self._contracts[kind] = self.model.submodel(kind)
+        return c
 
     def retire(self) -> None:
         """Fence this epoch off: its coordinator refuses work, its slots are retired."""

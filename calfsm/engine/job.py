@@ -52,6 +52,10 @@ class JobTimings:
     d2h_ms: float = 0.0
     postprocess_ms: float = 0.0
     released: float = 0.0
+    #: the host's critical tail of the job's step: from its wait's return until the next
+    #: steps its continuations decided were handed to the submitter (a batch's whole,
+    #: the same in each of its rows): what the device waits for between two steps
+    tail_ms: float = 0.0
 
     @property
     def total_ms(self) -> float:
@@ -110,13 +114,21 @@ class JobContext:
     waiting: bool = False                # counted among the jobs waiting for the device
     timings: JobTimings = attrs.field(factory=JobTimings)
     handle: JobHandle | None = None
-    epoch: Any = None                    # the executor generation record it belongs to
+    epoch: Any = None                    # the resources of its generation (an Epoch)
     #: a stream's next step, decided on the completion side: called with the job and its
     #: float32 logits once its output is checked, before its KV commit (the next step's
     #: is chained after it) and before its handle resolves; run once. It only decides:
     #: a :class:`Successor` it returns is run by the core itself (the step after it
     #: reaches the submitter first), so nothing on the way back climbs out of the core
     continuation: Callable[[JobContext, np.ndarray], Successor | None] | None = None
+    #: the continuation's row of the native tail (calfsm/engine/tail.py), asked for
+    #: once the job's output is judged, before its rows are converted: the token is then
+    #: chosen in the same native call as the conversion. None (or returning None): the
+    #: continuation chooses in Python
+    tail: Callable[[JobContext], Any] | None = None
+    #: the :class:`~calfsm.engine.tail.TailRow` the tail ran for this job (its token is
+    #: the continuation's to take), from the conversion until the continuation took it
+    tailed: Any = None
     #: called once a parked job is queued for the device, by a caller that blocks until
     #: its job is admitted (:func:`calfsm.runtime.waits.wait_admitted`)
     on_admitted: Callable[[], None] | None = None
@@ -215,7 +227,8 @@ class JobHandle:
     def exception(self, timeout: float | None = None) -> CalfsmError | None:
         """Block until the job ends; its error, or None if it succeeded. Nothing is
         raised here (only a timeout), so the error gains no traceback of this call."""
-        self._wait(timeout)
+        if self._result is None and self._error is None:     # not done(): wait
+            self._wait(timeout)
         return self._error
 
     def _wait(self, timeout: float | None) -> None:
@@ -250,7 +263,7 @@ class JobHandle:
         if error is not None:
             drop_tracebacks(error)
         with self._lock:
-            if self.done():
+            if self._result is not None or self._error is not None:     # done()
                 raise RuntimeError(f"job {self.job_id} resolved twice")
             self._result, self._error = result, error
             callbacks, self._callbacks = self._callbacks, []

@@ -21,9 +21,10 @@ known-good model when a new artifact does not come up. It applies the decisions 
 fault policy (:mod:`calfsm.engine.recovery`) and reaches the job pipeline only through the
 pipeline's public methods (fail what waits, is it drained, the device barrier).
 
-It never starts a thread or sleeps: when a recovery becomes due it calls
-``on_recovery_due`` (the thread runtime starts a recovery thread there; in step mode the
-scheduler runs :meth:`DeviceLifecycle.recover` as a step once :meth:`recovery_due` holds).
+It never starts a thread or sleeps: when a drain wants a recovery it tells the pipeline
+(``recovery_wanted``, which tells whoever drives it: the thread runtime starts a recovery
+thread; in step mode the scheduler runs :meth:`DeviceLifecycle.recover` as a step once
+:meth:`recovery_due` holds).
 """
 
 from __future__ import annotations
@@ -97,9 +98,17 @@ class Lifecycle:
         #: inside owes the listeners a call once it lets go (only the holder writes them)
         self._depth = 0
         self._owed = False
-        self._closing = False
+        #: read on every token's way, so plain attributes, not properties; only this
+        #: class writes them: ``state`` mirrors the record after every trigger
+        #: (:meth:`_moved`), ``epoch`` is set by :meth:`install`, ``closing`` by
+        #: :meth:`begin_close`
+        self.state: str = self._rec.state
+        #: the current generation's resources (None before the first one is built), and
+        #: its number (0 before the first): both set by :meth:`install` alone
+        self.epoch: Epoch | None = None
+        self.generation: int = self._rec.generation
+        self.closing = False
         self._stopping = False
-        self._epoch: Epoch | None = None
         #: clock seconds spent out of Ready since the first Ready, and since when the
         #: current stretch lasts (None: Ready now, or never was)
         self._unready_s = 0.0
@@ -115,14 +124,6 @@ class Lifecycle:
         return self._rec
 
     @property
-    def state(self) -> str:
-        return self._rec.state
-
-    @property
-    def generation(self) -> int:
-        return self._rec.generation
-
-    @property
     def reason(self) -> str | None:
         return self._rec.reason
 
@@ -131,22 +132,13 @@ class Lifecycle:
         return self._rec.retry_after_s
 
     @property
-    def epoch(self) -> Epoch | None:
-        """The current generation's epoch (None before the first one is built)."""
-        return self._epoch
-
-    @property
-    def closing(self) -> bool:
-        return self._closing
-
-    @property
     def stopping(self) -> bool:
         """A graceful shutdown began: no new work; running streams go on (``close``)."""
         return self._stopping
 
     @property
     def ready(self) -> bool:
-        return self._rec.state == _READY and not self._closing and not self._stopping
+        return self._rec.state == _READY and not self.closing and not self._stopping
 
     def unready_s(self, now: float) -> float:
         """Clock seconds spent out of Ready (draining, recovering, warming) since the
@@ -211,7 +203,8 @@ class Lifecycle:
         """Under the lock, after a trigger: keep the out-of-Ready clock, and owe the
         listeners (waiters among them) a call once the outermost hold ends."""
         self._owed = True
-        ready = self._rec.state == _READY
+        self.state = state = self._rec.state
+        ready = state == _READY
         if ready:
             if self._unready_since is not None:
                 self._unready_s += self.clock.now() - self._unready_since
@@ -223,7 +216,7 @@ class Lifecycle:
     def drain(self, reason: str, retry_after_s: float) -> bool:
         """Ready -> Draining with ``reason``. False if not Ready (or closing)."""
         with self.locked():
-            if self._rec.state != _READY or self._closing:
+            if self._rec.state != _READY or self.closing:
                 return False
             self._rec.reason = reason
             self._rec.retry_after_s = retry_after_s
@@ -243,8 +236,8 @@ class Lifecycle:
     def install(self, epoch: Epoch) -> None:
         """Make ``epoch`` the current generation (the only place the number moves)."""
         with self._lock:
-            self._epoch = epoch
-            self._rec.generation = epoch.generation
+            self.epoch = epoch
+            self._rec.generation = self.generation = epoch.generation
 
     def warmed(self, manifest: Manifest, calbin: Calbin) -> None:
         """Warming -> Ready: this model is the known-good one now."""
@@ -274,7 +267,7 @@ class Lifecycle:
         :class:`ExecutorClosed` with a retry-after hint, the next steps of running
         streams are still admitted. False if a shutdown already began."""
         with self.locked():
-            if self._stopping or self._closing:
+            if self._stopping or self.closing:
                 return False
             self._stopping = True
             self._owed = True
@@ -283,9 +276,9 @@ class Lifecycle:
     def begin_close(self) -> bool:
         """Stop admission for good. False if close already began."""
         with self.locked():
-            if self._closing:
+            if self.closing:
                 return False
-            self._closing = True
+            self.closing = True
             self._owed = True
         return True
 
@@ -303,9 +296,9 @@ class Lifecycle:
         (``continuing``), which a graceful shutdown lets finish; Recovering: 503 with a
         retry-after hint; Failed: 503 without one (restart the process)."""
         rec = self._rec
-        if self._closing or (self._stopping and not continuing):
+        if self.closing or (self._stopping and not continuing):
             raise ExecutorClosed(
-                "executor is " + ("closed" if self._closing else "shutting down"),
+                "executor is " + ("closed" if self.closing else "shutting down"),
                 stage="admission", generation=rec.generation,
                 retry_after_s=rec.retry_after_s)
         if rec.state != _READY:
@@ -331,6 +324,8 @@ class PipelineControl(Protocol):
     def hold_waiting(self, err: CalfsmError) -> None: ...
 
     def wake_waiters(self) -> None: ...
+
+    def recovery_wanted(self) -> None: ...
 
     def capacity_freed(self) -> None: ...
 
@@ -368,9 +363,6 @@ class DeviceLifecycle:
         self._roll_back = False
         self._drain_started = 0.0
         self._switch_lock = life.sync.lock()
-        #: called once per drain that wants an automatic recovery (the thread runtime
-        #: starts a recovery thread; step mode leaves it to the scheduler)
-        self.on_recovery_due: Callable[[], None] = lambda: None
 
     # ---- decisions -----------------------------------------------------------------
     def apply(self, verdict: Verdict) -> None:
@@ -405,7 +397,7 @@ class DeviceLifecycle:
             retry_after_s=self.policy.retry_after_s))
         self.pipeline.wake_waiters()
         if self.policy.auto_recover:
-            self.on_recovery_due()
+            self.pipeline.recovery_wanted()
         return True
 
     def slots_exhausted(self, kind: TaskKind, reason: str) -> None:

@@ -72,12 +72,12 @@ __all__ = ["EVENTS", "JOB_OUTCOMES", "REJECTION_REASONS", "DeviceStep", "JobAcce
 
 
 class StreamView(Protocol):
-    """What an observer is handed of a stream (:class:`calfsm.generate.streams.Stream` is one;
+    """What an observer is handed of a stream (:class:`calfsm.generate.stream.Stream` is one;
     the streams sit above this module, so they are named by what they offer)."""
 
     prompt: tuple[int, ...]
     params: Any                         # calfsm.generate.sampling.SamplingParams
-    sequence: Any                       # calfsm.generate.streams.Sequence
+    sequence: Any                       # calfsm.generate.sequence.Sequence
     request_id: str
     #: prompt tokens whose KV the prompt cache gave (not prefilled)
     cached: int

@@ -45,7 +45,7 @@ class ParkedQueue:
     """The jobs waiting to be admitted, ordered by rank (see the module docstring). Not
     thread-safe: its owner (:class:`~calfsm.engine.admission.Admission`) holds the core lock."""
 
-    __slots__ = ("_aging_s", "_begun", "_count", "_heap", "_live")
+    __slots__ = ("_aging_s", "_begun", "_count", "_heap", "_live", "size")
 
     def __init__(self, aging_s: float) -> None:
         self._aging_s = aging_s
@@ -55,16 +55,18 @@ class ParkedQueue:
         self._heap: list[list] = []
         self._live: dict[int, list] = {}        # job id -> its entry in the heap
         self._count = itertools.count()         # two entries never compare their jobs
+        #: jobs parked (``len``, as a plain attribute: admission reads it every step)
+        self.size = 0
 
     def rank(self, job: JobContext) -> float:
         """Lower goes first: ``accepted - priority * aging_s``."""
         return job.timings.accepted - job.request.priority * self._aging_s
 
     def __len__(self) -> int:
-        return len(self._begun) + len(self._live)
+        return self.size
 
     def __bool__(self) -> bool:
-        return bool(self._begun) or bool(self._live)
+        return self.size > 0
 
     def __contains__(self, job: JobContext) -> bool:
         entry = self._live.get(job.job_id)
@@ -83,6 +85,7 @@ class ParkedQueue:
         every ranked job."""
         if job in self:
             raise ValueError(f"job {job.job_id} is already parked")
+        self.size += 1
         if begun:
             self._begun.append(job)
             return
@@ -93,6 +96,7 @@ class ParkedQueue:
     def pop(self) -> JobContext:
         """Remove and return the first job; IndexError if none is parked."""
         if self._begun:
+            self.size -= 1
             return self._begun.popleft()
         heap = self._heap
         while heap:
@@ -100,6 +104,7 @@ class ParkedQueue:
             job = entry[3]
             if job is not None:
                 del self._live[entry[1]]
+                self.size -= 1
                 return job
         raise IndexError("no job is parked")
 
@@ -111,8 +116,10 @@ class ParkedQueue:
                 self._begun.remove(job)
             except ValueError:
                 return False
+            self.size -= 1
             return True
         self._live.pop(job.job_id)[3] = None
+        self.size -= 1
         if len(self._heap) > 2 * len(self._live) + 32:     # mostly dropped entries
             self._heap = [e for e in self._heap if e[3] is not None]
             heapq.heapify(self._heap)
@@ -124,4 +131,5 @@ class ParkedQueue:
         self._begun.clear()
         self._heap.clear()
         self._live.clear()
+        self.size = 0
         return jobs

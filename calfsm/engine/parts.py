@@ -52,19 +52,21 @@ class Hooks:
         """A job waits for admission (KV or a buffer), or capacity may have come free:
         the admission step should run."""
 
-    def device_freed(self, hand_off: bool) -> None:
-        """Called under the queue lock when a job left the device; ``hand_off``: a queued
-        job can be submitted at once."""
-
-    def after_device_freed(self) -> None:
-        """Called by the step that freed the device, outside every lock."""
-
-    def after_work_queued(self) -> None:
-        """Called by the step that queued a job, outside every lock."""
+    def hand_off(self) -> None:
+        """Called by the complete step only, outside every lock, when it made work the
+        submitter may take at once (it freed the device with a job queued, or a stream's
+        continuation queued its next step): a threaded driver lets the submitter call
+        ``infer`` before this step goes on (the device would otherwise idle through the
+        step's host work)."""
 
     def changed(self) -> None:
         """Queues or in-flight accounting changed (drains and recovery wait for this).
         Called outside the queue lock, so it may take locks of its own."""
+
+    def recovery_wanted(self) -> None:
+        """A drain wants an automatic recovery, to run once the device drained (the
+        thread runtime starts a recovery thread; step mode: the scheduler runs it as a
+        step once ``DeviceLifecycle.recovery_due()`` holds)."""
 
 
 class PipelineTimeouts:

@@ -86,14 +86,23 @@ class Pipeline:
                                 drain=drain, max_rows=max_rows,
                                 batch_window_s=batch_window_s)
         self.outcomes = Outcomes(core)
-        self.device = Submission(core, self.outcomes, lambda jobs: self.admission.hold(jobs))
+        self.device = Submission(core, self.outcomes, self._hold)
         self.admission = Admission(core, self.outcomes, self.device)
         self.overlap = Overlap(core, self.admission)
         self.completion = Completion(core, self.outcomes, self.device, self.overlap.follow,
                                      self.admission.defer)
+        #: the KV books or the pool gave something back (their ``on_freed``): the
+        #: admission's own check, with no hop between, as it runs at every token's commit
+        self.capacity_freed: Callable[[], None] = self.admission.capacity_freed
         #: who releases KV nobody is using when the device refuses room for a reservation
         #: (the executor's prompt cache; None: nobody). Called with no KV lock held
         self.kv_room: Callable[[], None] | None = None
+
+    def _hold(self, jobs: list[JobContext]) -> None:
+        """The device side met jobs that cannot run in this generation (it left Ready
+        under them): the admission parks them for the next one. A method, not the
+        admission's own, because the device side is built first."""
+        self.admission.hold(jobs)
 
     # ---- what the parts share, read by the lifecycle and the runtimes --------------
     @property
@@ -213,12 +222,6 @@ class Pipeline:
                 self.outcomes.fail_before_submit(job, _copy(err))
         self.admission.hold(held)
 
-    def capacity_freed(self) -> None:
-        """The KV books or the pool gave something back: the admission step runs if a
-        job waits for it (a cheap check on every token's commit; no wake-up otherwise)."""
-        if self.admission.has_parked():
-            self.core.hooks.job_parked()
-
     def kv_full(self) -> None:
         """The device refused KV for a reservation (the KV books' ``on_full``): whoever
         keeps KV warm for nobody gives some back (its release calls ``on_freed``), and
@@ -227,6 +230,10 @@ class Pipeline:
         room = self.kv_room
         if room is not None:
             room()
+
+    def recovery_wanted(self) -> None:
+        """A drain wants an automatic recovery: whoever drives the pipeline runs it."""
+        self.core.hooks.recovery_wanted()
 
     def wake_waiters(self) -> None:
         """Wake whoever waits for the pipeline to change (a drain, a close), so it sees
@@ -273,8 +280,9 @@ class Pipeline:
             device.run_step(j, "queue", device.fail_queue_deadline)
         if expired:
             return True
-        if clock.virtual and faults.backoff_until > clock.now() and device.submittable():
-            clock.advance_to(faults.backoff_until)
+        backoff = faults.backoff_until       # 0: none (no clock read then)
+        if backoff and clock.virtual and backoff > clock.now() and device.submittable():
+            clock.advance_to(backoff)
         job = device.claim()
         if job is None:
             return False

@@ -147,13 +147,10 @@ class FaultPolicy:
         self._tokens = self.policy.error_budget
         self._last_refill: float | None = None
         self._streak = 0
-        self._backoff_until = 0.0
+        #: clock time before which the submitter must not call ``infer`` (0: none); only
+        #: this policy writes it (a plain attribute: the submitter reads it every submit)
+        self.backoff_until = 0.0
         self._failed_in_a_row = 0
-
-    @property
-    def backoff_until(self) -> float:
-        """Clock time before which the submitter must not call ``infer`` (0: none)."""
-        return self._backoff_until
 
     def decide(self, err: CalfsmError, now: float, *, requeues: int | None = None
                ) -> Verdict:
@@ -177,8 +174,8 @@ class FaultPolicy:
             self._streak += 1
             p = self.policy
             delay = min(p.backoff_max_s, p.backoff_base_s * 2 ** (self._streak - 1))
-            self._backoff_until = max(self._backoff_until, now + delay)
-            until = self._backoff_until
+            self.backoff_until = max(self.backoff_until, now + delay)
+            until = self.backoff_until
         if requeues is not None and action.job is JobEffect.FAIL_OR_REQUEUE \
                 and requeues < self.policy.max_requeues:
             return Verdict(Decision.REQUEUE, f"requeued after {err}", until)
@@ -214,7 +211,7 @@ class FaultPolicy:
         with self._lock:
             self._tokens = self.policy.error_budget
             self._streak = 0
-            self._backoff_until = 0.0
+            self.backoff_until = 0.0
             self._failed_in_a_row = 0
 
     def _fails_the_generation(self, err: CalfsmError) -> bool:

@@ -1,5 +1,5 @@
 """What a generation stream yields and ends with: the records its consumer and its
-observers read (kept apart from :mod:`calfsm.generate.streams` so observers, low in the layers,
+observers read (kept apart from :mod:`calfsm.generate.stream` so observers, low in the layers,
 can name them)."""
 
 from __future__ import annotations

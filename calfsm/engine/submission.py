@@ -87,8 +87,19 @@ class Submission:
     def has_completions(self) -> bool:
         return bool(self._complete_q)
 
+    def due(self, now: float) -> tuple[bool, bool, bool]:
+        """What a step driver asks of the device side at every step, in one look: (a
+        queued job's queue deadline passed by ``now``, :meth:`submittable`,
+        :meth:`has_completions`)."""
+        if not self._submit_q:
+            return False, False, bool(self._complete_q)
+        return (self.first_queue_deadline() <= now, self._claimable() is not None,
+                bool(self._complete_q))
+
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
+        if not self._submit_q:
+            return math.inf
         with self.core.lock:
             first = math.inf
             for j in self._submit_q:
@@ -137,7 +148,6 @@ class Submission:
                 core.hooks.work_queued()
         if not queued:
             raise Cancelled("cancelled before submit", **job_ctx(job, stage))
-        core.hooks.after_work_queued()
 
     def unqueue(self, job: JobContext) -> bool:
         """Take a cancelled job out of the submit queue; False if it is not there."""
@@ -180,7 +190,8 @@ class Submission:
     def submittable(self) -> bool:
         """A job is queued whose engine is free, an in-flight slot is free and the device
         takes work."""
-        return self._claimable() is not None
+        # the usual answer (nothing queued) without a call: the scheduler asks every step
+        return bool(self._submit_q) and self._claimable() is not None
 
     def _claimable(self) -> int | None:
         """Index of the queued job :meth:`claim` would take now (back-off aside), or None."""
@@ -188,7 +199,9 @@ class Submission:
         if not (self._submit_q and self._inflight < core.max_inflight
                 and core.life.state == READY):
             return None
-        i = self._next_claim()
+        # the usual case without a call: no engine busy, no batch preferring decodes
+        i = 0 if not self._engine_busy and not (self._prefill_last and core.max_rows > 1) \
+            else self._next_claim()
         if i is None or (core.max_rows > 1 and self._hold_for_rows(self._submit_q[i])):
             return None
         return i
@@ -222,8 +235,6 @@ class Submission:
                 self._followed_at = core.clock.now()
                 if self._submit_q:
                     core.hooks.work_queued()
-        if n < 0:
-            core.hooks.after_work_queued()
 
     def _next_claim(self) -> int | None:
         """Index of the first queued job whose engine runs nothing now (ping/pong: one
@@ -303,7 +314,7 @@ class Submission:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
         if job.kind is TaskKind.DECODE and job.epoch.buckets is not None \
                 and job.lease is not None:
-            self._fit_graph(job)
+            self._requeue_rows(_fit_graph(job))
         if job.batch is not None:
             self._submit_rows(job)
             return
@@ -354,59 +365,11 @@ class Submission:
             return
         if rc is None:
             self.release_inflight(job)
-            if core.holdable(job) and not life.closing:
-                self._hold([job])       # the device left Ready under it: next generation
-                return
-            outcomes.fail_before_submit(job, Unavailable(
-                f"device left Ready ({life.state}) before the job was submitted",
-                retry_after_s=life.retry_after_s, **job_ctx(job, "submit")))
+            self._left_ready(job)
             return
         self._submit_failed(job, from_calrt(rc, "submit", **job_ctx(job, None)))
 
     # ---- shape buckets: the graph a step runs on ---------------------------------------
-    def _fit_graph(self, job: JobContext) -> None:
-        """Move ``job`` (and the rows it leads) to the cheapest graph that covers the
-        step, by the measured costs (calfsm/engine/shapes.py): a free slot of that graph
-        on the same engine is leased, the job's row written into it from the slot it was
-        prepared in (which goes back), its KV sequence and CSRs set. The KV is the
-        sequence's, whichever graph wrote it (the evidence proved it continues
-        bit-exact). No free slot there: the next cheapest that has one; none at all
-        (every covering slot busy), the rows it leads go back to the queue and it runs
-        alone where it is."""
-        epoch = job.epoch
-        buckets = epoch.buckets
-        assert buckets is not None and job.lease is not None
-        rows = job.batch if job.batch is not None else [job]
-        current = job.lease.slot
-        context = max(int(r.lease.slot.positions[r.token_count - 1]) + 1
-                      for r in rows if r.lease is not None)
-        tried: set[str] = set(epoch.graph_failures)
-        while (best := buckets.choose(len(rows), context, exclude=tried)) is not None:
-            if best.exact_name == current.contract.exact_name:
-                return              # prepared in it: runs where it is
-            tried.add(best.exact_name)
-            try:
-                moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
-                                           graph=best.exact_name)
-            except ResourceExhausted:
-                continue            # none free now: the next cheapest
-            except CalfsmError:
-                return              # the generation retired: the submit below says so
-            try:
-                moved.bind(job_id=job.job_id, seq_id=job.seq_id)
-                moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
-            except CalfsmError as e:
-                log.warning("job %s not moved to %s: %s", job.job_id, best.exact_name, e,
-                            extra=e.context())
-                epoch.pool.release(moved)
-                break
-            prepared, job.lease = job.lease, moved
-            epoch.pool.release(prepared)
-            return
-        if len(rows) > current.contract.max_batch:     # it cannot carry them: alone
-            self._requeue_rows(rows[1:])
-            _unbatch(rows)
-
     # ---- a batch: one device job, several rows ------------------------------------
     def _submit_rows(self, leader: JobContext) -> None:
         """Submit ``leader`` with the rows :meth:`claim` gathered (calfsm/engine/batchrows.py).
@@ -507,18 +470,24 @@ class Submission:
             self._complete_q.append(rows[0])
             core.hooks.job_submitted()
 
+    def _left_ready(self, job: JobContext) -> None:
+        """The device left Ready (or the job's generation ended) before ``infer`` took
+        ``job``: it waits for the next generation if it may, else it ends 503."""
+        life = self.core.life
+        if self.core.holdable(job) and not life.closing:
+            self._hold([job])
+            return
+        self.outcomes.fail_before_submit(job, Unavailable(
+            f"device left Ready ({life.state}) before the job was submitted",
+            retry_after_s=life.retry_after_s, **job_ctx(job, "submit")))
+
     def _rows_not_submitted(self, rows: list[JobContext], rc: int | None) -> None:
         """``infer`` did not take the job: each row ends (or waits, or goes back) as a job
         alone would (:meth:`submit`, :meth:`_submit_failed`); the policy sees it once."""
-        core, life, outcomes, leader = self.core, self.core.life, self.outcomes, rows[0]
+        core, outcomes, leader = self.core, self.outcomes, rows[0]
         if rc is None:
             for row in rows:
-                if core.holdable(row) and not life.closing:
-                    self._hold([row])
-                else:
-                    outcomes.fail_before_submit(row, Unavailable(
-                        f"device left Ready ({life.state}) before the job was submitted",
-                        retry_after_s=life.retry_after_s, **job_ctx(row, "submit")))
+                self._left_ready(row)
             return
         now = core.clock.now()
         err = from_calrt(rc, "submit", **job_ctx(leader, None))
@@ -618,11 +587,13 @@ class Submission:
             self.outcomes.finish(job, err, "failed")
 
     def release_inflight(self, job: JobContext,
-                         riders: list[JobContext] | None = None) -> None:
+                         riders: list[JobContext] | None = None) -> bool:
         """The job no longer occupies the device: off the on-device list (with the
         ``riders`` of its batch), its in-flight slot given back (idempotent), whoever
-        drives the pipeline told."""
+        drives the pipeline told. True if a queued job may be submitted at once (the
+        complete step then hands off: ``Hooks.hand_off``)."""
         core = self.core
+        hand_off = False
         with core.lock:
             for j in (job, *(riders or ())):
                 if j in self._on_device:
@@ -633,10 +604,11 @@ class Submission:
                 for engine, holder in list(self._engine_busy.items()):
                     if holder is job:
                         del self._engine_busy[engine]
-                core.hooks.device_freed(not core.life.closing and self.submittable_now())
+                hand_off = not core.life.closing and self.submittable_now()
                 if self._submit_q or core.life.closing:
                     core.hooks.work_queued()
         core.hooks.changed()
+        return hand_off
 
     # ---- the completion queue ------------------------------------------------------
     def pop_completion(self) -> JobContext | None:
@@ -657,6 +629,51 @@ class Submission:
             jobs = list(self._complete_q) + list(self._on_device)
             self._complete_q.clear()
         return jobs
+
+
+def _fit_graph(job: JobContext) -> list[JobContext]:
+    """Move ``job`` (and the rows it leads) to the cheapest graph that covers the
+    step, by the measured costs (calfsm/engine/shapes.py): a free slot of that graph
+    on the same engine is leased, the job's row written into it from the slot it was
+    prepared in (which goes back), its KV sequence and CSRs set. The KV is the
+    sequence's, whichever graph wrote it (the evidence proved it continues
+    bit-exact). No free slot there: the next cheapest that has one; none at all
+    (every covering slot busy), it runs alone where it is: the rows it leads are
+    returned, for the submit queue."""
+    epoch = job.epoch
+    buckets = epoch.buckets
+    assert buckets is not None and job.lease is not None
+    rows = job.batch if job.batch is not None else [job]
+    current = job.lease.slot
+    context = max(int(r.lease.slot.positions[r.token_count - 1]) + 1
+                  for r in rows if r.lease is not None)
+    tried: set[str] = set(epoch.graph_failures)
+    while (best := buckets.choose(len(rows), context, exclude=tried)) is not None:
+        if best.exact_name == current.contract.exact_name:
+            return []           # prepared in it: runs where it is
+        tried.add(best.exact_name)
+        try:
+            moved = epoch.pool.acquire(TaskKind.DECODE, current.engine,
+                                       graph=best.exact_name)
+        except ResourceExhausted:
+            continue            # none free now: the next cheapest
+        except CalfsmError:
+            return []           # the generation retired: the submit below says so
+        try:
+            moved.bind(job_id=job.job_id, seq_id=job.seq_id)
+            moved.load_row(0, current, job.seq_id, job.token_count, job_id=job.job_id)
+        except CalfsmError as e:
+            log.warning("job %s not moved to %s: %s", job.job_id, best.exact_name, e,
+                        extra=e.context())
+            epoch.pool.release(moved)
+            break
+        prepared, job.lease = job.lease, moved
+        epoch.pool.release(prepared)
+        return []
+    if len(rows) > current.contract.max_batch:     # it cannot carry them: alone
+        _unbatch(rows)
+        return rows[1:]
+    return []
 
 
 def _unbatch(rows: list[JobContext]) -> None:

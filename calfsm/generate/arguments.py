@@ -13,7 +13,7 @@ before anything of size ``n`` is built.
 
 The rules (the library's :meth:`DeviceExecutor.generate
 <calfsm.executor.DeviceExecutor.generate>`, :meth:`Sequence.generate
-<calfsm.generate.streams.Sequence.generate>` and :class:`~calfsm.llama.LlamaContext` call them, and
+<calfsm.generate.sequence.Sequence.generate>` and :class:`~calfsm.llama.LlamaContext` call them, and
 the server's :mod:`calfsm.serve.protocol` calls the same functions, answering 400 with the
 field as ``param``):
 

@@ -2,7 +2,7 @@
 
 Theory of operation
 -------------------
-A :class:`~calfsm.generate.streams.Stream` is the consumer's face (events, result, cancel); its
+A :class:`~calfsm.generate.stream.Stream` is the consumer's face (events, result, cancel); its
 :class:`Flow` holds what the next device step needs and nothing else: the step in flight
 and the position its token goes to, the successor prepared ahead while it runs (overlap
 scheduling: a slot leased, inputs written, the token a placeholder), the two logits rows
@@ -81,6 +81,9 @@ class Flow:
         self.resumes = 0
         #: after a replay, the token the replay must reproduce (the last one delivered)
         self.replay_check: int | None = None
+        #: the stream will not go on (cancelled, or ending): nothing more is staged. Set
+        #: by the stream, holding the lock the two share
+        self.stopping = False
 
     @property
     def ended(self) -> bool:
@@ -104,18 +107,18 @@ class Flow:
     def handed_on(self, handle: JobHandle, request: Request) -> None:
         """``request`` is the step in flight now (called with the lock held)."""
         self.inflight = handle
-        self.next_pos = request.past_len + request.token_count
+        self.next_pos = request.past_len + len(request.tokens)     # its token_count
         if request.kind is TaskKind.DECODE and self.state != _F.ENDED:
             _fire(self, "advance")
 
     # ---- overlap: the successor prepared ahead -------------------------------------
-    def stage_next(self, make: Callable[[int, np.ndarray], Request],
-                   stopping: Callable[[], bool]) -> None:
-        """Prepare the decode that will carry the in-flight step's token. ``make(pos,
-        row)`` builds its request (token a placeholder); ``stopping()`` (lock held): the
-        stream will not go on. Runs deferred, off the completion path."""
+    def stage_next(self, *, deadline_s: float | None, priority: int,
+                   request_id: str | None) -> None:
+        """Prepare the decode that will carry the in-flight step's token (its token a
+        placeholder; the stream's ``deadline_s`` left, ``priority`` and ``request_id``).
+        Runs deferred, off the completion path."""
         with self._lock:
-            if stopping() or self.state not in (_F.PREFILLING, _F.DECODING):
+            if self.stopping or self.state not in (_F.PREFILLING, _F.DECODING):
                 return
             pos = self.next_pos
             inflight = self.inflight
@@ -126,11 +129,13 @@ class Flow:
         if inflight is None or inflight.state in (JobState.CREATED, JobState.STAGED) \
                 or inflight.done():
             return
-        staged = self._port.stage(make(pos, self.row()))
+        staged = self._port.stage(Request.decode(
+            self.seq_id, 0, pos, target=self.row(), deadline_s=deadline_s,
+            priority=priority, request_id=request_id))
         if staged is None:
             return
         with self._lock:
-            keep = not stopping() and self.state in (_F.PREFILLING, _F.DECODING) \
+            keep = not self.stopping and self.state in (_F.PREFILLING, _F.DECODING) \
                 and self.next_pos == pos and self._handed < pos and not self._taken(pos)
             if keep:
                 self._staged, self._staged_pos = staged, pos

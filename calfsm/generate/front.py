@@ -1,7 +1,7 @@
 """What the sequences and streams of one executor share above the engine.
 
 :class:`Front` is built by the facade (:class:`~calfsm.executor.DeviceExecutor`) and
-handed to every :class:`~calfsm.generate.streams.Sequence` it opens: the engine's job
+handed to every :class:`~calfsm.generate.sequence.Sequence` it opens: the engine's job
 face (:class:`~calfsm.engine.face.JobFace`), the live requests and streams by id, the
 tokenizer, and the one way a job is accepted from above the engine (booked by request
 id, a refusal reported to the observers). The facade's own ``enqueue`` entries go

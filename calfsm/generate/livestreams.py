@@ -53,7 +53,7 @@ def stream_work_s(service: ServiceModel, *, prompt_tokens: int, left: int,
 
 
 class Stream(Protocol):
-    """What the estimate needs of a stream (:class:`calfsm.generate.streams.Stream` is one)."""
+    """What the estimate needs of a stream (:class:`calfsm.generate.stream.Stream` is one)."""
 
     def remaining_work(self, service: ServiceModel) -> tuple[float, float]: ...
 

@@ -111,6 +111,29 @@ class Penalties:
         """The tokens generated so far in ``tokens`` (the history)."""
         return max(0, len(tokens) - self._prompt_len)
 
+    def native_args(self, tokens: Sequence[int]) -> tuple[float, float, float, np.ndarray | None,
+                                                          np.ndarray | None,
+                                                          np.ndarray | None,
+                                                          np.ndarray | None]:
+        """What :meth:`apply` would do for the token after ``tokens``, for the native
+        tail (calfsm/engine/tail.py) to do: ``(repetition, frequency, presence, seen ids,
+        output ids, their counts, banned ids)``, the factors as float32 values (1, 0, 0:
+        off) and None for an array with nothing to do. The arrays are views of this
+        state: valid until the next call."""
+        if self._reads:
+            self._count(tokens)
+        rep = self._rep
+        seen = self._seen[:self._seen_n] if rep is not None and self._seen_n else None
+        n = self._n
+        moves = n and (self._freq is not None or self._pres is not None)
+        banned = self._mask if self._min and self._mask.shape[0] \
+            and self.output_len(tokens) < self._min else None
+        return (float(rep) if rep is not None else 1.0,
+                float(self._freq) if self._freq is not None else 0.0,
+                float(self._pres) if self._pres is not None else 0.0,
+                seen, self._ids[:n] if moves else None,
+                self._counts[:n] if moves else None, banned)
+
     def apply(self, row: np.ndarray, tokens: Sequence[int]) -> None:
         """Change ``row`` (float32, the vocabulary) in place for the token after
         ``tokens`` (the prompt, then the output)."""

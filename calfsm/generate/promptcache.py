@@ -94,7 +94,7 @@ class PromptCacheStats:
 
 
 class CachedSequence(Protocol):
-    """What the cache uses of a sequence (:class:`calfsm.generate.streams.Sequence` is one; the
+    """What the cache uses of a sequence (:class:`calfsm.generate.sequence.Sequence` is one; the
     streams sit above this module, so it is named by what it offers)."""
 
     seq_id: int

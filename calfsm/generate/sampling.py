@@ -72,6 +72,10 @@ import attrs
 import numpy as np
 
 from calfsm import _native
+from calfsm.engine.tail import DRAW, GREEDY, TailRow, native_tail_available
+from calfsm.engine.tail import EDRAW as TAIL_EDRAW
+from calfsm.engine.tail import OK as TAIL_OK
+from calfsm.engine.tail import UNUSABLE as TAIL_UNUSABLE
 from calfsm.errors import (
     CalfsmError,
     ErrorCategory,
@@ -425,8 +429,8 @@ class Sampler:
     """
 
     __slots__ = ("_bitgen", "_con", "_con_start", "_ends", "_inv_t", "_kernel", "_mode",
-                 "_p_q", "_pen", "_procs", "_scratch", "_top_k", "_user", "params", "plain",
-                 "vocab")
+                 "_p_q", "_pen", "_procs", "_scratch", "_tail", "_top_k", "_user", "params",
+                 "plain", "tail_capable", "vocab")
 
     def __init__(self, params: SamplingParams, vocab: int, *,
                  native: bool | None = None, prompt_len: int = 0,
@@ -481,6 +485,7 @@ class Sampler:
         self.plain = not self._procs and self._pen is None and params.logprobs is None \
             and self._con is None
         self._scratch: np.ndarray | None = None
+        self._tail: Any = _AUTO
         self._user = params.sampler
         self._bitgen = None
         self._kernel = None
@@ -504,6 +509,51 @@ class Sampler:
                 except _native.BuildError as e:
                     raise Incompatible(f"the native sampling kernel is not available: {e}",
                                        stage=_STAGE) from None
+        #: whether the native tail (calfsm/engine/tail.py) can choose this sampler's
+        #: tokens: greedy or a built-in draw on the kernel, no logits processors, no
+        #: logprobs (those rows are converted natively and sampled here)
+        self.tail_capable = (self._mode == "greedy" or (self._mode == "draw"
+                                                        and self._kernel is not None)) \
+            and not self._procs and params.logprobs is None and native is not False \
+            and self._con is None       # a constraint's mask: TailRow.allow, not yet wired
+
+    # ---- the native tail: the token chosen in the completion's one native call -----
+    def tail_row(self, tokens: Sequence[int] = ()) -> TailRow | None:
+        """This sampler's row of the native tail, set for the token after ``tokens``
+        (the penalties counted, as :meth:`sample` would), or None: the token is chosen
+        by :meth:`sample` (not :attr:`tail_capable`, or no native tail). After the call,
+        :meth:`tail_token` reads the token."""
+        row = self._tail
+        if row is _AUTO:
+            row = self._tail = self._make_tail_row()
+        if row is None:
+            return None
+        pen = self._pen
+        if pen is not None:
+            row.penalties(*pen.native_args(tokens))
+        return row
+
+    def _make_tail_row(self) -> TailRow | None:
+        if not self.tail_capable or not native_tail_available():
+            return None
+        if self._mode == "greedy":
+            return TailRow(self.vocab, GREEDY)
+        return TailRow(self.vocab, DRAW, inv_temp=self._inv_t, top_k=self._top_k,
+                       top_p_q32=self._p_q, bitgen=self._bitgen)
+
+    def tail_token(self, row: TailRow) -> int | None:
+        """The token the native tail chose with ``row`` (this sampler's), raising what
+        :meth:`sample` raises for the same row; None when the tail did not run it (then
+        nothing was drawn: :meth:`sample` chooses)."""
+        c = row.c
+        status = c.status
+        if status == TAIL_OK:
+            return int(c.token)
+        if status == TAIL_UNUSABLE:     # ``bad``: the row's maximum, as float32 bits
+            raise unusable_row(float(np.uint32(int(c.bad)).view(_F32)))
+        if status == TAIL_EDRAW:
+            raise _draw_error(int(c.token))
+        return None
 
     @property
     def uses_native_kernel(self) -> bool:

@@ -60,7 +60,7 @@ from calfsm.runtime.stepper import StepScheduler
 
 if TYPE_CHECKING:
     from calfsm.executor import DeviceExecutor
-    from calfsm.generate.streams import Sequence
+    from calfsm.generate.sequence import Sequence
 
 __all__ = ["DecodeResult", "LlamaContext", "decode", "decode_sync"]
 

@@ -81,11 +81,8 @@ class ThreadRuntime(_Runtime):
         self._threads: list[threading.Thread] = []
         self._recoveries: list[threading.Thread] = []
         self._recovery_lock = threading.Lock()
-        self._completion_thread: threading.Thread | None = None
-        self._yield = False
         self._close_deadline = math.inf
         self._stopping = False        # stop(): the admission thread may leave when idle
-        control.on_recovery_due = self._start_recovery
         life.on_change(self._wake_all)
 
     # ---- starting and stopping -----------------------------------------------------
@@ -95,8 +92,6 @@ class ThreadRuntime(_Runtime):
                            ("admission", self._admission_loop)):
             t = threading.Thread(target=self._guard, args=(name, loop),
                                  name=f"calfsm-{name}", daemon=True)
-            if name == "completion":
-                self._completion_thread = t
             t.start()
             self._threads.append(t)
 
@@ -152,16 +147,6 @@ class ThreadRuntime(_Runtime):
 
     # ---- hooks (called by the pipeline) --------------------------------------------
     def work_queued(self) -> None:
-        # a stream's next step, queued by the completion thread while the device idles:
-        # let the submitter call infer before this thread goes on (delivering the token,
-        # returning the lease), as when it frees the device with a job queued
-        # (not while the submitter holds a batch back for the rows this thread is about
-        # to queue: it would only wait for a submit that comes after them)
-        if not self._yield and threading.current_thread() is self._completion_thread \
-                and self.pipeline.inflight < self.pipeline.max_inflight \
-                and self.pipeline.device.submittable():
-            self._submitted_bell.wait(0)      # only a submit after this ring counts
-            self._yield = True
         self._submit_bell.ring()
 
     def job_submitted(self) -> None:
@@ -170,17 +155,14 @@ class ThreadRuntime(_Runtime):
     def job_parked(self) -> None:
         self._admit_bell.ring()
 
-    def device_freed(self, hand_off: bool) -> None:
-        if hand_off and threading.current_thread() is self._completion_thread:
-            self._submitted_bell.wait(0)      # only a submit after this ring counts
-            self._yield = True
-
-    def after_device_freed(self) -> None:
-        if self._yield:
-            self._yield = False
+    def hand_off(self) -> None:
+        # only the complete step calls this, so this is the completion thread: it freed
+        # the device with a job queued, or queued a stream's next step. Let the
+        # submitter call infer before this thread goes on (delivering the token,
+        # returning the lease), bounded; not while the submitter holds a batch back for
+        # rows still to come (submittable() says no then: it would only wait for them)
+        if self.pipeline.device.submittable():
             self._submitted_bell.wait(_YIELD_TO_SUBMITTER_S)
-
-    after_work_queued = after_device_freed
 
     def changed(self) -> None:
         with self._cond:
@@ -239,6 +221,8 @@ class ThreadRuntime(_Runtime):
                     and job.ended:
                 p.completion.drop_completion(job)
                 return              # abandon a zombie: the device never let it go
+            # only a submit after this step began counts for its hand_off()
+            self._submitted_bell.wait(0)
             p.completion.run_completion(job)
 
     def _admission_loop(self) -> None:
@@ -262,9 +246,10 @@ class ThreadRuntime(_Runtime):
             self._admit_bell.wait(wait)
 
     # ---- recovery ------------------------------------------------------------------
-    def _start_recovery(self) -> None:
-        """A drain wants a recovery: run it on its own thread once drained. The thread
-        is started before it is recorded, so close() never joins an unstarted one."""
+    def recovery_wanted(self) -> None:
+        """A drain wants a recovery (a hook): run it on its own thread once drained. The
+        thread is started before it is recorded, so close() never joins an unstarted
+        one."""
         with self._recovery_lock:
             if self.life.closing:
                 return
@@ -307,19 +292,21 @@ class Steps:
         timer). One look at the parts: the scheduler asks at every step, so this is on
         every token's way and asks each part once."""
         p = self.pipeline
-        admission, device = p.admission, p.device
+        now = self.clock.now()
+        parked_expired, admit, deferred = p.admission.due(now)
+        queued_expired, submit, complete = p.device.due(now)
         acts = []
-        if p.next_deadline() <= self.clock.now():
+        if parked_expired or queued_expired:
             acts.append("expire")
-        if admission.can_admit():
+        if admit:
             acts.append("admit")
-        if device.submittable():
+        if submit:
             acts.append("submit")
-        if device.has_completions():
+        if complete:
             acts.append("complete")
         if self.control.recovery_due():
             acts.append("recover")
-        if admission.has_deferred():
+        if deferred:
             acts.append("deferred")
         return acts
 

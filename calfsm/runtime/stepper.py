@@ -65,7 +65,7 @@ class StepScheduler:
     # ---- running -------------------------------------------------------------------
     def step(self) -> str | None:
         """Run one enabled action (or a clock jump). None when nothing can ever move."""
-        acts = self.enabled()
+        acts = self.enabled()       # a subclass may hold actions back (tests do)
         if not acts:
             return self._advance()
         if acts[0] == "expire":          # a timer: it fires before anything else may run

@@ -79,7 +79,7 @@ from calfsm.executor import DeviceExecutor
 from calfsm.generate.arguments import ContextLimits
 from calfsm.generate.constraint import constraints_available
 from calfsm.generate.constraint import warm as warm_constraints
-from calfsm.generate.streams import Stream
+from calfsm.generate.stream import Stream
 from calfsm.generate.tokenizer import Tokenizer
 from calfsm.manifest import TaskKind
 from calfsm.request import check_request_id

@@ -37,7 +37,7 @@ from calfsm.engine.observe import Observer
 from calfsm.serve.httperrors import ApiError
 
 if TYPE_CHECKING:
-    from calfsm.generate.streams import GenerationResult, Stream
+    from calfsm.generate.stream import GenerationResult, Stream
 
 __all__ = ["RETRY_AFTER_S", "ClientBooks", "ClientUsage", "default_client_limit"]
 

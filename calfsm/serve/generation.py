@@ -1,6 +1,6 @@
 """The choices of one request, each a library stream, read as text pieces.
 
-:class:`Choice` owns one :class:`~calfsm.generate.streams.Stream` (``executor.generate``: a
+:class:`Choice` owns one :class:`~calfsm.generate.stream.Stream` (``executor.generate``: a
 sequence of its own, released when the stream ends) and turns its token events into
 :class:`Piece`\\ s of text for the client: the events' own text when the executor has
 a tokenizer, else through the byte-level decoder. Stop strings are the stream's own
@@ -25,7 +25,7 @@ import attrs
 from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult, Stream, TokenEvent
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream, TokenEvent
 from calfsm.generate.tokenizer import ByteDecoder
 
 __all__ = ["Choice", "Piece", "merged"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from calfsm.generate.streams import TokenEvent
+from calfsm.generate.stream import TokenEvent
 from calfsm.serve.generation import Piece
 from calfsm.serve.tokenizer import token_bytes, token_label
 

@@ -12,7 +12,7 @@ Two sources, so a scrape costs the executor nothing it does not already keep:
 - **events** (:class:`~calfsm.engine.observe.Observer`): the histograms and the per-event
   counters are fed when a job or a stream ends, from the job's own
   :class:`~calfsm.engine.job.JobTimings` and the stream's
-  :class:`~calfsm.generate.streams.GenerationResult` (spec 10.3: per-job timings, aggregated into
+  :class:`~calfsm.generate.stream.GenerationResult` (spec 10.3: per-job timings, aggregated into
   histograms when the request ends). They count from the moment the metrics attach.
 - **the executor's own books**, read at scrape time by a custom collector:
   ``executor.stats()`` (the job, error, recovery and stale-completion counters, since
@@ -41,7 +41,7 @@ except ImportError as e:        # pragma: no cover - the extra is part of dev
 from calfsm.engine.observe import JOB_OUTCOMES, REJECTION_REASONS, DeviceStep, JobEnded, Observer
 from calfsm.errors import ErrorCategory, ResourceExhausted
 from calfsm.generate.promptcache import EVICTION_CAUSES, PromptCacheStats
-from calfsm.generate.streams import FinishReason
+from calfsm.generate.stream import FinishReason
 from calfsm.machines.lifecycle import LifecycleState
 from calfsm.manifest import TaskKind
 
@@ -50,7 +50,7 @@ if TYPE_CHECKING:
     from calfsm.config import ExecutorStats
     from calfsm.engine.epoch import Epoch
     from calfsm.engine.lifecycle import Lifecycle
-    from calfsm.generate.streams import GenerationResult, Stream
+    from calfsm.generate.stream import GenerationResult, Stream
 
 __all__ = ["DEVICE_BUCKETS", "E2E_BUCKETS", "REJECTIONS", "TPOT_BUCKETS", "TTFT_BUCKETS",
            "ExecutorMetrics"]

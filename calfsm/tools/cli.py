@@ -8,7 +8,7 @@ executor runs in step mode and the sequences take turns on one thread, interleav
 same table every time, faults included. In real time (``--latency real``, a vendor
 device) the executor is threaded and each sequence has a request thread of its own.
 On the ``streams`` path (the default) each prompt is a
-:class:`~calfsm.generate.streams.Stream` on a sequence of its own: the library samples each token
+:class:`~calfsm.generate.stream.Stream` on a sequence of its own: the library samples each token
 and enqueues the next step; the ``jobs`` path is the hand-written loop of one enqueue and
 result per step, sampled and stopped alike, to compare with. It shows a progress bar
 (stderr) and ends with a table (stdout): every prompt and job it tried with its outcome —
@@ -351,7 +351,7 @@ def _back_off(ex: DeviceExecutor, error: Unavailable) -> Steps[None]:
 def _stream_prompt(ex: DeviceExecutor, index: int, prompt: list[int],
                    params: SamplingParams, resume: bool, tally: _Tally
                    ) -> Steps[CalfsmError | None]:
-    """One prompt as a :class:`~calfsm.generate.streams.Stream` on a sequence of its own; the
+    """One prompt as a :class:`~calfsm.generate.stream.Stream` on a sequence of its own; the
     error that ended it, or None."""
     try:
         with ex.open_sequence() as seq:

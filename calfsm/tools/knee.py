@@ -34,7 +34,7 @@ import attrs
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import Stream
+from calfsm.generate.stream import Stream
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler
 from calfsm.telemetry.goodput import GoodputReport, RequestRecord, summarize

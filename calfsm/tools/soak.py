@@ -60,7 +60,7 @@ from calfsm.errors import (
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult, Stream
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream
 from calfsm.manifest import (
     Manifest,
     TaskKind,

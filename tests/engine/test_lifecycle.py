@@ -117,6 +117,10 @@ class FakePipeline:
         self.errors: list[CalfsmError] = []
         self.counted: list[str] = []
         self.on_device = False
+        self.recoveries_wanted = 0
+
+    def recovery_wanted(self) -> None:
+        self.recoveries_wanted += 1
 
     @property
     def inflight(self) -> int:
@@ -160,17 +164,13 @@ class Control:
         self.clock = self.driver.clock
         self.life = Lifecycle(self.clock, THREADS)
         self.pipeline = FakePipeline()
-        self.recovery_due_calls = 0
         self.device = DeviceLifecycle(
             self.driver, self.life, FaultPolicy(RecoveryPolicy(**policy), sync=THREADS),
             self.pipeline,
             build=epoch_builder(self.driver, max_inflight=1, slots_per_engine=2,
                                 token_budget=None, engines=(EngineSlot.AUTO,), sync=THREADS),
             warmup=True, service=ServiceModel(TINY.timing, execution_timeout_s=None))
-        self.device.on_recovery_due = self._due
 
-    def _due(self) -> None:
-        self.recovery_due_calls += 1
 
 
 def test_start_configures_warms_and_reaches_ready_on_generation_1():
@@ -190,7 +190,7 @@ def test_a_drain_holds_the_waiting_work_then_recovery_brings_up_generation_2():
     c.pipeline.on_device = True
     assert c.device.begin_drain("a test fault")
     assert not c.device.begin_drain("again")        # only from Ready
-    assert c.life.state == "Draining" and c.recovery_due_calls == 1
+    assert c.life.state == "Draining" and c.pipeline.recoveries_wanted == 1
     assert c.pipeline.asked == ["hold_waiting", "wake_waiters"]
     assert isinstance(c.pipeline.errors[0], Unavailable)
     assert not c.device.recovery_due()              # a job still holds the device ...
@@ -214,4 +214,4 @@ def test_a_stop_decision_fails_the_device_and_every_waiting_job():
     assert c.life.state == "Failed" and "runtime too old" in c.life.reason
     assert c.pipeline.asked == ["fail_waiting"]
     assert isinstance(c.pipeline.errors[0], Unavailable)
-    assert c.recovery_due_calls == 0 and not c.device.recovery_due()
+    assert c.pipeline.recoveries_wanted == 0 and not c.device.recovery_due()

@@ -1,14 +1,8 @@
-"""Sequences and generation streams: the library owns a request's whole life.
+"""Generation streams: the library owns a request's whole life, on a sequence
+(:mod:`calfsm.generate.sequence`).
 
 Theory of operation
 -------------------
-:class:`Sequence` is a KV sequence id handed out by ``executor.open_sequence()`` from the
-executor's allocator. It knows its position (how many tokens its KV holds), runs one job
-at a time (a second one is refused), and follows the sequence machine
-(:mod:`calfsm.machines.sequence`): Open, Busy, Lost (a reset lost its KV), Closing,
-Released. Closing waits for its last job to end — one cancelled after submit included —
-then releases the KV and gives the id back.
-
 :class:`Stream` generates tokens on a sequence: a prefill of the prompt, then one decode
 per token, each sampled (:mod:`calfsm.generate.sampling`: the logits processors, and logprobs
 into the token's event, when the params ask for them) from the float32 row of the job
@@ -46,9 +40,10 @@ with a retryable :class:`~calfsm.errors.Unavailable`.
 
 from __future__ import annotations
 
-import itertools
+import functools
 import logging
 import math
+import operator
 import threading
 from collections import deque
 from collections.abc import Callable
@@ -59,17 +54,14 @@ import attrs
 import numpy as np
 
 from calfsm.engine.job import JobContext, JobHandle, Successor, drop_tracebacks
-from calfsm.engine.kv import SeqState
 from calfsm.engine.results import FinishReason, GenerationResult, TokenEvent, Usage
 from calfsm.errors import (
     CalfsmError,
     Cancelled,
     DeadlineExceeded,
     ErrorCategory,
-    FailedPrecondition,
     Internal,
     InvalidArgument,
-    ResourceExhausted,
     Unavailable,
 )
 from calfsm.generate.arguments import (
@@ -86,7 +78,7 @@ from calfsm.generate.processors import TokenHistory
 from calfsm.generate.sampling import Sampler, SamplingParams
 from calfsm.generate.stopstrings import StopStrings
 from calfsm.generate.tokenizer import IncrementalDecoder, encode_prompt, incremental_decoder
-from calfsm.machines.sequence import SEQUENCE_MACHINE, SequenceState
+from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
 from calfsm.util.lazy import asyncio_module
@@ -95,15 +87,48 @@ from calfsm.util.lograte import RateLimitedLog
 if TYPE_CHECKING:
     import asyncio
 
-__all__ = ["FinishReason", "GenerationResult", "Sequence", "SequenceAllocator", "Stream",
+__all__ = ["FinishReason", "GenerationResult", "Keeper", "Stream", "StreamSequence",
            "TokenEvent", "Usage"]
 
 log = logging.getLogger("calfsm.streams")
+#: a stream without a deadline of its own (its steps then get none: no call to say so)
+_NO_DEADLINE = math.inf
 #: the warnings a fault storm repeats, a burst per minute each (calfsm/util/lograte.py)
 _limited = RateLimitedLog(log)
 
-_fire = SEQUENCE_MACHINE.fire
-_fire_if = SEQUENCE_MACHINE.fire_if_declared
+
+class StreamSequence(Protocol):
+    """What a stream uses of the sequence it generates on
+    (:class:`~calfsm.generate.sequence.Sequence` is one): its jobs, the staging of its
+    next step (through its :class:`~calfsm.generate.flow.Flow`), its reset and release."""
+
+    seq_id: int
+    state: str
+    #: what the executor's sequences and streams share (calfsm/generate/front.py)
+    front: Front
+
+    @property
+    def position(self) -> int: ...
+
+    def run(self, request: Request, *, continuing: bool = False) -> JobHandle: ...
+
+    def stage(self, request: Request) -> JobHandle | None: ...
+
+    def discard(self, staged: JobHandle) -> None: ...
+
+    def defer(self, fn: Callable[[], None]) -> None: ...
+
+    def release(self, staged: JobHandle, request: Request) -> JobHandle | None: ...
+
+    def follow(self, staged: JobHandle, *, after: JobHandle) -> bool: ...
+
+    def idle(self) -> bool: ...
+
+    def when_idle(self, fn: Callable[[], None]) -> None: ...
+
+    def reset(self) -> None: ...
+
+    def close_when_done(self) -> None: ...
 
 
 class Keeper(Protocol):
@@ -112,363 +137,23 @@ class Keeper(Protocol):
     no job of it is left running, and the stream's prompt and drawn tokens, of which its
     KV holds the first ``sequence.position``. It keeps the sequence or releases it."""
 
-    def keep(self, sequence: Sequence, tokens: tuple[int, ...]) -> None: ...
+    def keep(self, sequence: StreamSequence, tokens: tuple[int, ...]) -> None: ...
 
 
-class SequenceAllocator:
-    """Sequence ids ``0 .. limit-1``, lowest free first; thread-safe."""
-
-    def __init__(self, limit: int) -> None:
-        if limit < 1:
-            raise InvalidArgument(f"max_sequences must be >= 1, got {limit}",
-                                  stage="config")
-        self.limit = limit
-        self._free = list(range(limit - 1, -1, -1))     # a stack, lowest id on top
-        self._lock = threading.Lock()
-
-    def take(self) -> int:
-        with self._lock:
-            if not self._free:
-                raise ResourceExhausted(f"all {self.limit} sequence ids are open",
-                                        stage="open_sequence", retry_after_s=0.1)
-            return self._free.pop()
-
-    def give_back(self, seq_id: int) -> None:
-        with self._lock:
-            self._free.append(seq_id)
-            self._free.sort(reverse=True)
-
-    @property
-    def in_use(self) -> int:
-        with self._lock:
-            return self.limit - len(self._free)
-
-
-class Sequence:
-    """One KV sequence of an executor: position, one job at a time, release on close.
-
-    Use as a context manager (``with ex.open_sequence() as seq`` or ``async with``)."""
-
-    def __init__(self, front: Front, seq_id: int, allocator: SequenceAllocator) -> None:
-        #: what the executor's sequences and streams share (calfsm/generate/front.py)
-        self.front = front
-        self.seq_id = seq_id
-        self._jobs = front.jobs         # the engine's job face: jobs, staging, the epoch
-        self._life = front.lifecycle
-        self.state: str = SequenceState.OPEN.value
-        self._allocator = allocator
-        self._lock = threading.Condition(threading.Lock())
-        self._position = 0
-        self._last: JobHandle | None = None
-        #: the job ``_last`` was booked to follow (:meth:`follow`) until it has ended: a
-        #: step that fails as it is released ends before the step it follows
-        self._prev: JobHandle | None = None
-        #: a job is being started (Busy, not yet in ``_last``): close() waits for it
-        self._starting = False
-        self._settled: JobHandle | None = None      # the last job already booked
-
-    @property
-    def position(self) -> int:
-        """Tokens the sequence's KV holds: the next token goes at this position."""
-        return self._position
-
-    @property
-    def last_job(self) -> JobHandle | None:
-        """The handle of the sequence's most recent job (None before the first)."""
-        return self._last
-
-    # ---- jobs ----------------------------------------------------------------------
-    def prefill(self, tokens: Seq[int], **kw: Any) -> JobHandle:
-        """A prefill of ``tokens`` after what the sequence holds."""
-        return self.run(Request.prefill(self.seq_id, tokens, past_len=self._position, **kw))
-
-    def decode(self, token: int, **kw: Any) -> JobHandle:
-        """One decode step of ``token`` at the sequence's position."""
-        return self.run(Request.decode(self.seq_id, token, self._position, **kw))
-
-    def run(self, request: Request, *, continuing: bool = False) -> JobHandle:
-        """Enqueue ``request`` (of this sequence) without blocking; refused while busy,
-        lost or closed. ``continuing``: the next step of a running stream (never refused
-        by ``max_waiting``, still admitted during a graceful shutdown)."""
-        if request.seq_id != self.seq_id:
-            raise InvalidArgument(f"request for sequence {request.seq_id} run on sequence "
-                                  f"{self.seq_id}", stage="sequence", seq_id=self.seq_id)
-        with self._lock:
-            self._settle_finished_locked()
-            self._check_lost_locked()
-            state = self.state
-            if state != SequenceState.OPEN:
-                cls = FailedPrecondition
-                raise cls(f"sequence {self.seq_id} is {state}"
-                          + (": one job at a time" if state == SequenceState.BUSY else ""),
-                          stage="sequence", seq_id=self.seq_id)
-            _fire(self, "start_job")
-            self._starting = True
-        try:
-            handle = self.front.enqueue_nowait(request, continuing=continuing)
-        except BaseException:
-            with self._lock:
-                _fire_if(self, "job_ended")
-                self._started_locked(None)
-            raise
-        with self._lock:
-            self._started_locked(handle)
-        handle.add_done_callback(self._job_done)
-        return handle
-
-    def _started_locked(self, handle: JobHandle | None) -> None:
-        """The job being started is ``_last`` now (or none was): a close() waiting to
-        know which job to wait for may go on."""
-        if handle is not None:
-            self._last = handle
-        self._starting = False
-        self._lock.notify_all()
-
-    def stage(self, request: Request) -> JobHandle | None:
-        """Prepare this sequence's next step while its current one runs (overlap
-        scheduling); None if it cannot be prepared now."""
-        if request.seq_id != self.seq_id or self.state == SequenceState.LOST:
-            return None
-        return self._jobs.stage(request)
-
-    def discard(self, staged: JobHandle) -> None:
-        """A step prepared by :meth:`stage` that will not run: its slot comes back."""
-        self._jobs.discard(staged)
-
-    def defer(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` soon on the executor's admission side, outside every lock."""
-        self._jobs.defer(fn)
-
-    def release(self, staged: JobHandle, request: Request) -> JobHandle | None:
-        """Run a staged step with its real request; None (nothing run) if the sequence
-        cannot take it now or the step is gone — the caller then runs it the ordinary
-        way."""
-        with self._lock:
-            ok = not self._kv_lost() and self.state == SequenceState.OPEN
-            if ok:
-                _fire(self, "start_job")
-                self._starting = True
-        if not ok:
-            self._jobs.discard(staged)
-            return None
-        if not self._jobs.release(staged, request):
-            with self._lock:
-                _fire_if(self, "job_ended")
-                self._started_locked(None)
-            return None
-        with self._lock:
-            self._started_locked(staged)
-        staged.add_done_callback(self._job_done)
-        return staged
-
-    def follow(self, staged: JobHandle, *, after: JobHandle) -> bool:
-        """Book ``staged`` (a step prepared by :meth:`stage`) as the sequence's job right
-        after ``after``, its running job, whose output is checked and whose handle has
-        not resolved yet: the sequence stays Busy, with no Open in between. The core
-        runs the step (a stream's continuation returns it). False, the step handed
-        back, if the sequence cannot take it (its KV is lost, or ``after`` is not its
-        running job)."""
-        with self._lock:
-            ok = not self._kv_lost() and self.state == SequenceState.BUSY \
-                and self._last is after
-            if ok:
-                self._prev = after
-                self._started_locked(staged)
-        if not ok:
-            self._jobs.discard(staged)
-            return False
-        staged.add_done_callback(self._job_done)
-        return True
-
-    def _check_lost_locked(self) -> None:
-        """A reset lost this sequence's KV while it was idle: say so before a job fails."""
-        if self.state == SequenceState.OPEN and self._kv_lost():
-            _fire(self, "lose")
-        if self.state == SequenceState.LOST:
-            raise Unavailable(f"the KV of sequence {self.seq_id} was lost (a device reset, "
-                              "or a failed step the device may have run); reset() the "
-                              "sequence and send the prompt again",
-                              stage="sequence", seq_id=self.seq_id,
-                              retry_after_s=self._life.retry_after_s)
-
-    def _kv_lost(self) -> bool:
-        epoch = self._life.epoch
-        return epoch is not None and epoch.kv.sequence_state(self.seq_id) is SeqState.UNKNOWN
-
-    def _job_done(self, handle: JobHandle) -> None:
-        with self._lock:
-            self._settle_locked(handle)
-
-    def _settle_finished_locked(self) -> None:
-        """Book the jobs that have ended but whose done-callbacks have not run yet (a
-        caller whose ``result()`` has returned may go on before them), the one a step
-        followed first."""
-        if self.state == SequenceState.BUSY:
-            for job in (self._prev, self._last):
-                if job is not None and job.done():
-                    self._settle_locked(job)
-
-    def _running_locked(self) -> JobHandle | None:
-        """A job of the sequence still running (the device may write its KV), if any."""
-        return next((job for job in (self._prev, self._last)
-                     if job is not None and not job.done()), None)
-
-    def idle(self) -> bool:
-        """No job of the sequence is running, and the ended ones are booked."""
-        with self._lock:
-            self._settle_finished_locked()
-            return self._running_locked() is None
-
-    def when_idle(self, fn: Callable[[], None]) -> None:
-        """Run ``fn()`` once no job of the sequence is left running: now if none is,
-        else from the done-callback of the one running (holding no lock)."""
-        with self._lock:
-            running = self._running_locked()
-        if running is None:
-            fn()
-        else:
-            running.add_done_callback(lambda _handle: self.when_idle(fn))
-
-    def _settle_locked(self, handle: JobHandle) -> None:
-        """Book a finished job once: its position, a lost KV, Busy -> Open. Run by its
-        done-callback, or earlier by the next ``run`` (a caller whose ``result()`` has
-        returned may go on before the callbacks have run)."""
-        if self._settled is handle:
-            return
-        self._settled = handle
-        err = handle.exception(0)
-        if err is None:
-            job = handle.context
-            self._position = job.past_len + job.token_count
-        elif self._kv_lost():
-            _fire_if(self, "lose")
-        if handle is self._prev:        # the step that followed it may have ended first
-            self._prev = None
-            ended = self._last is not None and self._last.done()
-        else:                           # else a step chained after it runs: still Busy
-            ended = handle is self._last and self._prev is None
-        if ended:
-            _fire_if(self, "job_ended")
-
-    def forget_ended_jobs(self) -> None:
-        """Let go of the ended jobs the sequence remembers (their results hold a stream's
-        logits rows) while it is kept idle for later (the prompt cache). No-op while a
-        job runs."""
-        with self._lock:
-            self._settle_finished_locked()
-            if self._running_locked() is None and not self._starting:
-                self._last = self._prev = self._settled = None
-
-    def truncate(self, keep_len: int) -> None:
-        """Drop the KV from position ``keep_len`` on (llama.cpp's ``seq_rm`` of a tail):
-        the next job goes on at ``keep_len``, and a prefill from there equals a fresh
-        run of the shorter history. Nothing changes at or past the position. Refused
-        (FailedPrecondition) while a job runs, and once the KV is lost or the sequence
-        closed."""
-        if isinstance(keep_len, bool) or not isinstance(keep_len, int) or keep_len < 0:
-            raise InvalidArgument(f"keep_len must be an integer >= 0, got {keep_len!r}",
-                                  stage="sequence", seq_id=self.seq_id)
-        with self._lock:
-            self._settle_finished_locked()
-            self._check_lost_locked()
-            if self.state != SequenceState.OPEN or self._running_locked() is not None:
-                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
-                                         stage="sequence", seq_id=self.seq_id)
-            if keep_len < self._position:
-                self._life.epoch.kv.truncate_sequence(self.seq_id, keep_len)
-                self._position = keep_len
-
-    def reset(self) -> None:
-        """Forget the KV (after it was lost, or to start over): position 0, Open."""
-        with self._lock:
-            self._settle_finished_locked()
-            if self.state not in (SequenceState.OPEN, SequenceState.LOST):
-                raise FailedPrecondition(f"sequence {self.seq_id} is {self.state}",
-                                         stage="sequence", seq_id=self.seq_id)
-            self._jobs.reset_sequence(self.seq_id)
-            self._position = 0
-            _fire_if(self, "reset")
-
-    # ---- generation ----------------------------------------------------------------
-    def generate(self, prompt: Seq[int] | str, params: SamplingParams | None = None, *,
-                 deadline_s: float | None = None, resume: bool = True,
-                 max_resumes: int = 2, request_id: str | None = None,
-                 priority: int = 0, arrival: float | None = None) -> Stream:
-        """Start a stream: prefill ``prompt`` (token ids, or text with the executor's
-        tokenizer) after what the sequence holds, then sample and decode until a finish
-        reason. ``priority``: every step's (see :class:`Stream`). A prompt or a
-        ``max_tokens`` the context cannot hold after the sequence's position is refused
-        here, at once (InvalidArgument, :mod:`calfsm.generate.arguments`); ``params`` None: the
-        default ``max_tokens`` clipped to the room left."""
-        return Stream(self, prompt, params, deadline_s=deadline_s,
-                      resume=resume, max_resumes=max_resumes, request_id=request_id,
-                      priority=priority, arrival=arrival)
-
-    # ---- closing -------------------------------------------------------------------
-    def close(self, timeout: float | None = 30.0) -> None:
-        """Wait for the last job to end, release the KV, give the id back. Idempotent."""
-        self._close(timeout, wait=True)
-
-    def close_when_done(self) -> None:
-        """Close without waiting: the KV and the id come back now if the last job has
-        ended, else the moment it ends (a one-shot stream's sequence, at its end)."""
-        self._close(None, wait=False)
-
-    def _close(self, timeout: float | None, *, wait: bool) -> None:
-        with self._lock:
-            if self.state in (SequenceState.CLOSING, SequenceState.RELEASED):
-                return
-            _fire(self, "close")
-            # a job being started now is the one to wait for, not the one before it
-            # (its starter never blocks: this wait is short)
-            self._lock.wait_for(lambda: not self._starting, timeout)
-            jobs = (self._prev, self._last)
-        for job in jobs:
-            if wait and job is not None and not job.done():
-                try:
-                    # exception(), not result(): the job's own error must not be raised
-                    # here, or its traceback would hold this frame (and the sequence)
-                    job.exception(timeout)
-                except CalfsmError:
-                    pass                # a timeout; its outcome is its caller's
-        # the device may still write this sequence's KV until its last job has ended
-        self.when_idle(self._release)
-
-    def _release(self) -> None:
-        """Release the KV and give the id back (the sequence's last job has ended)."""
-        try:
-            # a sequence that ran no job holds no KV: nothing to ask the device
-            if (self._last is not None or self._position) \
-                    and self._life.epoch is not None \
-                    and not self._life.closing:
-                self._jobs.reset_sequence(self.seq_id)
-        except CalfsmError as e:
-            # the text, not the error: a handler that keeps records (pytest's does) would
-            # keep the error's frames, and with them this sequence and its last job
-            log.warning("releasing the KV of sequence %s failed: %s", self.seq_id, str(e),
-                        extra=e.context())
-        finally:
-            with self._lock:
-                _fire(self, "released")
-            self._allocator.give_back(self.seq_id)
-
-    async def aclose(self) -> None:
-        await asyncio_module().to_thread(self.close)
-
-    def __enter__(self) -> Sequence:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    async def __aenter__(self) -> Sequence:
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.aclose()
-
-    def __repr__(self) -> str:
-        return f"<Sequence {self.seq_id} {self.state} at {self._position}>"
+def _tail_row(stream: Stream, job: JobContext) -> Any:
+    """The stream's sampler's row of the completion's native tail for ``job``'s token
+    (calfsm/engine/tail.py), or None: :meth:`Stream._decide` samples. Not for a replay
+    (it draws nothing) nor a cancelled stream."""
+    if stream._cancelled or stream._flow.replay_check is not None:
+        return None
+    row = stream._tail
+    if row is not None:
+        return row
+    sampler = stream._sampler
+    if sampler.uses_tokens:
+        return sampler.tail_row(TokenHistory(stream.prompt, stream._tokens))
+    row = stream._tail = sampler.tail_row()     # the same every step: asked for once
+    return row
 
 
 class Stream:
@@ -487,7 +172,11 @@ class Stream:
     each decode and a replay wait for admission at the stream's priority, each aged from
     its own acceptance (docs/architecture.md, Admission)."""
 
-    def __init__(self, sequence: Sequence, prompt: Seq[int] | str,
+    #: the sampler's row of the native tail, when it reads no tokens (else asked for at
+    #: every step: :func:`_tail_row`)
+    _tail: Any = None
+
+    def __init__(self, sequence: StreamSequence, prompt: Seq[int] | str,
                  params: SamplingParams | None, *,
                  deadline_s: float | None = None, resume: bool = True, max_resumes: int = 2,
                  close_sequence: bool = False, admitted: bool = False,
@@ -593,6 +282,7 @@ class Stream:
             if self._ending:
                 return False
             self._cancelled = True
+            self._flow.stopping = True
             handle = self._flow.inflight
             waiting = self._listening or handle is None or handle.done()
         if handle is not None:
@@ -611,6 +301,7 @@ class Stream:
                 return False
             cancelled = self._cancelled     # the consumer's cancel came first: it stands
             self._cancelled = True
+            self._flow.stopping = True
             handle = self._flow.inflight
         # ended first, then the step cancelled: the step's own end (cancelled before
         # submit) must not become the stream's reason
@@ -657,7 +348,8 @@ class Stream:
 
     def __next__(self) -> TokenEvent:
         with self._lock:
-            self._lock.wait_for(lambda: self._events or self._result is not None)
+            if not self._events and self._result is None:
+                self._lock.wait_for(lambda: self._events or self._result is not None)
             if self._events:
                 return self._events.popleft()
             raise StopIteration
@@ -723,6 +415,8 @@ class Stream:
         stream's continuation and its end is the stream's. Whether the step after it
         is worth preparing ahead."""
         handle.context.continuation = self._continue
+        if self._sampler.tail_capable:  # its token in the completion's native call
+            handle.context.tail = functools.partial(_tail_row, self)
         with self._lock:
             self._flow.handed_on(handle, request)
             cancelled = self._cancelled
@@ -735,12 +429,10 @@ class Stream:
 
     def _stage_next(self) -> None:
         """Prepare the decode that will carry the in-flight step's token."""
-        seq_id, left, priority = self.sequence.seq_id, self._left(), self.priority
-        rid = self.request_id
-        self._flow.stage_next(
-            lambda pos, row: Request.decode(seq_id, 0, pos, target=row, deadline_s=left,
-                                            priority=priority, request_id=rid),
-            lambda: self._ending or self._cancelled)
+        timed = self._deadline != _NO_DEADLINE
+        self._flow.stage_next(deadline_s=self._left() if timed else None,
+                              priority=self.priority,
+                              request_id=self.request_id)
         if self._sampler.constrained:
             _prepare_mask(self)
 
@@ -754,8 +446,9 @@ class Stream:
         go the ordinary way) happens in :meth:`_step_done`."""
         successor = None
         try:
+            tailed, job.tailed = job.tailed, None
             outcome = self._decide(logits, job.timings, job.past_len + job.token_count,
-                                   chain=job.handle)
+                                   chain=job.handle, tailed=tailed)
         except Exception as e:          # a bug: the stream ends, nobody is left waiting
             outcome = (FinishReason.ERROR, self._bug(e), None)
         if isinstance(outcome[2], Successor):
@@ -770,6 +463,7 @@ class Stream:
         # continuation is set once the job exists, so only this callback, which runs for
         # every end, even one before the continuation was set, can clear it every time
         handle.context.continuation = None
+        handle.context.tail = None
         try:
             with self._lock:
                 # only this job's own decision: a step that ended first (its successor,
@@ -784,8 +478,10 @@ class Stream:
                 return
             if outcome is None:         # no continuation ran: decide here
                 job = handle.context
+                tailed, job.tailed = job.tailed, None
                 outcome = self._decide(handle.result(0).logits, job.timings,
-                                       job.past_len + job.token_count, chain=None)
+                                       job.past_len + job.token_count, chain=None,
+                                       tailed=tailed)
             self._deliver(outcome)
         except Exception as e:          # a bug must not leave the consumer waiting
             self._finish(FinishReason.ERROR, self._bug(e))
@@ -799,7 +495,7 @@ class Stream:
             seq_id=self.sequence.seq_id, stage="stream")
 
     def _decide(self, logits: np.ndarray, timings: Any, position: int, *,
-                chain: JobHandle | None) -> _Outcome:
+                chain: JobHandle | None, tailed: Any = None) -> _Outcome:
         """A step's logits are in: sample, record the token (not yet woken), and decide
         how the stream goes on: ``(reason, error, next)`` with ``next`` the decode still
         to run the ordinary way (its request and the step prepared for it). ``chain``:
@@ -810,16 +506,8 @@ class Stream:
             return FinishReason.CANCELLED, None, None
         flow = self._flow
         want, flow.replay_check = flow.replay_check, None
-        scored = None
         try:
-            # a replay after a resume draws nothing: the seeded sequence of draws goes
-            # on as if no fault had happened; greedy checks the replay instead
-            if want is not None and not self.params.greedy:
-                token = want
-            elif self._sampler.plain:         # no processors, no logprobs: the hot path
-                token = self._sampler.sample(logits)
-            else:
-                token, scored = self._sample_rich(logits, replay=want is not None)
+            token, scored = self._draw(logits, want, tailed)
         except CalfsmError as e:
             return FinishReason.ERROR, e, None
         if want is not None and token != want:
@@ -851,18 +539,32 @@ class Stream:
                 return None, None, Successor(staged, token, then)
             staged = None
         request = Request.decode(self.sequence.seq_id, token, position,
-                                 target=flow.staged_row(staged), deadline_s=self._left(),
+                                 target=flow.staged_row(staged),
+                                 deadline_s=None if self._deadline == _NO_DEADLINE
+                                 else self._left(),
                                  priority=self.priority, request_id=self.request_id)
         # nothing prepared (or it is gone): the ordinary way, once the step has resolved
         return None, None, (request, staged)
 
-    def _sample_rich(self, logits: np.ndarray, *, replay: bool
-                     ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
-        """Sample with logits processors or logprobs: the processors see the prompt and
-        the tokens before this one (a replay checks the last delivered token, so it is
-        not theirs); logprobs (``(logprob, top)``) only for a new token, not a replay's
-        (its event was delivered already)."""
+    def _draw(self, logits: np.ndarray, want: int | None, tailed: Any
+              ) -> tuple[int, tuple[float, tuple[tuple[int, float], ...]] | None]:
+        """The step's token and, when asked for, its logprobs (``(logprob, top)``).
+
+        A replay after a resume (``want``) draws nothing: the seeded sequence of draws
+        goes on as if no fault had happened; greedy checks the replay instead. The
+        native tail's choice (calfsm/engine/tail.py) when it made one; else a plain
+        sample (the hot path), or one with logits processors or logprobs: the
+        processors see the prompt and the tokens before this one (a replay checks the
+        last delivered token, so it is not theirs); logprobs only for a new token, not
+        a replay's (its event was delivered already)."""
         sampler = self._sampler
+        replay = want is not None
+        if want is not None and not self.params.greedy:
+            return want, None
+        if tailed is not None and (chosen := sampler.tail_token(tailed)) is not None:
+            return chosen, None
+        if sampler.plain:
+            return sampler.sample(logits), None
         tokens: Seq[int] = ()
         if sampler.uses_tokens:
             tokens = TokenHistory(self.prompt, self._tokens,
@@ -1081,6 +783,7 @@ class Stream:
             if self._ending:
                 return
             self._ending = True
+            self._flow.stopping = True
             if error is not None:
                 # raised in this stream's own steps, its traceback would hold them (and
                 # the stream) alive in a cycle with the result
@@ -1094,7 +797,7 @@ class Stream:
             delivered = self._delivered
             times = self._times[:delivered]
             ttft = times[0] - self.arrival if times else None
-            itl = tuple(b - a for a, b in itertools.pairwise(times))
+            itl = tuple(map(operator.sub, times[1:], times[:-1]))    # no call per token
             result = GenerationResult(
                 tuple(self._tokens[:delivered]), reason,
                 Usage(len(self.prompt), delivered, self.cached), ttft, itl, error,

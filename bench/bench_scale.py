@@ -1,0 +1,250 @@
+"""Continuous batching at Qwen3's vocabulary (V = 151,936): does the host keep up with the
+device? (issue 36, items 4 and 5)
+
+Run from the repository root::
+
+    python bench/bench_scale.py                 # three runs, quiet (~5 minutes)
+    python bench/bench_scale.py --load 2        # the same beside two busy processes
+    python bench/bench_scale.py --quick         # one run, fewer tokens
+    python bench/bench_scale.py --smoke         # seconds; its figures mean nothing
+
+The device: SimDriver in real time, ``LatencyModel.fixed(decode_s=10 ms,
+batch_row_share=0.05)``: a decode step of ``R`` rows costs ``10 ms * (1 + 0.05 * (R -
+1))``, 13.5 ms at 8 rows, 41.5 ms at 64. The manifest: ``qwen3-b8`` with its batch
+dimension set to ``B`` (``qwen3-bB``; :func:`manifest`), its evidence as the batch runner
+writes it (every capability holds, ``B`` rows seen). ``--manifest qwen3-buckets`` is the
+place for the bucketed manifest once it exists (issue 36 item 3): then every ``B`` runs
+on it and the ideal is its graph's.
+
+For each B in 8, 16, 32, 64 and each sampling (greedy; Qwen3's recommended temperature
+0.7, top-p 0.8, top-k 20, seeded), ``2B`` streams at once (so every step is full and the
+next rows already wait):
+
+- aggregate tokens/s while every stream runs (from the last first token to the first
+  last token), against the device-bound ideal ``B / step(B)`` (targets: >= 0.95x quiet,
+  >= 0.90x with ``--load 2``);
+- the host's critical tail per row, P50: ``JobTimings.tail_ms`` (from a step's wait
+  returning until the next steps were handed to the submitter) over the ``B`` rows
+  (targets: <= 40 us greedy, <= 150 us with Qwen3's sampling), and the whole tail
+  against the device's step (the physical limit: what is left of the step for the
+  host).
+
+``--before`` runs each also without the native tail (every row converted and sampled in
+Python, one at a time: the reference and the before), side by side; ``--no-tail`` only
+without. ``cpu us/row``: the same work alone, this thread's CPU per row (the native tail
+on one thread, a stream step's way; before: row by row), which a busy machine moves
+less than the wall-clock figures; ``--cpu-only`` measures only that.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from cpuload import add_load_option, cpu_load  # noqa: E402
+from runs import add_smoke_option, print_summary, repeat  # noqa: E402
+
+from calfsm.clock import RealClock  # noqa: E402
+from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
+from calfsm.engine import tail  # noqa: E402
+from calfsm.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
+from calfsm.generate.sampling import SamplingParams  # noqa: E402
+from calfsm.manifest import Manifest, builtin_manifest  # noqa: E402
+from calfsm.plan.batching import MAX_ROWS_OBSERVATION, REQUIRED_CAPABILITIES  # noqa: E402
+from calfsm.plan.capabilities import Evidence, Verdict, device_identity  # noqa: E402
+
+DECODE_S = 0.010
+SHARE = 0.05
+BATCHES = (8, 16, 32, 64)
+SAMPLINGS = {
+    "greedy": {},
+    "qwen3": {"temperature": 0.7, "top_p": 0.8, "top_k": 20},
+}
+TIMEOUT_S = 900.0
+
+
+def step_s(rows: int) -> float:
+    """The device's step of ``rows`` rows (the latency model's)."""
+    return DECODE_S * (1 + SHARE * (rows - 1))
+
+
+def manifest(batch: int) -> Manifest:
+    """``qwen3-b8`` with every graph's batch dimension set to ``batch``."""
+    data = copy.deepcopy(builtin_manifest("qwen3-b8").to_dict())
+    data["name"] = f"qwen3-b{batch}"
+    for sub in data["submodels"]:
+        sub["exact_name"] = sub["exact_name"].replace("_b8_", f"_b{batch}_")
+        sub["max_batch"] = batch
+        for tensor in ("token_or_embed", "position", "logits"):
+            t = sub[tensor]
+            t["shape"][0] = batch
+            t["byte_size"] = t["byte_size"] // 8 * batch
+    return Manifest.from_dict(data)
+
+
+def write_evidence(directory: str, driver: SimDriver, rows: int) -> None:
+    """The batch runner's evidence for ``driver``: every capability holds, ``rows`` rows
+    seen working (``examples/vendor/batch_semantics.py`` writes the same file)."""
+    ev = Evidence("batch_semantics", device_identity(driver), driver.version(), "0" * 64,
+                  time.time(), {MAX_ROWS_OBSERVATION: rows},
+                  {c: Verdict(True, "observed") for c in REQUIRED_CAPABILITIES})
+    (Path(directory) / "batch.json").write_text(ev.to_json(), "utf-8")
+
+
+def prompts(n: int) -> list[list[int]]:
+    return [[(7 * i + 3) % 151_936, (11 * i + 5) % 151_936, (13 * i + 1) % 151_936]
+            for i in range(n)]
+
+
+def run(batch: int, sampling: str, tokens: int) -> dict[str, float]:
+    """``2 * batch`` streams of ``tokens``: tokens/s over the ideal, the critical tail."""
+    m = manifest(batch)
+    latency = LatencyModel.fixed(decode_s=DECODE_S, prefill_per_token_s=2e-4,
+                                 batch_row_share=SHARE)
+    drv = SimDriver(m, clock=RealClock(), latency=latency)
+    with tempfile.TemporaryDirectory(prefix="calfsm-bench-scale-") as evidence:
+        write_evidence(evidence, drv, batch)
+        with DeviceExecutor(drv, m, ExecutorConfig(evidence_dir=evidence,
+                                                   admission_estimate=False,
+                                                   max_waiting=4 * batch + 8,
+                                                   admission_timeout_s=600.0,
+                                                   queue_timeout_s=600.0,
+                                                   default_deadline_s=TIMEOUT_S)) as ex:
+            assert ex.max_batch == batch, (ex.max_batch, ex.health().notes)
+            gc.collect()
+            gc.disable()
+            try:
+                streams = [ex.generate(p, SamplingParams(max_tokens=tokens, seed=i,
+                                                         **SAMPLINGS[sampling]))
+                           for i, p in enumerate(prompts(2 * batch))]
+                results = [s.result(TIMEOUT_S) for s in streams]
+                events = [list(s) for s in streams]
+            finally:
+                gc.enable()
+    times = []
+    for s, r in zip(streams, results, strict=True):
+        assert len(r.tokens) == tokens, r
+        times.append(s.started + r.ttft_s
+                     + np.concatenate(([0.0], np.cumsum(r.inter_token_s))))
+    start = max(t[0] for t in times)
+    end = min(t[-1] for t in times)
+    inside = sum(int(((t >= start) & (t <= end)).sum()) for t in times)
+    rate = inside / (end - start)
+    # the critical tail of the steps inside the window (each step's, once per row)
+    tails = [e.timings.tail_ms for ev, t in zip(events, times, strict=True)
+             for e, at in zip(ev, t, strict=True) if start <= at <= end and e.index > 0]
+    tail_ms = float(np.median(tails)) if tails else float("nan")
+    return {"x ideal": rate / (batch / step_s(batch)),
+            "tok/s": rate,
+            "tail us/row": tail_ms * 1e3 / batch,
+            "tail / step": tail_ms * 1e-3 / step_s(batch)}
+
+
+def tail_cpu(batch: int, sampling: str, native: bool, reps: int) -> float:
+    """CPU microseconds per row of the part of a step's tail the next step waits for,
+    alone (no executor): ``batch`` rows of the reference model's logits at V=151,936
+    converted and sampled, by the native tail on one thread (as a stream step: the token
+    only) or row by row in Python (``extract_logits`` then ``Sampler.sample``: before).
+    This thread's CPU time, so a busy machine moves it less than the wall time."""
+    from calfsm.drivers import refmodel
+    from calfsm.engine.logits import extract_logits
+    vocab = 151_936
+    contract = next(s for s in manifest(1).submodels if s.kind.value == "decode")
+    out = np.stack([refmodel.logits_bf16(i * 7919 + 1, vocab) for i in range(batch)])
+    dst = [np.empty(vocab, np.float32) for _ in range(batch)]
+    samplers = [SamplingParams(seed=i, **SAMPLINGS[sampling]).sampler_for(vocab)
+                for i in range(batch)]
+    src = tail.output_pointer(out.reshape(-1))
+    times = []
+    for _ in range(reps + 1):           # the first warms up (imports, plans): not counted
+        t0 = time.thread_time_ns()
+        if native:
+            rows = []
+            for i, s in enumerate(samplers):
+                row = s.tail_row()
+                row.bind(src + i * vocab, None)
+                rows.append(row)
+            tail.run_tail(rows, 1)
+            for s, row in zip(samplers, rows, strict=True):
+                s.tail_token(row)
+        else:
+            for i, s in enumerate(samplers):
+                s.sample(extract_logits(out[i], contract.logits.byte_size, contract, 1,
+                                        dst[i]))
+        times.append(time.thread_time_ns() - t0)
+    return float(np.median(times[1:])) / 1e3 / batch
+
+
+def one_run(args: argparse.Namespace) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for batch in args.batches:
+        for sampling in SAMPLINGS:
+            if args.tail:
+                out[f"B{batch} {sampling} cpu us/row"] = tail_cpu(batch, sampling, True,
+                                                                 args.reps)
+            if args.before:
+                out[f"B{batch} {sampling} cpu us/row before"] = tail_cpu(
+                    batch, sampling, False, args.reps)
+            if args.cpu_only:
+                continue
+            variants = [True] if args.tail else []
+            variants += [False] if args.before else []
+            for native in variants:
+                tail.use_native_tail(None if native else False)
+                r = run(batch, sampling, args.tokens)
+                for k, v in r.items():
+                    out[f"B{batch} {sampling} {k}{'' if native else ' before'}"] = v
+            tail.use_native_tail(None if args.tail else False)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=40, help="tokens per stream")
+    p.add_argument("--batches", type=lambda s: [int(b) for b in s.split(",")],
+                   default=list(BATCHES), help="comma-separated B (default 8,16,32,64)")
+    p.add_argument("--quick", action="store_true", help="one run, 20 tokens")
+    p.add_argument("--no-tail", dest="tail", action="store_false",
+                   help="without the native tail (rows one by one in Python)")
+    p.add_argument("--before", action="store_true",
+                   help="also without the native tail, side by side (figures '... before')")
+    p.add_argument("--cpu-only", action="store_true",
+                   help="only the tail's CPU per row, no streams")
+    p.add_argument("--reps", type=int, default=15, help="repetitions of the CPU figure")
+    p.add_argument("--threads", type=int, default=None,
+                   help="native tail threads (default: the cores, at most 4)")
+    add_load_option(p)
+    add_smoke_option(p, "a few seconds, one run at B=8 of 6 tokens")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.runs, args.tokens = 1, 20
+    if args.smoke:
+        args.runs, args.tokens, args.batches, args.reps = 1, 6, [8], 2
+        args.before = True
+    tail.use_native_tail(None if args.tail else False)
+    threads = tail.set_threads(args.threads)
+    with cpu_load(args.load):
+        runs = repeat(args.runs, lambda _: one_run(args))
+    print(f"\nqwen3 (V=151,936), decode {DECODE_S * 1e3:.0f} ms, batch_row_share {SHARE}, "
+          f"2B streams x {args.tokens} tokens, load {args.load}, native tail "
+          f"{'on, ' + str(threads) + ' threads' if tail.native_tail_available() else 'off'}")
+    for b in args.batches:
+        print(f"  B={b}: step {step_s(b) * 1e3:.1f} ms, ideal {b / step_s(b):.0f} tok/s, "
+              f"{step_s(b) / b * 1e6:.0f} us of step per row")
+    print_summary(runs, width=30)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
