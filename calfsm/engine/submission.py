@@ -198,8 +198,13 @@ class Submission:
     def submittable(self) -> bool:
         """A job is queued whose engine is free, an in-flight slot is free and the device
         takes work."""
-        # the usual answer (nothing queued) without a call: the scheduler asks every step
-        return bool(self._submit_q) and self._claimable() is not None
+        # the usual answer (nothing queued) without a call: the scheduler asks every step.
+        # Under the lock: the completion thread asks too (the runtime's hand_off) while
+        # the submitter changes the queue
+        if not self._submit_q:
+            return False
+        with self.core.lock:
+            return self._claimable() is not None
 
     def _claimable(self) -> int | None:
         """Index of the queued job :meth:`claim` would take now (back-off aside), or None."""

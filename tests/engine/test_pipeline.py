@@ -13,6 +13,7 @@ the pipeline and its parts are used.
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import numpy as np
@@ -345,3 +346,19 @@ def test_a_batch_row_cancelled_after_the_claim_never_runs_nor_commits():
     counts, _ = core.pipe.counts()
     assert counts["cancelled"] == 1 and not core.verdicts and not core.drains
     core.assert_books_as_built()
+
+
+def test_whether_a_job_can_be_submitted_is_read_under_the_lock(core):
+    """The completion thread asks ``submittable()`` (the runtime's ``hand_off``) while
+    the submitter changes the submit queue: the queue is read under the core's lock, so
+    a thread asking waits while another holds it. Without the lock, a 64-row batch run
+    under load failed with 'deque mutated during iteration' (bench_scale --load 2)."""
+    core.start(Request.prefill(3, [1, 2, 3]))
+    answers: list[bool] = []
+    asking = threading.Thread(target=lambda: answers.append(core.pipe.device.submittable()))
+    with core.pipe.core.lock:
+        asking.start()
+        asking.join(0.2)
+        assert asking.is_alive() and not answers     # it waits for the lock
+    asking.join(10)
+    assert answers == [True]
