@@ -1,20 +1,22 @@
 """Continuous batching at Qwen3's vocabulary (V = 151,936): does the host keep up with the
-device? (issue 36, items 4 and 5)
+device, and do shape buckets cost a lone stream nothing? (issue 36, must-shows)
 
 Run from the repository root::
 
-    python bench/bench_scale.py                 # three runs, quiet (~5 minutes)
+    python bench/bench_scale.py                 # three runs, quiet (~6 minutes)
     python bench/bench_scale.py --load 2        # the same beside two busy processes
     python bench/bench_scale.py --quick         # one run, fewer tokens
     python bench/bench_scale.py --smoke         # seconds; its figures mean nothing
 
-The device: SimDriver in real time, ``LatencyModel.fixed(decode_s=10 ms,
-batch_row_share=0.05)``: a decode step of ``R`` rows costs ``10 ms * (1 + 0.05 * (R -
-1))``, 13.5 ms at 8 rows, 41.5 ms at 64. The manifest: ``qwen3-b8`` with its batch
-dimension set to ``B`` (``qwen3-bB``; :func:`manifest`), its evidence as the batch runner
-writes it (every capability holds, ``B`` rows seen). ``--manifest qwen3-buckets`` is the
-place for the bucketed manifest once it exists (issue 36 item 3): then every ``B`` runs
-on it and the ideal is its graph's.
+The device: SimDriver in real time, a static calbin's cost model
+(``LatencyModel.fixed(decode_s=10 ms, batch_row_share=0.05, shape_cost="graph")``): a
+decode step on a graph of batch ``b`` costs ``10 ms * (1 + 0.05 * (b - 1))`` whatever
+rows it carries, 13.5 ms at b8, 41.5 ms at b64. The manifest: ``qwen3-buckets`` (decode
+graphs at batch 1 .. 64) with the step-cost runner's evidence as
+``examples/vendor/step_costs.py`` writes it on this device (:func:`write_step_costs`),
+and the batch runner's proving ``B`` rows, so B rows run on its ``bB`` graph;
+``--manifest resized`` runs ``qwen3-b8`` with its batch dimension set to ``B`` instead
+(``qwen3-bB``, :func:`manifest`; the issue's first measurement).
 
 For each B in 8, 16, 32, 64 and each sampling (greedy; Qwen3's recommended temperature
 0.7, top-p 0.8, top-k 20, seeded), ``2B`` streams at once (so every step is full and the
@@ -28,6 +30,17 @@ next rows already wait):
   (targets: <= 40 us greedy, <= 150 us with Qwen3's sampling), and the whole tail
   against the device's step (the physical limit: what is left of the step for the
   host).
+
+Then (``--no-lone``, ``--no-ramp`` to skip):
+
+- a lone greedy stream on ``qwen3-buckets`` (its b1 graph) against ``qwen3-b1``, P50 time
+  per token (target <= 1.02x), and against the device's 1-row step;
+- a ramp of 1 -> 64 -> 1 greedy streams at once (``--levels``, one level after another
+  on one executor): ``qwen3-buckets`` with its step costs, and without them (one graph,
+  the widest: the comparison), each level's tokens/s against the best single graph's
+  (``best_single``: the batch ``b`` whose ``min(n, b) / step(b)`` is highest, measured
+  on its own executor; target >= 0.9x at every level) and the buckets' against the
+  device's ideal there.
 
 ``--before`` runs each also without the native tail (every row converted and sampled in
 Python, one at a time: the reference and the before), side by side; ``--no-tail`` only
