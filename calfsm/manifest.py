@@ -151,20 +151,26 @@ class SubmodelContract:
     max_batch: int
     max_seq: int
     logits_tile_d0: int | None = None
+    # derived once (the contract is frozen): read on every step's way, so attributes,
+    # not properties (issue 35, item 4)
+    #: the logits' last dimension
+    vocab: int = attrs.field(init=False, eq=False, repr=False)
+    #: whether one job of this graph can carry more than one sequence (row)
+    batched: bool = attrs.field(init=False, eq=False, repr=False)
+    #: most tokens one job of this graph can carry (elements of the token tensor)
+    max_tokens: int = attrs.field(init=False, eq=False, repr=False)
 
-    @property
-    def vocab(self) -> int:
-        return self.logits.shape[-1]
+    def __attrs_post_init__(self) -> None:
+        shape = self.token_or_embed.shape
+        object.__setattr__(self, "vocab", self.logits.shape[-1])
+        object.__setattr__(self, "batched", self.max_batch > 1)
+        object.__setattr__(self, "max_tokens", shape[-1]
+                           if self.kind is not TaskKind.PREFILL_EMBEDS else shape[-2])
 
     @property
     def rows(self) -> int:
         """Rows of the physical logits tensor (``tile_d0`` for prefill, 1 for decode)."""
         return self.logits_tile_d0 if self.kind.is_prefill else 1
-
-    @property
-    def batched(self) -> bool:
-        """Whether one job of this graph can carry more than one sequence (row)."""
-        return self.max_batch > 1
 
     @property
     def key(self) -> GraphKey:
@@ -179,12 +185,6 @@ class SubmodelContract:
     def covers(self, other: SubmodelContract) -> bool:
         """Whether this graph takes every step ``other`` takes (as many rows, as long)."""
         return self.max_batch >= other.max_batch and self.max_seq >= other.max_seq
-
-    @property
-    def max_tokens(self) -> int:
-        """Most tokens one job of this graph can carry (elements of the token tensor)."""
-        return self.token_or_embed.shape[-1] if self.kind is not TaskKind.PREFILL_EMBEDS \
-            else self.token_or_embed.shape[-2]
 
 
 @attrs.frozen

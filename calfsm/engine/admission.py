@@ -113,14 +113,16 @@ class Admission:
         jobs wait for the next generation)."""
         return self._parked.size > 0 and self.core.life.state == READY
 
-    def due(self, now: float) -> tuple[bool, bool, bool]:
+    def due(self) -> tuple[bool, bool, bool]:
         """What a step driver asks of admission at every step, in one look: (a parked
-        job's admission deadline passed by ``now``, :meth:`can_admit`,
-        :meth:`has_deferred`)."""
+        job's admission deadline passed, :meth:`can_admit`, :meth:`has_deferred`). The
+        clock is read only when a job is parked."""
         if not self._parked.size:
             return False, False, bool(self._deferred)
-        return (self.first_deadline() <= now, self.core.life.state == READY,
-                bool(self._deferred))
+        now = self.core.clock.now()
+        with self.core.lock:        # first_deadline(), with this one clock read
+            first = min(self._first_deadline_locked(now), self._retry_at)
+        return first <= now, self.core.life.state == READY, bool(self._deferred)
 
     def fingerprint(self) -> int:
         """Changes whenever something that could let a parked job proceed changed (KV
@@ -185,7 +187,8 @@ class Admission:
         inside a lifecycle transition or a completion."""
         with self.core.lock:
             self._deferred.append(fn)
-        self.core.hooks.job_parked()
+        if not self.core.hooks.quiet:
+            self.core.hooks.job_parked()
 
     def run_deferred(self) -> bool:
         """Run one deferred function; False if there was none."""
@@ -201,7 +204,8 @@ class Admission:
         finally:
             with self.core.lock:
                 self._running -= 1
-        self.core.hooks.changed()       # idle counts deferred work
+        if not self.core.hooks.quiet:
+            self.core.hooks.changed()   # idle counts deferred work
         return True
 
     # ---- accept --------------------------------------------------------------------
@@ -348,7 +352,8 @@ class Admission:
         was taken is kept for the next try); raises on errors."""
         clock = self.core.clock
         epoch = job.epoch
-        if clock.now() >= self.deadline(job, clock.now()):
+        now = clock.now()
+        if now >= self.deadline(job, now):
             raise DeadlineExceeded("admission deadline passed",
                                    **job_ctx(job, "admission"))
         if job.kv is None:

@@ -287,10 +287,12 @@ class BufferLease:
         """
         core = self._core or self._live()
         slot = core.slot
-        ctx = self._ctx(core)
         tok = tokens if type(tokens) is np.ndarray else np.asarray(tokens)
         pos = positions if type(positions) is np.ndarray else np.asarray(positions)
         embeds = slot.kind is TaskKind.PREFILL_EMBEDS
+        if not embeds and _write_one(slot, tok, pos):
+            return 1
+        ctx = self._ctx(core)
         if embeds:
             check_embeds(tok, slot.contract, {"stage": "prepare", **ctx})
         elif tok.ndim != 1:
@@ -498,6 +500,27 @@ def _int_range(dtype: np.dtype) -> tuple[int, int]:
         info = np.iinfo(dtype)
         r = _INT_RANGE[dtype] = (int(info.min), int(info.max))
     return r
+
+
+def _write_one(slot: BufferSlot, tok: np.ndarray, pos: np.ndarray) -> bool:
+    """A decode's one token and position, written with scalar reads and stores when they
+    pass every check :meth:`BufferLease.write_inputs` makes (1-D, one of each, integers
+    that fit the host dtypes, position non-negative, room for a token): True when
+    written. False, nothing written: not that plain case, or a check failed, and the
+    general path checks again and raises (issue 35 item 4: one call, not eight)."""
+    if tok.shape != (1,) or pos.shape != (1,) or tok.dtype.kind not in "iu" \
+            or pos.dtype.kind not in "iu" or slot.contract.max_tokens < 1:
+        return False
+    t_range = _INT_RANGE.get(slot.tokens.dtype)     # (filled by the general path)
+    p_range = _INT_RANGE.get(slot.positions.dtype)
+    if t_range is None or p_range is None:
+        return False
+    t, p = tok.item(), pos.item()
+    if not (t_range[0] <= t <= t_range[1] and p >= 0 and p_range[0] <= p <= p_range[1]):
+        return False
+    slot.tokens[0] = t
+    slot.positions[0] = p
+    return True
 
 
 def _value_range(a: np.ndarray) -> tuple[Any, Any]:

@@ -96,7 +96,8 @@ class Completion:
         finally:
             with self.core.lock:
                 self._completing -= 1
-            self.core.hooks.changed()
+            if not self.core.hooks.quiet:
+                self.core.hooks.changed()
 
     def completion_timeout_s(self, job: JobContext, now: float | None = None) -> float:
         """How long the Wait of ``job`` may block (its execution deadline; a slice for a
@@ -139,10 +140,10 @@ class Completion:
         if zombie:
             self._late_completion(job, rc)
             return
-        logits = self._output(job, rc, slot)
-        if logits is None:
+        out = self._output(job, rc, slot, t1)
+        if out is None:
             return
-        self._succeed(job, logits, t1)
+        self._succeed(job, out[0], t1, start=out[1])
 
     # ---- a batch: one wait, every row on its own -----------------------------------
     def _complete_rows(self, leader: JobContext) -> None:
@@ -295,10 +296,11 @@ class Completion:
             _fire(row, "quarantine")
             self.outcomes.finish(row, err, "quarantined")
 
-    def _output(self, job: JobContext, rc: int, slot: BufferSlot) -> Any:
+    def _output(self, job: JobContext, rc: int, slot: BufferSlot,
+                waited: float) -> tuple[Any, float] | None:
         """Read and check the output of a job whose Wait returned ``rc`` from ``slot``,
-        its lease's (the slices are undone in the same device-lock section); None when
-        the job ended on the way."""
+        its lease's (the slices are undone in the same device-lock section), and the clock
+        when they were; None when the job ended on the way."""
         core = self.core
         contract = slot.contract
         undo_error: CalfsmError | None = None
@@ -320,7 +322,6 @@ class Completion:
         try:
             if rc != 0:
                 raise from_calrt(rc, "wait", **job_ctx(job, None))
-            t2 = core.clock.now()
             logits = None
             if job.tail is not None:    # a stream's step: its token in the same call
                 check_job(reading, contract, job_ctx(job, None))
@@ -329,14 +330,17 @@ class Completion:
             if logits is None:
                 logits = check_output(reading, slot.logits_bf16, contract, job.token_count,
                                       job.request.target, job_ctx(job, None))
-            job.timings.d2h_ms = (core.clock.now() - t2) * 1e3
+            # from the wait's return (the one clock read of the way, issue 35 item 4):
+            # the output's reads, their checks and the conversion
+            t2 = core.clock.now()
+            job.timings.d2h_ms = (t2 - waited) * 1e3
         except CalfsmError as e:
             self._completion_failed(job, e)
             return None
-        return logits
+        return logits, t2
 
     def _succeed(self, job: JobContext, logits: Any, waited: float, *,
-                 continued: bool = False) -> None:
+                 continued: bool = False, start: float | None = None) -> None:
         """The job ran and its output is good: continuation, KV commit, resolve, lease
         (``continued``: a batch row whose continuation already ran, :meth:`_end_rows`).
 
@@ -344,9 +348,10 @@ class Completion:
         slices were undone in :meth:`_output`, in the same device-lock section as the
         output reads (one lock trip per job): the commit is host bookkeeping of a KV the
         device has already written, and the undo touches only this slot's tensor views,
-        so the two commute. The result is resolved before the lease goes back."""
+        so the two commute. The result is resolved before the lease goes back.
+        ``start``: the clock as :meth:`_output` last read it (None: read it here)."""
         core = self.core
-        t3 = core.clock.now()
+        t3 = core.clock.now() if start is None else start
         kv = job.kv
         # the next step first: it is reserved chained after this one (calfsm/engine/kv.py), so
         # it need not wait for this commit. Not after a rewinding prefill, whose commit
@@ -405,7 +410,8 @@ class Completion:
         if successor is not None:
             if later is None:
                 self._follow(job, successor)
-                self.core.hooks.hand_off()  # its next step may go before this one's end
+                if not self.core.hooks.quiet:   # its next step may go before this one's end
+                    self.core.hooks.hand_off()
             else:
                 self._follow(job, successor, defer=later.append)
 

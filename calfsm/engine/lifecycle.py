@@ -359,7 +359,9 @@ class DeviceLifecycle:
         self._build = build
         self._warmup = warmup
         self._service = service
-        self._pending = False
+        #: a drain wants a recovery that has not run yet (an attribute: the step
+        #: scheduler looks at it on every step, issue 35 item 4)
+        self.recovery_pending = False
         self._roll_back = False
         self._drain_started = 0.0
         self._switch_lock = life.sync.lock()
@@ -386,7 +388,7 @@ class DeviceLifecycle:
             if not life.drain(reason, self.policy.retry_after_s):
                 return False
             self._drain_started = life.clock.now()
-            self._pending = True
+            self.recovery_pending = True
             self._roll_back = roll_back
         _limited.warning("drain", "draining generation %s: %s", life.generation, reason,
                          extra={"generation": life.generation, "stage": "drain"})
@@ -419,7 +421,7 @@ class DeviceLifecycle:
     @property
     def grace_deadline(self) -> float | None:
         """Clock time the drain stops waiting for the device (None: nothing pending)."""
-        return self._drain_started + self.policy.grace_period_s if self._pending else None
+        return self._drain_started + self.policy.grace_period_s if self.recovery_pending else None
 
     def drained(self) -> bool:
         """No job on the device, or the grace period of the drain is over."""
@@ -428,19 +430,15 @@ class DeviceLifecycle:
 
     def recovery_due(self) -> bool:
         """A recovery is pending, the lifecycle is Draining and the device drained."""
-        return self._pending and self.life.state == LifecycleState.DRAINING \
+        return self.recovery_pending and self.life.state == LifecycleState.DRAINING \
             and self.drained()
-
-    @property
-    def recovery_pending(self) -> bool:
-        return self._pending
 
     def recover(self) -> bool:
         """Reset, rebuild with generation + 1, warm up. True when Ready again."""
         life = self.life
-        if not self._pending:
+        if not self.recovery_pending:
             return False
-        self._pending = False
+        self.recovery_pending = False
         kind = self.reset_kind()
         if kind is None:
             self.give_up("the driver offers no reset: restart the process")

@@ -42,6 +42,15 @@ class Hooks:
     """How the pipeline tells whoever drives it that work is there. The defaults do
     nothing (step mode: the scheduler looks for itself)."""
 
+    #: every hook is the default's no-op (step mode), so the calls on a step's way may
+    #: be skipped (issue 35 item 4). Worked out for each subclass, never set by hand:
+    #: one that overrides any hook is not quiet.
+    quiet: bool = True
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.quiet = all(getattr(cls, name) is getattr(Hooks, name) for name in _HOOKS)
+
     def work_queued(self) -> None:
         """A job was queued for submit, or an in-flight slot came free."""
 
@@ -67,6 +76,11 @@ class Hooks:
         """A drain wants an automatic recovery, to run once the device drained (the
         thread runtime starts a recovery thread; step mode: the scheduler runs it as a
         step once ``DeviceLifecycle.recovery_due()`` holds)."""
+
+
+#: the hooks :attr:`Hooks.quiet` looks at
+_HOOKS = ("work_queued", "job_submitted", "job_parked", "hand_off", "changed",
+          "recovery_wanted")
 
 
 class PipelineTimeouts:

@@ -87,14 +87,21 @@ class Submission:
     def has_completions(self) -> bool:
         return bool(self._complete_q)
 
-    def due(self, now: float) -> tuple[bool, bool, bool]:
+    def due(self) -> tuple[bool, bool, bool]:
         """What a step driver asks of the device side at every step, in one look: (a
-        queued job's queue deadline passed by ``now``, :meth:`submittable`,
-        :meth:`has_completions`)."""
-        if not self._submit_q:
+        queued job's queue deadline passed, :meth:`submittable`,
+        :meth:`has_completions`). The clock is read only when a job is queued."""
+        queue = self._submit_q
+        if not queue:
             return False, False, bool(self._complete_q)
-        return (self.first_queue_deadline() <= now, self._claimable() is not None,
-                bool(self._complete_q))
+        now = self.core.clock.now()
+        expired = False
+        with self.core.lock:        # first_queue_deadline() <= now, inline: every step
+            for j in queue:
+                if j.queue_deadline <= now:
+                    expired = True
+                    break
+        return expired, self._claimable() is not None, bool(self._complete_q)
 
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
@@ -145,7 +152,8 @@ class Submission:
             if queued:
                 _fire(job, "enqueue")
                 self._submit_q.append(job)
-                core.hooks.work_queued()
+                if not core.hooks.quiet:
+                    core.hooks.work_queued()
         if not queued:
             raise Cancelled("cancelled before submit", **job_ctx(job, stage))
 
@@ -354,7 +362,8 @@ class Submission:
                     _fire(job, "submit")
                     self._on_device.append(job)
                     self._complete_q.append(job)
-                    core.hooks.job_submitted()
+                    if not core.hooks.quiet:
+                        core.hooks.job_submitted()
         if refused is not None:
             self._program_refused([job], refused)
             return
@@ -605,9 +614,10 @@ class Submission:
                     if holder is job:
                         del self._engine_busy[engine]
                 hand_off = not core.life.closing and self.submittable_now()
-                if self._submit_q or core.life.closing:
+                if (self._submit_q or core.life.closing) and not core.hooks.quiet:
                     core.hooks.work_queued()
-        core.hooks.changed()
+        if not core.hooks.quiet:
+            core.hooks.changed()
         return hand_off
 
     # ---- the completion queue ------------------------------------------------------

@@ -519,7 +519,8 @@ class Stream:
         # ``position``: where ``token`` goes. The token is the stream's from here (a next
         # step that fails at once ends the stream with it), but the consumer is woken
         # only after the next step went to the submitter
-        recorded = want is not None or self._record(token, timings, position, scored)
+        now = self._clock.now()     # one read: the token's time and the deadline's
+        recorded = want is not None or self._record(token, timings, position, now, scored)
         if not recorded:
             return FinishReason.CANCELLED, None, None
         if recorded == "stop":              # a stop sequence is complete: not delivered
@@ -528,7 +529,7 @@ class Stream:
             return FinishReason.LENGTH, None, None
         if self._cancelled:
             return FinishReason.CANCELLED, None, None
-        if self._clock.now() >= self._deadline:
+        if now >= self._deadline:
             return FinishReason.DEADLINE, DeadlineExceeded(
                 "stream deadline passed", seq_id=self.sequence.seq_id, stage="stream"), None
         staged = flow.take(position)
@@ -585,15 +586,14 @@ class Stream:
         if reason is not None:
             self._finish(reason, error)
 
-    def _record(self, token: int, timings: Any, position: int,
+    def _record(self, token: int, timings: Any, position: int, now: float,
                 scored: tuple[float, tuple[tuple[int, float], ...]] | None = None
                 ) -> bool | str:
         """Make ``token`` the stream's (not yet woken), with its logprobs if ``scored``;
         False if a cancel or the end of the stream came first: then nothing is
         delivered. With stop sequences or stop strings, the tokens that may begin one
         are held back; ``"stop"`` when one is complete (what it holds is dropped, what
-        was held before it delivered)."""
-        now = self._clock.now()
+        was held before it delivered). ``now``: the clock, the token's time."""
         with self._lock:
             if self._cancelled or self._ending:
                 return False

@@ -292,9 +292,8 @@ class Steps:
         timer). One look at the parts: the scheduler asks at every step, so this is on
         every token's way and asks each part once."""
         p = self.pipeline
-        now = self.clock.now()
-        parked_expired, admit, deferred = p.admission.due(now)
-        queued_expired, submit, complete = p.device.due(now)
+        parked_expired, admit, deferred = p.admission.due()
+        queued_expired, submit, complete = p.device.due()
         acts = []
         if parked_expired or queued_expired:
             acts.append("expire")
@@ -304,7 +303,7 @@ class Steps:
             acts.append("submit")
         if complete:
             acts.append("complete")
-        if self.control.recovery_due():
+        if self.control.recovery_pending and self.control.recovery_due():
             acts.append("recover")
         if deferred:
             acts.append("deferred")

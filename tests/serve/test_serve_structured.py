@@ -118,3 +118,17 @@ def test_a_bad_constraint_is_a_400_naming_the_field(client, fields, param):
     r = client.post("/v1/chat/completions", json=chat(**fields))
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(live, method):
+    """LangChain's ``ChatOpenAI(...).with_structured_output(Model)`` against the server:
+    by a ``json_schema`` response format (its default) and by a named tool call (its
+    ``function_calling``, enforced as a named ``tool_choice``), the answer is a parsed
+    model either way, on a device whose text is noise."""
+    langchain_openai = pytest.importorskip("langchain_openai")
+    llm = langchain_openai.ChatOpenAI(model=MODEL, base_url=live.url + "/v1",
+                                      api_key="unused", max_retries=0, timeout=60,
+                                      max_tokens=600, temperature=0.7, seed=3)
+    got = llm.with_structured_output(Pet, method=method).invoke("A pet, please.")
+    assert isinstance(got, Pet), got
