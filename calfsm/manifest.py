@@ -161,11 +161,13 @@ class SubmodelContract:
     max_tokens: int = attrs.field(init=False, eq=False, repr=False)
 
     def __attrs_post_init__(self) -> None:
-        shape = self.token_or_embed.shape
-        object.__setattr__(self, "vocab", self.logits.shape[-1])
+        # a malformed shape (empty, too short) is the loader's to name, with its path
+        # (ManifestError): derive 0 from it here rather than fail first with an IndexError
+        shape, logits = self.token_or_embed.shape, self.logits.shape
+        axis = 2 if self.kind is TaskKind.PREFILL_EMBEDS else 1
+        object.__setattr__(self, "vocab", logits[-1] if logits else 0)
         object.__setattr__(self, "batched", self.max_batch > 1)
-        object.__setattr__(self, "max_tokens", shape[-1]
-                           if self.kind is not TaskKind.PREFILL_EMBEDS else shape[-2])
+        object.__setattr__(self, "max_tokens", shape[-axis] if len(shape) >= axis else 0)
 
     @property
     def rows(self) -> int:
