@@ -32,7 +32,8 @@ from calfsm.generate.constraint import (
     Regex,
     compile_constraint,
 )
-from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.httperrors import clip
+from calfsm.serve.httperrors import invalid_argument as _bad
 
 __all__ = ["STRUCTURED_FIELDS", "constraint_of"]
 
@@ -40,10 +41,6 @@ __all__ = ["STRUCTURED_FIELDS", "constraint_of"]
 STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json",
                                "guided_regex", "guided_choice", "guided_grammar"})
 _GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _bad(message: str, param: str) -> ApiError:
-    return ApiError(400, message, code="invalid_argument", param=param)
 
 
 def _response_format(value: Any) -> Constraint | None:

@@ -45,7 +45,8 @@ import attrs
 
 from calfsm.errors import CalfsmError, InvalidArgument
 from calfsm.serve.generation import Piece
-from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.httperrors import clip
+from calfsm.serve.httperrors import invalid_argument as _bad
 
 __all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "JsonCallsParser", "Parsed",
            "TaggedJsonParser", "Tool", "ToolCallStream", "ToolParser", "ToolPlan",
@@ -64,10 +65,6 @@ _NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {},
 #: JSON as the enforced calls write it: one space after ``,`` and ``:``, no other
 #: whitespace (what Hermes-style models write; noise logits cannot pad it)
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _bad(message: str, param: str) -> ApiError:
-    return ApiError(400, message, code="invalid_argument", param=param)
 
 
 # ---- the request ---------------------------------------------------------------------
