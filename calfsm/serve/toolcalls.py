@@ -232,6 +232,13 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _calls_grammar(separator: str, parallel: bool, rules: Sequence[str]) -> str:
+    """A parser's whole grammar: one ``call`` (``rules`` define it), or, ``parallel``,
+    several joined by ``separator``."""
+    start = f"start: call ({_lark_string(separator)} call)*" if parallel else "start: call"
+    return "\n".join(["%llguidance {}", start, *rules]) + "\n"
+
+
 def _call_rules(rule: str, tools: Sequence[Tool], arguments_key: str) -> list[str]:
     """Lark rules: ``rule`` is one call's JSON object, ``{"name": NAME, KEY: ARGS}``,
     of any of ``tools``, its arguments valid against the function's schema, written as
@@ -270,12 +277,9 @@ class TaggedJsonParser:
         return _TaggedStream(self, parallel)
 
     def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
-        lines = ["%llguidance {}",
-                 f"start: call ({_lark_string(self.separator)} call)*" if parallel
-                 else "start: call",
-                 f"call: {_lark_string(self.open_text)} body {_lark_string(self.close_text)}",
-                 *_call_rules("body", tools, self.arguments_key)]
-        return "\n".join(lines) + "\n"
+        return _calls_grammar(self.separator, parallel, [
+            f"call: {_lark_string(self.open_text)} body {_lark_string(self.close_text)}",
+            *_call_rules("body", tools, self.arguments_key)])
 
     def __repr__(self) -> str:
         return f"<TaggedJsonParser {self.name} {self.start}...{self.end}>"
@@ -492,10 +496,8 @@ class JsonCallsParser:
         return _JsonCallsStream(self, parallel)
 
     def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
-        lines = ["%llguidance {}",
-                 f"start: call ({_lark_string(self.separator)} call)*" if parallel
-                 else "start: call", *_call_rules("call", tools, self.arguments_key)]
-        return "\n".join(lines) + "\n"
+        return _calls_grammar(self.separator, parallel,
+                              _call_rules("call", tools, self.arguments_key))
 
     def __repr__(self) -> str:
         return f"<JsonCallsParser {self.name}>"
