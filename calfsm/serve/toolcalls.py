@@ -44,6 +44,7 @@ from typing import Any, Protocol
 import attrs
 
 from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.generate import constraint
 from calfsm.serve.generation import Piece
 from calfsm.serve.httperrors import clip
 from calfsm.serve.httperrors import invalid_argument as _bad
@@ -635,7 +636,7 @@ def tool_constraint(plan: ToolPlan, tokenizer: Any = None, vocab: int | None = N
     :func:`tool_grammar` as a :class:`calfsm.generate.constraint.Grammar`, compiled for
     ``tokenizer`` and ``vocab`` when given (cached: the stream finds it compiled), so a
     schema the matcher does not support is a 400 naming ``tools`` here. Without
-    constrained decoding (the module, or its extra) it is a 400 naming ``tool_choice``: a
+    constrained decoding (its extra, llguidance) it is a 400 naming ``tool_choice``: a
     ``required`` or named tool choice is never left unenforced."""
     lark = tool_grammar(plan.tools, plan.choice, plan.parallel, plan.parser, plan.function)
     if lark is None:
@@ -645,20 +646,12 @@ def tool_constraint(plan: ToolPlan, tokenizer: Any = None, vocab: int | None = N
     missing = _bad(f"{what} is enforced by constrained decoding, which this server does "
                    f"not have (it needs the constraints extra: pip install "
                    f"\"calfsm[constraints]\")", "tool_choice")
-    try:
-        from calfsm.generate.constraint import (
-            Grammar,
-            compile_constraint,
-            constraints_available,
-        )
-    except ImportError:
-        raise missing from None
-    if not constraints_available():
+    if not constraint.constraints_available():
         raise missing
     try:
-        grammar = Grammar(lark)
+        grammar = constraint.Grammar(lark)
         if tokenizer is not None and vocab is not None:
-            compile_constraint(grammar, tokenizer, vocab)
+            constraint.compile_constraint(grammar, tokenizer, vocab)
     except CalfsmError as e:
         raise _bad(f"{what} cannot be enforced: {e.message}", "tools") from None
     return grammar
