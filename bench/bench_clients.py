@@ -81,6 +81,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from runs import add_smoke_option
 
+from calfsm.tools.make_tokenizer import cached_tokenizer
+
 ROOT = Path(__file__).resolve().parent.parent
 #: the clients and the versions checked here (issue 38)
 CLIENTS = {"aiperf": "aiperf==0.13.0", "guidellm": "guidellm==0.8.1", "vllm": "vllm==0.32.0"}
@@ -471,13 +473,6 @@ def _ready(url: str) -> bool:
         return False
 
 
-def local_tokenizer() -> str:
-    """The directory of the Qwen-like tokenizer (built once per machine, then cached)."""
-    out = subprocess.run([sys.executable, "-m", "calfsm.tools.make_tokenizer"],
-                         capture_output=True, text=True, check=True)
-    return out.stdout.strip().split(":")[0]
-
-
 # ---- the command ---------------------------------------------------------------------------
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -513,7 +508,8 @@ def main() -> int:
             print(f"{name}: {venv}")
         return 0
     manifest = "tiny" if args.smoke else args.manifest
-    tokenizer = None if args.smoke else local_tokenizer()
+    # the Qwen-like tokenizer's directory (built once per machine, then cached)
+    tokenizer = None if args.smoke else str(cached_tokenizer())
     requests = 3 if args.smoke else args.requests
     proc, url = start_server(manifest, tokenizer, args.decode_ms)
     try:

@@ -13,8 +13,9 @@ The device: SimDriver in real time, a static calbin's cost model
 decode step on a graph of batch ``b`` costs ``10 ms * (1 + 0.05 * (b - 1))`` whatever
 rows it carries, 13.5 ms at b8, 41.5 ms at b64. The manifest: ``qwen3-buckets`` (decode
 graphs at batch 1 .. 64) with the step-cost runner's evidence as
-``examples/vendor/step_costs.py`` writes it on this device (:func:`write_step_costs`),
-and the batch runner's proving ``B`` rows, so B rows run on its ``bB`` graph;
+``examples/vendor/step_costs.py`` writes it on this device
+(:func:`calfsm.testing.batching.write_step_costs`), and the batch runner's proving ``B``
+rows, so B rows run on its ``bB`` graph;
 ``--manifest resized`` runs ``qwen3-b8`` with its batch dimension set to ``B`` instead
 (``qwen3-bB``, :func:`manifest`; the issue's first measurement).
 
@@ -52,7 +53,6 @@ less than the wall-clock figures; ``--cpu-only`` measures only that.
 from __future__ import annotations
 
 import argparse
-import collections
 import contextlib
 import copy
 import gc
@@ -73,18 +73,14 @@ from runs import add_smoke_option, print_summary, repeat  # noqa: E402
 from calfsm.clock import RealClock  # noqa: E402
 from calfsm.drivers.sim import LatencyModel, SimDriver  # noqa: E402
 from calfsm.engine import tail  # noqa: E402
-from calfsm.engine.observe import DeviceStep  # noqa: E402
 from calfsm.executor import DeviceExecutor, ExecutorConfig  # noqa: E402
 from calfsm.generate.sampling import SamplingParams  # noqa: E402
 from calfsm.manifest import Manifest, TaskKind, builtin_manifest  # noqa: E402
-from calfsm.plan.batching import MAX_ROWS_OBSERVATION, REQUIRED_CAPABILITIES  # noqa: E402
-from calfsm.plan.buckets import REQUIRED_CAPABILITIES as BUCKET_CAPABILITIES  # noqa: E402
-from calfsm.plan.buckets import (  # noqa: E402
-    STEP_COSTS,
-    graph_cost_record,
-    step_costs_observation,
+from calfsm.testing.batching import (  # noqa: E402
+    DecodeSteps,
+    write_batch_evidence,
+    write_step_costs,
 )
-from calfsm.plan.capabilities import Evidence, Verdict, device_identity  # noqa: E402
 
 DECODE_S = 0.010
 SHARE = 0.05
@@ -117,43 +113,9 @@ def manifest(batch: int) -> Manifest:
     return Manifest.from_dict(data)
 
 
-def write_evidence(directory: str, driver: SimDriver, rows: int) -> None:
-    """The batch runner's evidence for ``driver``: every capability holds, ``rows`` rows
-    seen working (``examples/vendor/batch_semantics.py`` writes the same file)."""
-    ev = Evidence("batch_semantics", device_identity(driver), driver.version(), "0" * 64,
-                  time.time(), {MAX_ROWS_OBSERVATION: rows},
-                  {c: Verdict(True, "observed") for c in REQUIRED_CAPABILITIES})
-    (Path(directory) / "batch.json").write_text(ev.to_json(), "utf-8")
-
-
-def write_step_costs(directory: str, driver: SimDriver, m: Manifest) -> None:
-    """The step-cost runner's evidence on this static device, as
-    ``examples/vendor/step_costs.py`` writes it (tests/helpers/buckets.py writes the
-    same): a step of graph ``b`` costs ``step(b)`` whatever rows it carries, and KV
-    written by one graph continues on another."""
-    graphs = [graph_cost_record(g, {r: step_s(g.max_batch)
-                                    for r in sorted({1, g.max_batch})})
-              for g in m.graphs(TaskKind.DECODE)]
-    ev = Evidence("step_costs", device_identity(driver), driver.version(),
-                  m.calbin_sha256, time.time(), {STEP_COSTS: step_costs_observation(graphs)},
-                  {c: Verdict(True, "measured") for c in BUCKET_CAPABILITIES})
-    (Path(directory) / "step_costs.json").write_text(ev.to_json(), "utf-8")
-
-
 def prompts(n: int) -> list[list[int]]:
     return [[(7 * i + 3) % 151_936, (11 * i + 5) % 151_936, (13 * i + 1) % 151_936]
             for i in range(n)]
-
-
-class GraphSteps:
-    """Decode steps by graph (an observer of ``device_step``)."""
-
-    def __init__(self) -> None:
-        self.steps: collections.Counter = collections.Counter()
-
-    def device_step(self, step: DeviceStep) -> None:
-        if step.kind is TaskKind.DECODE:
-            self.steps[step.graph] += 1
 
 
 @contextlib.contextmanager
@@ -165,16 +127,18 @@ def executor(m: Manifest, rows: int, costs: bool) -> Iterator[DeviceExecutor]:
                                  batch_row_share=SHARE, shape_cost="graph")
     drv = SimDriver(m, clock=RealClock(), latency=latency)
     with tempfile.TemporaryDirectory(prefix="calfsm-bench-scale-") as evidence:
-        write_evidence(evidence, drv, rows)
+        # the batch runner's and the step-cost runner's evidence on this static device
+        # (examples/vendor/batch_semantics.py and step_costs.py write the same files)
+        write_batch_evidence(evidence, drv, max_rows=rows)
         if costs:
-            write_step_costs(evidence, drv, m)
+            write_step_costs(evidence, drv, m, decode_s=DECODE_S, share=SHARE)
         with DeviceExecutor(drv, m, ExecutorConfig(evidence_dir=evidence,
                                                    admission_estimate=False,
                                                    max_waiting=4 * rows + 8,
                                                    admission_timeout_s=600.0,
                                                    queue_timeout_s=600.0,
                                                    default_deadline_s=TIMEOUT_S)) as ex:
-            ex.graph_steps = log = GraphSteps()     # type: ignore[attr-defined]
+            ex.graph_steps = log = DecodeSteps()    # type: ignore[attr-defined]
             ex.add_observer(log)
             yield ex
 

@@ -73,12 +73,11 @@ class RequestRecord:
         ``error``, ``ttft_s``, ``inter_token_s``, ``tokens``); ``waited_s``: the time
         from the request's arrival to its stream's creation, added to TTFT and e2e
         (the stream's clock starts at its creation)."""
-        ok = result.error is None and result.ttft_s is not None
         if result.ttft_s is None:
             return cls(ok=False, output_tokens=len(result.tokens))
         ttft = waited_s + result.ttft_s
         gaps = tuple(result.inter_token_s)
-        return cls(ok=ok, ttft_s=ttft, e2e_s=ttft + math.fsum(gaps), itl_s=gaps,
+        return cls(ok=result.error is None, ttft_s=ttft, e2e_s=ttft + math.fsum(gaps), itl_s=gaps,
                    output_tokens=len(result.tokens))
 
 
@@ -198,18 +197,20 @@ class GoodputTally:
 
     def add(self, record: RequestRecord) -> None:
         self.requests += 1
-        if meets(record, self.slos):
-            self.good += 1
         if not record.ok:
-            return
+            return                              # meets no SLO (:func:`meets`)
         self.ok += 1
         self.output_tokens += record.output_tokens
+        values = {m: record.value_ms(m) for m in SLO_METRICS}
+        good = True
         for key, bound in self.slos.items():
-            v = record.value_ms(key)
+            v = values[key]
             if v is not None and v <= bound:
                 self.met[key] += 1
-        for m in ("ttft", "tpot", "e2el"):
-            v = record.value_ms(m)
+            else:
+                good = False
+        self.good += good
+        for m, v in values.items():
             if v is not None:
                 self._keep(m, v)
         for gap in record.itl_s:

@@ -8,6 +8,9 @@
   reference model that the suite checks drivers against.
 - :class:`ScriptedTokenizer` (:mod:`calfsm.testing.scripted`): the simulated model's
   output read as a scripted reply (a tool call, an answer), for tests of what reads it.
+- :mod:`calfsm.testing.batching`: the batch and step-cost runners' evidence as they write
+  it on a simulated device, and an observer of the decode steps by rows and by graph
+  (the batching and shape-bucket tests' and benchmarks').
 
 Importing this package needs neither pytest nor hypothesis.
 """

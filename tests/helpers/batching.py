@@ -12,26 +12,15 @@ from calfsm.clock import RealClock
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.faults import FaultPlan
 from calfsm.drivers.sim import LatencyModel, SimDriver
-from calfsm.engine.observe import DeviceStep
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.manifest import TaskKind, builtin_manifest
+from calfsm.manifest import builtin_manifest
+from calfsm.testing.batching import DecodeSteps
 from tests.helpers.executor import batching
 
 B8 = builtin_manifest("tiny-b8")
 #: threaded mode: a real-time device whose batch step takes a few ms, so the rows of the
 #: other streams are queued while one runs
 REAL = LatencyModel.fixed(decode_s=0.002, prefill_per_token_s=1e-6, batch_row_share=0.05)
-
-
-class StepLog:
-    """Rows per decode job the device ran (an observer of ``device_step``)."""
-
-    def __init__(self) -> None:
-        self.sizes: collections.Counter = collections.Counter()
-
-    def device_step(self, step: DeviceStep) -> None:
-        if step.kind is TaskKind.DECODE:
-            self.sizes[step.rows] += 1
 
 
 def make_driver(name: str, mode: str, faults: FaultPlan | None = None) -> Any:
@@ -57,7 +46,7 @@ def make_batched(mode: str, tmp_path: Path, *, faults: FaultPlan | None = None,
     cfg = batching(tmp_path, drv) if evidence else {"evidence_dir": str(tmp_path)}
     ex = DeviceExecutor(drv, B8, ExecutorConfig(threaded=mode == "threaded", **cfg,
                                                 **config))
-    ex.steps_seen = log = StepLog()        # type: ignore[attr-defined]
+    ex.steps_seen = log = DecodeSteps()    # type: ignore[attr-defined]
     ex.add_observer(log)
     return ex
 

@@ -4,25 +4,16 @@ either driver in step or threaded mode, and the graphs its steps ran on."""
 
 from __future__ import annotations
 
-import collections
-import time
 from pathlib import Path
 from typing import Any
 
 from calfsm.clock import RealClock
 from calfsm.drivers.calrt import CalrtDriver
 from calfsm.drivers.sim import LatencyModel, SimDriver
-from calfsm.engine.observe import DeviceStep
 from calfsm.executor import DeviceExecutor, ExecutorConfig
-from calfsm.manifest import Manifest, TaskKind, builtin_manifest
-from calfsm.plan.buckets import (
-    REQUIRED_CAPABILITIES,
-    STEP_COSTS,
-    graph_cost_record,
-    step_costs_observation,
-)
-from calfsm.plan.capabilities import Evidence, Verdict, device_identity
-from tests.helpers.executor import write_batch_evidence
+from calfsm.manifest import Manifest, builtin_manifest
+from calfsm.testing import batching
+from calfsm.testing.batching import DecodeSteps, write_batch_evidence
 
 BUCKETS = builtin_manifest("tiny-buckets")
 DECODE_S, SHARE = 0.002, 0.05
@@ -37,35 +28,11 @@ def write_step_costs(directory: Path, driver: Any, manifest: Manifest = BUCKETS,
                      continuity: bool = True, costs: bool = True,
                      skip: tuple[str, ...] = (), name: str = "step_costs.json") -> Path:
     """An evidence file as the step-cost runner writes it on a static device: a step of
-    graph b costs ``decode (1 + share (b - 1))`` whatever rows it carries; KV continuity
-    holds (or not); graphs in ``skip`` unmeasured."""
-    graphs = [graph_cost_record(g, {r: DECODE_S * (1 + SHARE * (g.max_batch - 1))
-                                    for r in sorted({1, g.max_batch})})
-              for g in manifest.graphs(TaskKind.DECODE) if g.exact_name not in skip]
-    verdicts = dict(zip(REQUIRED_CAPABILITIES, (
-        Verdict(costs, "measured" if costs else "steps failed"),
-        Verdict(continuity, "bit-exact" if continuity else "tokens differ")), strict=True))
-    ev = Evidence("step_costs", device_identity(driver), driver.version(),
-                  manifest.calbin_sha256, time.time(),
-                  {STEP_COSTS: step_costs_observation(graphs)}, verdicts)
-    path = Path(directory) / name
-    path.write_text(ev.to_json(), "utf-8")
-    return path
-
-
-class GraphLog:
-    """Decode steps by graph: steps, rows and padded rows (an observer of device_step)."""
-
-    def __init__(self) -> None:
-        self.steps: collections.Counter = collections.Counter()
-        self.rows: collections.Counter = collections.Counter()
-        self.padded: collections.Counter = collections.Counter()
-
-    def device_step(self, step: DeviceStep) -> None:
-        if step.kind is TaskKind.DECODE:
-            self.steps[step.graph] += 1
-            self.rows[step.graph] += step.rows
-            self.padded[step.graph] += step.capacity - step.rows
+    graph b costs ``DECODE_S (1 + SHARE (b - 1))`` whatever rows it carries; KV
+    continuity holds (or not); graphs in ``skip`` unmeasured."""
+    return batching.write_step_costs(directory, driver, manifest, decode_s=DECODE_S,
+                                     share=SHARE, continuity=continuity, costs=costs,
+                                     skip=skip, name=name)
 
 
 def make_driver(device: str, mode: str, inner: Any = None) -> Any:
@@ -92,10 +59,10 @@ def make_bucketed(device: str, mode: str, tmp_path: Path, *, evidence: bool = Tr
         write_step_costs(tmp_path, drv, **step_costs)
     ex = DeviceExecutor(drv, BUCKETS, ExecutorConfig(threaded=mode == "threaded",
                                                      evidence_dir=str(tmp_path)))
-    ex.graphs = log = GraphLog()            # type: ignore[attr-defined]
+    ex.graphs = log = DecodeSteps()            # type: ignore[attr-defined]
     ex.add_observer(log)
     return ex
 
 
-def graphs_of(ex: DeviceExecutor) -> GraphLog:
+def graphs_of(ex: DeviceExecutor) -> DecodeSteps:
     return ex.graphs                        # type: ignore[attr-defined]

@@ -17,12 +17,11 @@ from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.machines.job import JobState
 from calfsm.manifest import TaskKind, builtin_manifest
-from calfsm.plan.batching import MAX_ROWS_OBSERVATION
-from calfsm.plan.batching import REQUIRED_CAPABILITIES as BATCH_CAPABILITIES
 from calfsm.plan.capabilities import Evidence, Verdict, device_identity
 from calfsm.plan.inflight import REQUIRED_CAPABILITY
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler
+from calfsm.testing.batching import write_batch_evidence
 
 MODES = ("step", "threaded")
 
@@ -215,20 +214,6 @@ def write_evidence(directory: Path, driver: Any, *, holds: bool = True,
                   runtime_version or driver.version(), "0" * 64, time.time(),
                   {"max_in_flight": 2},
                   {REQUIRED_CAPABILITY: Verdict(holds, "observed" if holds else "refused")})
-    path = Path(directory) / name
-    path.write_text(ev.to_json(), "utf-8")
-    return path
-
-
-def write_batch_evidence(directory: Path, driver: Any, *, holds: bool = True,
-                         max_rows: int = 8, name: str = "batch.json") -> Path:
-    """An evidence file for ``driver`` as the batch runner writes it: every batch
-    capability holds (or not), ``max_rows`` rows per job seen working;
-    tests/plan/test_batch_semantics.py has the runner write the file the executor reads."""
-    ev = Evidence("batch_semantics", device_identity(driver), driver.version(), "0" * 64,
-                  time.time(), {MAX_ROWS_OBSERVATION: max_rows},
-                  {c: Verdict(holds, "observed" if holds else "rows mixed up")
-                   for c in BATCH_CAPABILITIES})
     path = Path(directory) / name
     path.write_text(ev.to_json(), "utf-8")
     return path
