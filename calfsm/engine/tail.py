@@ -52,6 +52,8 @@ TAIL_VERSION = 1
 CONVERT, GREEDY, DRAW = 0, 1, 2
 OK, NONFINITE, UNUSABLE, EDRAW, SKIPPED = 0, 1, 2, 3, 4
 
+#: native/calfsm_tail.h's declarations (that header is not installed with the package, so
+#: they are written again here; tests/engine/test_tail_header.py keeps them the same)
 _CDEF = """
 typedef struct calfsm_tail_row {
     const uint16_t *src;
