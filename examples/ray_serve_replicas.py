@@ -22,7 +22,7 @@ from ray import serve
 
 from calfsm import DeviceExecutor, ExecutorConfig, builtin_manifest
 from calfsm.generate.promptcache import PromptCacheConfig
-from calfsm.serve import ServerConfig, ray_deployment, realtime_sim
+from calfsm.serve import ServerConfig, ray_deployment, realtime_sim, routed_deployment
 
 
 def build() -> DeviceExecutor:
@@ -35,7 +35,6 @@ def build() -> DeviceExecutor:
 if __name__ == "__main__":
     config = ServerConfig(shutdown_grace_s=5.0)
     if "--routed" in sys.argv[1:]:
-        from calfsm.serve.ray_route import routed_deployment
         app = routed_deployment(build, num_replicas=2, config=config)
     else:
         app = ray_deployment(build, num_replicas=2, config=config)

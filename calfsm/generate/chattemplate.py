@@ -296,14 +296,18 @@ def tokenizer_config(directory: str | Path) -> dict[str, Any]:
     return config
 
 
-def load_chat_template(directory: str | Path) -> ChatTemplate | None:
+def load_chat_template(directory: str | Path, *, config: Mapping[str, Any] | None = None
+                       ) -> ChatTemplate | None:
     """The chat template of the tokenizer saved in ``directory`` (None: it has none):
     ``chat_template.jinja`` and ``additional_chat_templates/*.jinja`` if there, else
     ``tokenizer_config.json``'s ``chat_template``; its special tokens from
     ``tokenizer_config.json`` (and ``special_tokens_map.json``, which it overrides), as
-    ``transformers``' ``from_pretrained`` reads them. Read locally, never fetched."""
+    ``transformers``' ``from_pretrained`` reads them. Read locally, never fetched.
+    ``config``: that configuration when the caller has read it already
+    (:func:`tokenizer_config`), so it is not read twice."""
     root = Path(directory)
-    config = tokenizer_config(root)
+    if config is None:
+        config = tokenizer_config(root)
     source: str | dict[str, str] | None
     files: dict[str, str] = {}
     try:

@@ -311,7 +311,6 @@ class Plan:
     kind: str
     ids: np.ndarray | None = None
     row: np.ndarray | None = None
-    allowed: int = 0
 
 
 def _plan(words: np.ndarray, vocab: int, eos: int, stopped: bool) -> Plan:
@@ -321,14 +320,14 @@ def _plan(words: np.ndarray, vocab: int, eos: int, stopped: bool) -> Plan:
     if stopped or k == 0:
         return Plan("end" if stopped else "dead")
     if k == 1 and (u[eos >> 5] >> np.uint32(eos & 31)) & 1:
-        return Plan("end", allowed=1)
+        return Plan("end")
     if k <= _INDEXED:
-        return Plan("keep", _ids(u), allowed=k)
+        return Plan("keep", _ids(u))
     if vocab - k <= _INDEXED:
         ids = _ids(~u)
-        return Plan("ban", ids[ids < vocab], allowed=k)
+        return Plan("ban", ids[ids < vocab])
     bits = np.unpackbits(u.view(np.uint8), bitorder="little")[:vocab]
-    return Plan("add", row=np.take(_ADD, bits), allowed=k)
+    return Plan("add", row=np.take(_ADD, bits))
 
 
 _ADD = np.array([-np.inf, 0.0], _F32)

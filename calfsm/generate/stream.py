@@ -206,7 +206,7 @@ class Stream:
         self._clock = ex.clock
         now = self._clock.now()
         self.arrival = _arrival(arrival, now, seq_id)   #: when its request arrived
-        self._deadline = now + deadline_s if deadline_s is not None else math.inf
+        self._deadline = now + deadline_s if deadline_s is not None else _NO_DEADLINE
         #: where the stream's own history (its prompt, then its tokens) begins
         self._start = sequence.position - cached
         self._max_new = max_new_tokens(params, self._max_seq, self._start, len(self.prompt))
@@ -382,7 +382,8 @@ class Stream:
 
     # ---- producer side (job completions) -------------------------------------------
     def _left(self) -> float | None:
-        if math.isinf(self._deadline):
+        """The seconds left to the stream's deadline, or None: it has none."""
+        if self._deadline == _NO_DEADLINE:
             return None
         return max(1e-9, self._deadline - self._clock.now())
 

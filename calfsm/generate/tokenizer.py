@@ -374,9 +374,10 @@ class HFTokenizer:
             raise InvalidArgument(f"{str(root)!r} holds no tokenizer.json (a tokenizer "
                                   f"saved by Hugging Face's save_pretrained)",
                                   stage="config")
-        template = load_chat_template(root)
+        config = tokenizer_config(root)         # read once: the template's and the end's
+        template = load_chat_template(root, config=config)
         if "eos_token" not in kw:
-            kw["eos_token"] = special_tokens_of(tokenizer_config(root)).get("eos_token")
+            kw["eos_token"] = special_tokens_of(config).get("eos_token")
         return cls.from_file(root / "tokenizer.json", chat_template=template, **kw)
 
     @property

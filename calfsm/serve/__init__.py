@@ -12,7 +12,9 @@
 - :class:`GracefulServer` (:mod:`calfsm.serve.graceful`): uvicorn that shuts the app down
   gracefully on SIGTERM/Ctrl-C;
 - :func:`realtime_sim` (:mod:`calfsm.serve.realtime`): the simulated device in real time;
-- :func:`ray_deployment` (:mod:`calfsm.serve.ray_serve`): one replica per NPU.
+- :func:`ray_deployment` (:mod:`calfsm.serve.ray_serve`): one replica per NPU;
+- :func:`routed_deployment` (:mod:`calfsm.serve.ray_route`): the same behind a front that
+  sends each prompt to the replica whose prompt cache holds its prefix.
 
 See ``docs/serving.md``.
 """
@@ -23,12 +25,13 @@ import importlib
 from typing import Any
 
 __all__ = ["ByteTokenizer", "ConnectionLimits", "GracefulServer", "ServerConfig",
-           "create_app", "ray_deployment", "realtime_sim", "uvicorn_config"]
+           "create_app", "ray_deployment", "realtime_sim", "routed_deployment",
+           "uvicorn_config"]
 
 _WHERE = {"create_app": "app", "ServerConfig": "app", "ByteTokenizer": "tokenizer",
           "ConnectionLimits": "connection_limits", "uvicorn_config": "connections",
           "GracefulServer": "graceful", "realtime_sim": "realtime",
-          "ray_deployment": "ray_serve"}
+          "ray_deployment": "ray_serve", "routed_deployment": "ray_route"}
 
 
 def __getattr__(name: str) -> Any:

@@ -89,7 +89,7 @@ from calfsm.serve.fairuse import ClientBooks, ClientUsage, default_client_limit
 from calfsm.serve.fields import count, count_or_none, non_negative, positive_or_none
 from calfsm.serve.front import ARRIVAL_KEY, GENERATION_PATHS, PROBE_PATHS, Front
 from calfsm.serve.generation import Choice, Piece, merged
-from calfsm.serve.httperrors import ApiError, clip, from_calfsm
+from calfsm.serve.httperrors import ApiError, clip, from_calfsm, invalid_argument
 from calfsm.serve.probes import Liveness, ProbeAnswer, live_answer, liveness_of, ready_answer
 from calfsm.serve.protocol import GenerationPlan, Limits, parse_chat, parse_completion
 from calfsm.serve.responses import CHAT, COMPLETION, EventStream, Shape, sse, usage
@@ -385,8 +385,7 @@ class _Server:
                 rid = check_request_id(given, field=REQUEST_ID_HEADER) if given is not None \
                     else ex.live_requests.new_id()      # a bad one is never echoed
             except InvalidArgument as e:
-                raise ApiError(400, e.message, code="invalid_argument",
-                               param=REQUEST_ID_HEADER) from None
+                raise invalid_argument(e.message, REQUEST_ID_HEADER) from None
             arrival = request.scope.get(ARRIVAL_KEY)
             with self.books.waiting(client):
                 body = parse_json(await read_body(request, self.config.max_body_bytes),

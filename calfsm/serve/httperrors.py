@@ -28,7 +28,7 @@ from typing import Any
 from calfsm.errors import CalfsmError, Cancelled
 
 __all__ = ["ERROR_TYPES", "MAX_MESSAGE", "MAX_PARAM", "ApiError", "clip", "error_body",
-           "from_calfsm"]
+           "from_calfsm", "invalid_argument"]
 
 #: status -> OpenAI error type
 ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error",
@@ -119,6 +119,11 @@ class ApiError(Exception):
         s = max(0.0, self.retry_after_s)
         return {"retry-after": str(max(1, math.ceil(s))),
                 "retry-after-ms": str(max(1, math.ceil(s * 1e3)))}
+
+
+def invalid_argument(message: str, param: str | None = None) -> ApiError:
+    """A 400 refusing a request's field, named by ``param`` (OpenAI's)."""
+    return ApiError(400, message, code="invalid_argument", param=param)
 
 
 def error_body(status: int, message: str, *, code: str | None = None,

@@ -69,6 +69,7 @@ from calfsm.generate.sampling import MAX_LOGPROBS, MAX_STOP_CHARS, MAX_STOP_LENG
 from calfsm.generate.tokenizer import Tokenizer, encode_prompt
 from calfsm.request import PRIORITY_MAX, PRIORITY_MIN
 from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.httperrors import invalid_argument as _bad
 from calfsm.serve.structured import STRUCTURED_FIELDS, constraint_of
 from calfsm.serve.tokenizer import ByteTokenizer, encode_chat, render_chat
 from calfsm.serve.toolcalls import (
@@ -149,10 +150,6 @@ class GenerationPlan:
     def prompt_tokens(self) -> int:
         """The usage's ``prompt_tokens``: each prompt once, however many choices it has."""
         return sum(len(self.prompts[i]) for i in range(0, len(self.prompts), self.n))
-
-
-def _bad(message: str, param: str | None) -> ApiError:
-    return ApiError(400, message, code="invalid_argument", param=param)
 
 
 def _judged(param: str, check: Any, *args: Any, **kw: Any) -> Any:

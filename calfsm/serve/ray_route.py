@@ -58,10 +58,10 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.exceptions import RayServeException
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor
-from calfsm.serve.app import ServerConfig, create_app, liveness
+from calfsm.serve.app import ServerConfig
 from calfsm.serve.httperrors import ApiError
+from calfsm.serve.ray_serve import ExecutorReplica, device_deployment
 
 __all__ = ["BLOCK_BYTES", "BLOCK_TOKENS", "CalfsmBackend", "CalfsmFront", "Candidate",
            "ForwardedRequest", "HeldPrefixes", "PromptCacheRouter", "ReplicaCounters",
@@ -387,15 +387,14 @@ def _key_of(pending: PendingRequest | None) -> tuple[int, ...]:
 
 
 # ---- the deployments ----------------------------------------------------------------
-class CalfsmBackend:
+class CalfsmBackend(ExecutorReplica):
     """One device's replica behind the front: its executor, the reference app over it
     (called in process for each forwarded request), its liveness as the health check,
     and the routing keys its prompt cache holds as its routing stats."""
 
     def __init__(self, build: Callable[[], DeviceExecutor],
                  config: ServerConfig | None = None) -> None:
-        self.executor = build()
-        self.asgi = create_app(self.executor, config)
+        super().__init__(build, config)
         self.held = HeldPrefixes()
         self._evicted = self._resets = 0
         self._report: dict[str, Any] = {}
@@ -470,19 +469,6 @@ class CalfsmBackend:
         if hashes != self._report.get("hashes") or entries != self._report.get("entries"):
             self._report = {"at": time.time(), "hashes": hashes, "entries": entries}
         return self._report
-
-    def check_health(self) -> None:
-        live = liveness(self.asgi)
-        if not live.live:
-            raise RuntimeError(f"calfsm replica not live: {live.reason}")
-
-    def __del__(self) -> None:
-        executor = getattr(self, "executor", None)
-        if executor is not None:
-            try:
-                executor.close()
-            except CalfsmError:
-                pass            # the device did not drain; the process is going anyway
 
 
 class CalfsmFront:
@@ -621,11 +607,10 @@ def routed_deployment(build: Callable[[], DeviceExecutor], *,
     ``max_ongoing_requests``: requests one backend takes at once (Ray routes elsewhere,
     or waits, past it). Other keyword arguments go to the backends'
     ``serve.deployment``; ``front_options`` to the front's."""
-    backend = serve.deployment(
-        CalfsmBackend, name=name, num_replicas=num_replicas,
-        ray_actor_options={"resources": {resource: 1}, "num_cpus": num_cpus},
+    backend = device_deployment(
+        CalfsmBackend, name=name, resource=resource, num_replicas=num_replicas,
         health_check_period_s=health_check_period_s,
-        health_check_timeout_s=health_check_timeout_s,
+        health_check_timeout_s=health_check_timeout_s, num_cpus=num_cpus,
         max_ongoing_requests=max_ongoing_requests,
         request_router_config=RequestRouterConfig(
             request_router_class=PromptCacheRouter,

@@ -28,21 +28,19 @@ from calfsm.errors import CalfsmError
 from calfsm.executor import DeviceExecutor
 from calfsm.serve.app import ServerConfig, create_app, liveness
 
-__all__ = ["CalfsmReplica", "ray_deployment"]
+__all__ = ["CalfsmReplica", "ExecutorReplica", "device_deployment", "ray_deployment"]
 
 
-@serve.ingress()
-class CalfsmReplica:
-    """A Ray Serve replica: one executor, the reference app over it, its liveness as the
-    health check."""
+class ExecutorReplica:
+    """What every calfsm replica is (:class:`CalfsmReplica`, and
+    :class:`~calfsm.serve.ray_route.CalfsmBackend`): one executor built in the replica's
+    process, the reference app over it, its liveness as the health check, the executor
+    closed with the replica."""
 
     def __init__(self, build: Callable[[], DeviceExecutor],
                  config: ServerConfig | None = None) -> None:
         self.executor = build()
         self.asgi = create_app(self.executor, config)
-
-    def __serve_build_asgi_app__(self) -> Any:
-        return self.asgi
 
     def check_health(self) -> None:
         live = liveness(self.asgi)
@@ -58,6 +56,28 @@ class CalfsmReplica:
                 pass            # the device did not drain; the process is going anyway
 
 
+@serve.ingress()
+class CalfsmReplica(ExecutorReplica):
+    """A Ray Serve replica: one executor, the reference app over it as its HTTP ingress,
+    its liveness as the health check."""
+
+    def __serve_build_asgi_app__(self) -> Any:
+        return self.asgi
+
+
+def device_deployment(cls: type, *, name: str, resource: str, num_replicas: int,
+                      health_check_period_s: float, health_check_timeout_s: float,
+                      num_cpus: float, **options: Any) -> Any:
+    """``serve.deployment`` of ``cls`` with one unit of ``resource`` (one device) per
+    replica and the health checks' timing (:func:`ray_deployment`'s, and
+    :func:`~calfsm.serve.ray_route.routed_deployment`'s backends)."""
+    return serve.deployment(
+        cls, name=name, num_replicas=num_replicas,
+        ray_actor_options={"resources": {resource: 1}, "num_cpus": num_cpus},
+        health_check_period_s=health_check_period_s,
+        health_check_timeout_s=health_check_timeout_s, **options)
+
+
 def ray_deployment(build: Callable[[], DeviceExecutor], *,
                    config: ServerConfig | None = None, resource: str = "calculet_npu",
                    num_replicas: int = 1, name: str = "calfsm",
@@ -67,9 +87,8 @@ def ray_deployment(build: Callable[[], DeviceExecutor], *,
     """The bound Ray Serve application of ``num_replicas`` calfsm replicas, each on one
     unit of ``resource``; ``serve.run(ray_deployment(build, num_replicas=2))``. Other
     keyword arguments go to ``serve.deployment`` (e.g. ``max_ongoing_requests``)."""
-    deployment = serve.deployment(
-        CalfsmReplica, name=name, num_replicas=num_replicas,
-        ray_actor_options={"resources": {resource: 1}, "num_cpus": num_cpus},
+    deployment = device_deployment(
+        CalfsmReplica, name=name, resource=resource, num_replicas=num_replicas,
         health_check_period_s=health_check_period_s,
-        health_check_timeout_s=health_check_timeout_s, **options)
+        health_check_timeout_s=health_check_timeout_s, num_cpus=num_cpus, **options)
     return deployment.bind(build, config)

@@ -32,18 +32,16 @@ from calfsm.generate.constraint import (
     Regex,
     compile_constraint,
 )
-from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.httperrors import clip
+from calfsm.serve.httperrors import invalid_argument as _bad
 
 __all__ = ["STRUCTURED_FIELDS", "constraint_of"]
 
-#: the request fields that ask for a constraint
-STRUCTURED_FIELDS = frozenset({"response_format", "structured_outputs", "guided_json",
-                               "guided_regex", "guided_choice", "guided_grammar"})
+#: the request fields that ask for a constraint (in the order a second one is named)
+_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex",
+           "guided_choice", "guided_grammar")
+STRUCTURED_FIELDS = frozenset(_FIELDS)
 _GUIDED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
-
-
-def _bad(message: str, param: str) -> ApiError:
-    return ApiError(400, message, code="invalid_argument", param=param)
 
 
 def _response_format(value: Any) -> Constraint | None:
@@ -128,8 +126,7 @@ def constraint_of(body: Mapping[str, Any], tokenizer: Any, vocab: int) -> Constr
     """The constraint ``body`` asks for (None: none), compiled for ``tokenizer`` and a
     model of ``vocab`` ids; a 400 naming the field otherwise."""
     found: list[tuple[str, Constraint]] = []
-    for key in ("response_format", "structured_outputs", "guided_json", "guided_regex",
-                "guided_choice", "guided_grammar"):
+    for key in _FIELDS:
         value = body.get(key)
         if value is None:
             continue

@@ -44,8 +44,10 @@ from typing import Any, Protocol
 import attrs
 
 from calfsm.errors import CalfsmError, InvalidArgument
+from calfsm.generate import constraint
 from calfsm.serve.generation import Piece
-from calfsm.serve.httperrors import ApiError, clip
+from calfsm.serve.httperrors import clip
+from calfsm.serve.httperrors import invalid_argument as _bad
 
 __all__ = ["DEFAULT_TOOL_PARSER", "TOOL_FIELDS", "TOOL_PARSERS", "JsonCallsParser", "Parsed",
            "TaggedJsonParser", "Tool", "ToolCallStream", "ToolParser", "ToolPlan",
@@ -64,10 +66,6 @@ _NO_PARAMETERS: Mapping[str, Any] = {"type": "object", "properties": {},
 #: JSON as the enforced calls write it: one space after ``,`` and ``:``, no other
 #: whitespace (what Hermes-style models write; noise logits cannot pad it)
 _JSON_STYLE = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
-
-
-def _bad(message: str, param: str) -> ApiError:
-    return ApiError(400, message, code="invalid_argument", param=param)
 
 
 # ---- the request ---------------------------------------------------------------------
@@ -235,6 +233,13 @@ def _lark_string(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+def _calls_grammar(separator: str, parallel: bool, rules: Sequence[str]) -> str:
+    """A parser's whole grammar: one ``call`` (``rules`` define it), or, ``parallel``,
+    several joined by ``separator``."""
+    start = f"start: call ({_lark_string(separator)} call)*" if parallel else "start: call"
+    return "\n".join(["%llguidance {}", start, *rules]) + "\n"
+
+
 def _call_rules(rule: str, tools: Sequence[Tool], arguments_key: str) -> list[str]:
     """Lark rules: ``rule`` is one call's JSON object, ``{"name": NAME, KEY: ARGS}``,
     of any of ``tools``, its arguments valid against the function's schema, written as
@@ -273,12 +278,9 @@ class TaggedJsonParser:
         return _TaggedStream(self, parallel)
 
     def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
-        lines = ["%llguidance {}",
-                 f"start: call ({_lark_string(self.separator)} call)*" if parallel
-                 else "start: call",
-                 f"call: {_lark_string(self.open_text)} body {_lark_string(self.close_text)}",
-                 *_call_rules("body", tools, self.arguments_key)]
-        return "\n".join(lines) + "\n"
+        return _calls_grammar(self.separator, parallel, [
+            f"call: {_lark_string(self.open_text)} body {_lark_string(self.close_text)}",
+            *_call_rules("body", tools, self.arguments_key)])
 
     def __repr__(self) -> str:
         return f"<TaggedJsonParser {self.name} {self.start}...{self.end}>"
@@ -495,10 +497,8 @@ class JsonCallsParser:
         return _JsonCallsStream(self, parallel)
 
     def grammar(self, tools: Sequence[Tool], *, parallel: bool) -> str:
-        lines = ["%llguidance {}",
-                 f"start: call ({_lark_string(self.separator)} call)*" if parallel
-                 else "start: call", *_call_rules("call", tools, self.arguments_key)]
-        return "\n".join(lines) + "\n"
+        return _calls_grammar(self.separator, parallel,
+                              _call_rules("call", tools, self.arguments_key))
 
     def __repr__(self) -> str:
         return f"<JsonCallsParser {self.name}>"
@@ -636,7 +636,7 @@ def tool_constraint(plan: ToolPlan, tokenizer: Any = None, vocab: int | None = N
     :func:`tool_grammar` as a :class:`calfsm.generate.constraint.Grammar`, compiled for
     ``tokenizer`` and ``vocab`` when given (cached: the stream finds it compiled), so a
     schema the matcher does not support is a 400 naming ``tools`` here. Without
-    constrained decoding (the module, or its extra) it is a 400 naming ``tool_choice``: a
+    constrained decoding (its extra, llguidance) it is a 400 naming ``tool_choice``: a
     ``required`` or named tool choice is never left unenforced."""
     lark = tool_grammar(plan.tools, plan.choice, plan.parallel, plan.parser, plan.function)
     if lark is None:
@@ -646,20 +646,12 @@ def tool_constraint(plan: ToolPlan, tokenizer: Any = None, vocab: int | None = N
     missing = _bad(f"{what} is enforced by constrained decoding, which this server does "
                    f"not have (it needs the constraints extra: pip install "
                    f"\"calfsm[constraints]\")", "tool_choice")
-    try:
-        from calfsm.generate.constraint import (
-            Grammar,
-            compile_constraint,
-            constraints_available,
-        )
-    except ImportError:
-        raise missing from None
-    if not constraints_available():
+    if not constraint.constraints_available():
         raise missing
     try:
-        grammar = Grammar(lark)
+        grammar = constraint.Grammar(lark)
         if tokenizer is not None and vocab is not None:
-            compile_constraint(grammar, tokenizer, vocab)
+            constraint.compile_constraint(grammar, tokenizer, vocab)
     except CalfsmError as e:
         raise _bad(f"{what} cannot be enforced: {e.message}", "tools") from None
     return grammar

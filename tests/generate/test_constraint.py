@@ -35,7 +35,7 @@ from calfsm.generate.constraint import (
 from calfsm.generate.processors import ban_tokens
 from calfsm.generate.promptcache import PromptCacheConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult
+from calfsm.generate.stream import FinishReason, GenerationResult
 from calfsm.generate.tokenizer import ByteTokenizer
 from calfsm.manifest import TaskKind, builtin_manifest
 from tests.helpers.executor import (

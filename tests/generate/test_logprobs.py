@@ -22,7 +22,7 @@ from calfsm.errors import ErrorCategory, Internal, InvalidArgument
 from calfsm.generate.logprobs import RowLogprobs
 from calfsm.generate.processors import BanTokens, TokenHistory, ban_tokens, logit_bias
 from calfsm.generate.sampling import Sampler, SamplingParams, native_sampling_available
-from calfsm.generate.streams import FinishReason, GenerationResult, TokenEvent
+from calfsm.generate.stream import FinishReason, GenerationResult, TokenEvent
 from calfsm.manifest import TaskKind
 from calfsm.tools.direct import DirectRunner
 from tests.helpers.executor import (

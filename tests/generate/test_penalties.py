@@ -20,7 +20,7 @@ from calfsm.drivers.faults import FaultPlan, FaultRule
 from calfsm.drivers.sim import SimDriver
 from calfsm.errors import InvalidArgument
 from calfsm.generate.sampling import SamplingParams, native_sampling_available
-from calfsm.generate.streams import FinishReason
+from calfsm.generate.stream import FinishReason
 from calfsm.generate.tokenizer import ByteTokenizer
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind

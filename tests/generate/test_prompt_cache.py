@@ -32,7 +32,7 @@ from calfsm.engine.observe import JobAccepted, Observer
 from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult, Stream, Usage
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream, Usage
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler

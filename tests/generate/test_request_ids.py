@@ -19,7 +19,7 @@ from calfsm.engine.job import JobState
 from calfsm.engine.observe import Observer
 from calfsm.errors import Cancelled, DeadlineExceeded, InvalidArgument
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason
+from calfsm.generate.stream import FinishReason
 from calfsm.machines.job import BEFORE_SUBMIT
 from calfsm.request import Request
 from calfsm.tools.direct import DirectRunner

@@ -39,7 +39,7 @@ from calfsm.engine.observe import JobEnded, Observer
 from calfsm.errors import Unavailable
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult, Stream
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.runtime.stepper import StepScheduler

@@ -44,7 +44,8 @@ from calfsm.errors import (
 from calfsm.executor import DeviceExecutor, step_port
 from calfsm.generate.front import Front
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult, Sequence, Stream
+from calfsm.generate.sequence import Sequence
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream
 from calfsm.machines.sequence import SequenceState
 from calfsm.manifest import TaskKind
 from calfsm.request import Request
@@ -747,7 +748,7 @@ def test_a_sequence_takes_its_next_job_as_soon_as_result_returned(monkeypatch):
     """``result()`` may return before the handle's done-callbacks ran (the latch is
     released first); the sequence's own bookkeeping must not make the caller's next job
     look like a second job on a busy sequence."""
-    from calfsm.generate.streams import Sequence as Seq
+    from calfsm.generate.sequence import Sequence as Seq
 
     late: list = []
     monkeypatch.setattr(Seq, "_job_done", lambda self, h: late.append((self, h)))

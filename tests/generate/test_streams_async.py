@@ -27,7 +27,7 @@ from calfsm.clock import RealClock
 from calfsm.drivers.sim import LatencyModel, SimDriver
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, Stream
+from calfsm.generate.stream import FinishReason, Stream
 from calfsm.machines.sequence import SequenceState
 from calfsm.request import Request
 from calfsm.runtime.stepper import StepScheduler

@@ -64,7 +64,8 @@ from calfsm.errors import (
 )
 from calfsm.executor import DeviceExecutor, ExecutorConfig
 from calfsm.generate.sampling import SamplingParams
-from calfsm.generate.streams import FinishReason, GenerationResult, Sequence, Stream
+from calfsm.generate.sequence import Sequence
+from calfsm.generate.stream import FinishReason, GenerationResult, Stream
 from calfsm.machines.flow import FLOW_MACHINE, FlowState
 from calfsm.machines.job import JOB_MACHINE
 from calfsm.machines.sequence import SequenceState

@@ -11,7 +11,6 @@ constrained decoding (then the calls come from the masked noise itself)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +22,7 @@ import pytest
 
 from calfsm.errors import InvalidArgument
 from calfsm.executor import DeviceExecutor, ExecutorConfig
+from calfsm.generate import constraint
 from calfsm.generate.chattemplate import load_chat_template
 from calfsm.serve import ServerConfig, realtime_sim
 from calfsm.serve import cli as serve_cli
@@ -48,7 +48,6 @@ CALL = ('Let me look.\n<tool_call>\n{"name": "get_weather", "arguments": {"city"
         '"unit": "C"}}\n</tool_call>')
 ANSWER = "It is 21 C and sunny in Paris."
 TEMPLATES = Path(__file__).parents[1] / "generate" / "data" / "chat_templates"
-HAS_CONSTRAINTS = importlib.util.find_spec("calfsm.generate.constraint") is not None
 
 
 @pytest.fixture(scope="module")
@@ -213,17 +212,10 @@ def test_completions_still_refuse_tools(live: LiveServer) -> None:
     assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
-def _constraints() -> bool:
-    if not HAS_CONSTRAINTS:
-        return False
-    from calfsm.generate.constraint import constraints_available
-    return constraints_available()
-
-
 @pytest.fixture(scope="module")
 def noise() -> Iterator[openai.OpenAI]:
     """A server whose text is the simulated device's own (the byte-level tokenizer)."""
-    if not _constraints():
+    if not constraint.constraints_available():
         pytest.skip("needs constrained decoding (the constraints extra)")
     ex = serve_executor()
     srv = serve(ex)
@@ -304,10 +296,13 @@ def test_a_schema_the_matcher_refuses_is_a_400_naming_tools(noise: openai.OpenAI
     assert e.value.body["param"] == "tools"
 
 
-@pytest.mark.skipif(_constraints(), reason="constrained decoding is there: enforced")
 @pytest.mark.parametrize("choice", ["required", {"type": "function",
                                                  "function": {"name": "get_time"}}])
-def test_enforced_choices_need_constrained_decoding(oai: openai.OpenAI, choice: Any) -> None:
+def test_enforced_choices_need_constrained_decoding(oai: openai.OpenAI, choice: Any,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    # a server without the constraints extra: what the library answers when llguidance
+    # does not import (tests/generate/test_constraint.py checks that in a fresh process)
+    monkeypatch.setattr(constraint, "constraints_available", lambda: False)
     with pytest.raises(openai.BadRequestError) as e:
         oai.chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
                                     tool_choice=choice, max_tokens=50)
