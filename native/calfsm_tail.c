@@ -31,12 +31,7 @@
 
 #include "calfsm_kernels.h"
 #include "calfsm_sampling.h"
-
-#if defined(__GNUC__) || defined(__clang__)
-#define INLINE static inline __attribute__((always_inline))
-#else
-#define INLINE static inline
-#endif
+#include "calfsm_sample_ops.h"
 
 #define BLOCK 64
 #define BIG_BLOCK 1024
@@ -54,18 +49,6 @@ typedef struct {
 
 uint32_t calfsm_tail_version(void) {
     return CALFSM_TAIL_VERSION;
-}
-
-INLINE uint32_t bits_of(float f) {
-    uint32_t b;
-    memcpy(&b, &f, sizeof b);
-    return b;
-}
-
-INLINE float float_of(uint32_t b) {
-    float f;
-    memcpy(&f, &b, sizeof f);
-    return f;
 }
 
 /* ---- greedy on the BF16 row: convert, check, largest key, in one pass -------------- */
@@ -139,27 +122,14 @@ INLINE uint16_t conv_key_all(const uint16_t *restrict src, float *restrict dst, 
 
 /* ---- the largest float32 order key (a row the penalties changed) ------------------- */
 
-INLINE uint32_t okey(uint32_t b) {
-    return b ^ ((uint32_t)((int32_t)b >> 31) | 0x80000000u);
-}
-
-INLINE uint32_t key_max(const float *restrict x, uint64_t n) {
-    uint32_t m = 0;
-    for (uint64_t i = 0; i < n; i++) {
-        uint32_t k = okey(bits_of(x[i]));
-        m = k > m ? k : m;
-    }
-    return m;
-}
-
 INLINE uint32_t key_max_all(const float *restrict x, uint64_t n) {
     uint32_t m = 0, v;
     uint64_t i = 0;
     for (; n - i >= BIG_BLOCK; i += BIG_BLOCK) {
-        v = key_max(x + i, BIG_BLOCK);
+        v = max_key(x + i, BIG_BLOCK);
         m = v > m ? v : m;
     }
-    v = key_max(x + i, n - i);
+    v = max_key(x + i, n - i);
     return v > m ? v : m;
 }
 
@@ -227,10 +197,6 @@ static uint32_t largest_key(const float *x, uint64_t n, int32_t level) {
     }
 }
 
-INLINE float key_float(uint32_t k) {
-    return float_of((k & 0x80000000u) ? (k ^ 0x80000000u) : ~k);
-}
-
 /* the first index of a value equal to m (numpy's argmax: -0 == +0) */
 static int64_t first_equal(const float *x, uint64_t n, float m) {
     for (uint64_t i = 0; i < n; i++)
@@ -269,65 +235,8 @@ static int64_t first_equal16(const uint16_t *s, uint64_t n, uint16_t mb) {
  * above the number of blocks, more than GATHER candidates) returns -3: then
  * calfsm_sample. */
 
-#define SB 256
-#define KBLOCKS 1024
 #define GATHER 4096
-#define S_MIN (-28.0)
-#define Q_ONE 40
-#define P_ONE (1ull << 32)
-#define LOG2E 0x1.715476p+0f
-#define MAGIC 0x1.8p23f
-#define LN2_HI 0x1.63p-1f
-#define LN2_LO (-0x1.bd0106p-13f)
-#define P0 0x1.a0d2cep-13f
-#define P1 0x1.6e879cp-10f
-#define P2 0x1.11121p-7f
-#define P3 0x1.555382p-5f
-#define P4 0x1.555554p-3f
-#define P5 0x1.0p-1f
 #define NOT_SPARSE (-3)
-
-INLINE uint64_t mass_of(uint32_t b) {
-    int32_t sh = (int32_t)(b >> 23) - (150 - Q_ONE);
-    uint64_t mant = sh >= -23 ? (uint64_t)((b & 0x7FFFFFu) | 0x800000u) : 0u;
-    return (mant << (sh >= -23 ? sh + 23 : 0)) >> 23;
-}
-
-INLINE uint64_t mulhi(uint64_t a, uint64_t b) {
-    return (uint64_t)(((unsigned __int128)a * b) >> 64);
-}
-
-INLINE uint64_t ceil_share(uint64_t z, uint64_t p) {
-    return (z >> 32) * p + (((z & 0xFFFFFFFFu) * p + 0xFFFFFFFFu) >> 32);
-}
-
-/* calfsm_sampling.c's weight of one value, op for op */
-INLINE float weight_of(float v, double m, double inv_t, int *keep) {
-    double d = ((double)v - m) * inv_t;
-    *keep = d >= S_MIN;
-    float s = (float)(d >= S_MIN ? d : S_MIN);
-    float kb = s * LOG2E;
-    kb = kb + MAGIC;
-    float kf = kb - MAGIC;
-    uint32_t k = bits_of(kb) - bits_of(MAGIC);
-    float r = s - kf * LN2_HI;
-    r = r - kf * LN2_LO;
-    float z = r * r;
-    float y = P0 * r;
-    y = y + P1;
-    y = y * r;
-    y = y + P2;
-    y = y * r;
-    y = y + P3;
-    y = y * r;
-    y = y + P4;
-    y = y * r;
-    y = y + P5;
-    y = y * z;
-    y = y + r;
-    y = y + 1.0f;
-    return y * float_of((k + 127u) << 23);
-}
 
 /* the k largest of keys seen, descending, in top[0..k) (k small: insertion) */
 INLINE void keep_top(uint32_t *top, uint32_t *have, uint32_t k, uint32_t key) {
@@ -346,7 +255,7 @@ INLINE void block_max_body(const float *restrict x, uint64_t n, uint64_t bs,
                            uint32_t *restrict bmax) {
     for (uint64_t lo = 0, b = 0; lo < n; lo += bs, b++) {
         uint64_t len = n - lo < bs ? n - lo : bs;
-        bmax[b] = len == SB ? key_max(x + lo, SB) : key_max(x + lo, len);
+        bmax[b] = len == SB ? max_key(x + lo, SB) : max_key(x + lo, len);
     }
 }
 
@@ -426,12 +335,6 @@ static int by_bits_desc(const void *a, const void *b) {
     return x < y ? 1 : x > y ? -1 : 0;
 }
 
-INLINE uint64_t block_size(uint64_t n) {
-    uint64_t bs = SB;
-    while (n > bs * KBLOCKS) bs *= 2;
-    return bs;
-}
-
 INLINE int sparse_fits(uint64_t n, uint64_t k) {
     return k && k < n && k <= 64 && k <= (n + block_size(n) - 1) / block_size(n);
 }
@@ -475,9 +378,7 @@ static int64_t sparse_draw(const float *x, const uint16_t *s16, const uint32_t *
     uint64_t z = 0;
     for (uint32_t i = 0; i < nc; i++) {
         if (c[i].bits < tk) continue;
-        int keep;
-        float wt = weight_of(value_at(x, s16, c[i].idx), m, inv_t, &keep);
-        wt = keep ? wt : 0.0f;
+        float wt = weight_of(value_at(x, s16, c[i].idx), m, inv_t, 0);
         c[w].idx = c[i].idx;
         c[w].bits = bits_of(wt);
         c[w].q = mass_of(c[w].bits);

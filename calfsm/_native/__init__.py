@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["HEADER_NAME", "KERNELS_VERSION", "LIBRARY_NAME", "SOURCES", "BuildError",
-           "build_library", "header_path", "library_path", "load_kernels", "source_dir"]
+           "build_library", "header_path", "library_path", "load_kernels", "load_library",
+           "source_dir"]
 
 LIBRARY_NAME = "libcalrt_emu.so"
 HEADER_NAME = "calrt_c.h"
@@ -127,22 +128,33 @@ int64_t calfsm_bf16_to_f32_finite_at(const uint16_t *src, float *dst, uint64_t n
 """
 
 
+def load_library(cdef: str, what: str, version_call: str, version: int) -> tuple[Any, Any]:
+    """``(ffi, lib)`` of the bundled library opened with ``cdef`` (cffi, ABI mode), once
+    its ``version_call()`` answers ``version``: the one way calfsm's native parts (the
+    kernels, the sampling kernel, the tail) are opened, each with its own declarations.
+
+    Raises :class:`BuildError` when the library cannot be had (see :func:`library_path`),
+    cannot be loaded, or lacks ``what`` at that version (an older build)."""
+    import cffi  # only who uses a native part pays for the import
+
+    path = library_path()
+    ffi = cffi.FFI()
+    ffi.cdef(cdef)
+    try:
+        lib = ffi.dlopen(str(path))
+        found = int(getattr(lib, version_call)())
+    except (OSError, AttributeError) as e:
+        raise BuildError(f"{str(path)!r} has no {what}: {e}") from None
+    if found != version:
+        raise BuildError(f"{str(path)!r} has {what} version {found}, this calfsm needs "
+                         f"{version}: {BUILD_HINT}")
+    return ffi, lib
+
+
 def load_kernels() -> tuple[Any, Any]:
     """``(ffi, lib)`` of the host kernels in the bundled library (cffi, ABI mode).
 
     Raises :class:`BuildError` when the library cannot be had (see :func:`library_path`),
     cannot be loaded, or lacks the kernels of :data:`KERNELS_VERSION` (an older build)."""
-    import cffi  # only who uses the kernels pays for the import
-
-    path = library_path()
-    ffi = cffi.FFI()
-    ffi.cdef(KERNELS_CDEF)
-    try:
-        lib = ffi.dlopen(str(path))
-        version = int(lib.calfsm_kernels_version())
-    except (OSError, AttributeError) as e:
-        raise BuildError(f"{str(path)!r} has no calfsm kernels: {e}") from None
-    if version != KERNELS_VERSION:
-        raise BuildError(f"{str(path)!r} has calfsm kernels version {version}, this "
-                         f"calfsm needs {KERNELS_VERSION}: {BUILD_HINT}")
-    return ffi, lib
+    return load_library(KERNELS_CDEF, "calfsm kernels", "calfsm_kernels_version",
+                        KERNELS_VERSION)

@@ -52,6 +52,8 @@ TAIL_VERSION = 1
 CONVERT, GREEDY, DRAW = 0, 1, 2
 OK, NONFINITE, UNUSABLE, EDRAW, SKIPPED = 0, 1, 2, 3, 4
 
+#: native/calfsm_tail.h's declarations (that header is not installed with the package, so
+#: they are written again here; tests/engine/test_tail_header.py keeps them the same)
 _CDEF = """
 typedef struct calfsm_tail_row {
     const uint16_t *src;
@@ -92,20 +94,8 @@ class _Lib:
     __slots__ = ("ffi", "from_buffer", "lib", "null", "tail")
 
     def __init__(self) -> None:
-        import cffi  # only who uses the tail pays for the import
-
-        path = _native.library_path()
-        ffi = cffi.FFI()
-        ffi.cdef(_CDEF)
-        try:
-            lib = ffi.dlopen(str(path))
-            version = int(lib.calfsm_tail_version())
-        except (OSError, AttributeError) as e:
-            raise _native.BuildError(f"{str(path)!r} has no native tail: {e}") from None
-        if version != TAIL_VERSION:
-            raise _native.BuildError(f"{str(path)!r} has native tail version {version}, "
-                                     f"this calfsm needs {TAIL_VERSION}: "
-                                     f"{_native.BUILD_HINT}")
+        ffi, lib = _native.load_library(_CDEF, "native tail", "calfsm_tail_version",
+                                        TAIL_VERSION)
         self.ffi = ffi
         self.lib = lib
         self.tail = lib.calfsm_tail

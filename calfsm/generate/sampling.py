@@ -375,20 +375,8 @@ class _Kernel:
     __slots__ = ("f32_array", "from_buffer", "lib", "sample")
 
     def __init__(self) -> None:
-        import cffi  # only who uses the kernel pays for the import
-
-        path = _native.library_path()
-        ffi = cffi.FFI()
-        ffi.cdef(_CDEF)
-        try:
-            lib = ffi.dlopen(str(path))
-            version = int(lib.calfsm_sampling_version())
-        except (OSError, AttributeError) as e:
-            raise _native.BuildError(f"{str(path)!r} has no sampling kernel: {e}") from None
-        if version != KERNEL_VERSION:
-            raise _native.BuildError(f"{str(path)!r} has sampling kernel version {version}, "
-                                     f"this calfsm needs {KERNEL_VERSION}: "
-                                     f"{_native.BUILD_HINT}")
+        ffi, lib = _native.load_library(_CDEF, "sampling kernel", "calfsm_sampling_version",
+                                        KERNEL_VERSION)
         self.lib = lib
         self.from_buffer = ffi.from_buffer
         self.f32_array = ffi.typeof("float[]")
