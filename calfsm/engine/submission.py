@@ -329,7 +329,9 @@ class Submission:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
         if job.kind is TaskKind.DECODE and job.epoch.buckets is not None \
                 and job.lease is not None:
-            self._requeue_rows(_fit_graph(job))
+            alone = _fit_graph(job)     # usually none: no lock taken then
+            if alone:
+                self._requeue_rows(alone)
         if job.batch is not None:
             self._submit_rows(job)
             return
