@@ -41,6 +41,12 @@ class GraphCost:
     max_seq: int
     decode_s: tuple[tuple[int, float], ...]
     context_s_per_token: float = 0.0
+    #: the measured row counts of ``decode_s`` (derived once: :meth:`step_s` runs for
+    #: every graph at every step's choice)
+    counts: tuple[int, ...] = attrs.field(init=False, eq=False, repr=False)
+
+    def __attrs_post_init__(self) -> None:
+        object.__setattr__(self, "counts", tuple(r for r, _ in self.decode_s))
 
     def step_s(self, rows: int, context: int = 0) -> float:
         """The expected seconds of a step of ``rows`` rows whose longest context is
@@ -49,7 +55,7 @@ class GraphCost:
         points = self.decode_s
         if not points:
             return float("inf")
-        counts = [r for r, _ in points]
+        counts = self.counts
         i = bisect.bisect_left(counts, rows)
         if i < len(points) and counts[i] == rows:
             base = points[i][1]

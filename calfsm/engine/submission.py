@@ -101,7 +101,8 @@ class Submission:
                 if j.queue_deadline <= now:
                     expired = True
                     break
-        return expired, self._claimable() is not None, bool(self._complete_q)
+            claimable = self._claimable() is not None
+        return expired, claimable, bool(self._complete_q)
 
     def first_queue_deadline(self) -> float:
         """The earliest queue deadline among the queued jobs (inf: none queued)."""
@@ -207,7 +208,8 @@ class Submission:
             return self._claimable() is not None
 
     def _claimable(self) -> int | None:
-        """Index of the queued job :meth:`claim` would take now (back-off aside), or None."""
+        """Index of the queued job :meth:`claim` would take now (back-off aside), or None.
+        Core lock held: the submitter changes the queue while others ask."""
         core = self.core
         if not (self._submit_q and self._inflight < core.max_inflight
                 and core.life.state == READY):
@@ -252,16 +254,16 @@ class Submission:
     def _next_claim(self) -> int | None:
         """Index of the first queued job whose engine runs nothing now (ping/pong: one
         job per fixed engine), or None. Jobs of one sequence never wait side by side, so
-        taking a later job first reorders only independent sequences."""
+        taking a later job first reorders only independent sequences. Core lock held."""
         busy = self._engine_busy
         if self._prefill_last and self.core.max_rows > 1:
-            for i, job in enumerate(list(self._submit_q)):
+            for i, job in enumerate(self._submit_q):
                 if job.kind is TaskKind.DECODE and (
                         job.lease is None or job.lease.slot.engine not in busy):
                     return i
         if not busy:
             return 0 if self._submit_q else None
-        for i, job in enumerate(list(self._submit_q)):   # a copy: callers may not lock
+        for i, job in enumerate(self._submit_q):
             lease = job.lease
             if lease is None or lease.slot.engine not in busy:
                 return i
@@ -313,7 +315,7 @@ class Submission:
             # a job may go now: a hold the claim saw has ended since (a window ends
             # silently, nobody rings), so a wait until the first queue deadline would
             # strand the queue
-            go = self.submittable()
+            go = self._claimable() is not None
             first = min(j.queue_deadline for j in self._submit_q) - now
             held_until = self._followed_at + core.batch_window_s
             if self._last_rows and not self._rows_following and held_until > now:
@@ -327,7 +329,9 @@ class Submission:
         """The only caller of ``infer`` (spec 6.4). Holds an in-flight slot on entry."""
         if job.kind is TaskKind.DECODE and job.epoch.buckets is not None \
                 and job.lease is not None:
-            self._requeue_rows(_fit_graph(job))
+            alone = _fit_graph(job)     # usually none: no lock taken then
+            if alone:
+                self._requeue_rows(alone)
         if job.batch is not None:
             self._submit_rows(job)
             return

@@ -31,7 +31,7 @@ from calfsm.manifest import builtin_manifest
 from calfsm.tools.direct import DirectRunner, golden_prompts
 from tests.helpers.batching import B8, batch_sizes, make_batched
 from tests.helpers.executor import batching, drive, write_batch_evidence
-from tests.helpers.streams import assert_freed, direct_runner, golden_tokens, run_streams
+from tests.helpers.streams import assert_freed, direct_runner, reference_fixtures, run_streams
 
 TINY = builtin_manifest("tiny")
 PROMPTS = golden_prompts()
@@ -46,14 +46,7 @@ def runner() -> DirectRunner:
     return direct_runner()
 
 
-@pytest.fixture(scope="module")
-def golden() -> list[list[int]]:
-    return golden_tokens(PROMPTS, N_TOKENS)
-
-
-@pytest.fixture(params=["sim", "emulator"])
-def device(request: pytest.FixtureRequest) -> str:
-    return request.param
+golden, device = reference_fixtures(PROMPTS, N_TOKENS)
 
 
 def run_all(ex: DeviceExecutor, streams: list[Stream], seed: int = 0) -> None:

@@ -24,7 +24,7 @@ from calfsm.generate.sampling import SamplingParams
 from calfsm.tools.direct import golden_prompts
 from tests.helpers.buckets import BUCKETS, graphs_of, make_bucketed, make_driver
 from tests.helpers.executor import drive
-from tests.helpers.streams import assert_freed, direct_runner, golden_tokens, run_streams
+from tests.helpers.streams import assert_freed, direct_runner, reference_fixtures, run_streams
 
 PROMPTS = golden_prompts()[:40]
 N_TOKENS = 12
@@ -34,14 +34,7 @@ WIDEST = "tiny_bk_decode_b64"
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module")
-def golden() -> list[list[int]]:
-    return golden_tokens(PROMPTS, N_TOKENS)
-
-
-@pytest.fixture(params=["sim", "emulator"])
-def device(request: pytest.FixtureRequest) -> str:
-    return request.param
+golden, device = reference_fixtures(PROMPTS, N_TOKENS)
 
 
 def test_every_row_of_every_bucket_equals_the_reference(mode, golden, tmp_path, device):

@@ -8,6 +8,8 @@ import functools
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import pytest
+
 from calfsm.drivers.sim import SimDriver
 from calfsm.executor import DeviceExecutor
 from calfsm.generate.sampling import SamplingParams
@@ -56,6 +58,24 @@ def golden_tokens(prompts: Iterable[Iterable[int]], n_tokens: int, *,
     prompts); each call returns lists of its own."""
     key = tuple(tuple(p) for p in prompts)
     return [list(t) for t in _golden(key, n_tokens, seq_per_prompt)]
+
+
+def reference_fixtures(prompts: Iterable[Iterable[int]], n_tokens: int
+                       ) -> tuple[Any, Any]:
+    """A module-scoped ``golden`` (:func:`golden_tokens` of ``prompts``) and a ``device``
+    (each test on the simulated device, then the native emulator) fixture, for a test
+    module whose streams must equal the reference on both to bind:
+    ``golden, device = reference_fixtures(PROMPTS, N_TOKENS)``."""
+
+    @pytest.fixture(scope="module")
+    def golden() -> list[list[int]]:
+        return golden_tokens(prompts, n_tokens)
+
+    @pytest.fixture(params=["sim", "emulator"])
+    def device(request: pytest.FixtureRequest) -> str:
+        return request.param
+
+    return golden, device
 
 
 def assert_freed(ex: DeviceExecutor) -> None:
