@@ -522,6 +522,9 @@ def test_defect_completion_resolves_before_it_returns_the_lease(mode):
     gated = GatedDriver(make_sim(mode))
     with make_executor(mode, driver=gated) as ex:
         seen: dict[str, Any] = {}
+        # result() returns once the handle resolves, while its done-callbacks may still
+        # run on the completion thread: wait for this one to have looked
+        observed = threading.Event()
 
         def observe(handle):
             epoch = ex.epoch
@@ -529,6 +532,7 @@ def test_defect_completion_resolves_before_it_returns_the_lease(mode):
             seen["kv_len"] = epoch.kv.sequence_length(SEQ)
             seen["kv_state"] = handle.context.kv.state
             seen["undone"] = len(calls(gated, "undo_slice")) - undone_before
+            observed.set()
 
         undone_before = len(calls(gated, "undo_slice"))
         h = hold_on_device(ex, gated, _prefill())
@@ -536,6 +540,7 @@ def test_defect_completion_resolves_before_it_returns_the_lease(mode):
         gated.gate.set()
         result = finish(ex, h)
         assert result.token_count == 3
+        assert observed.wait(10)
         assert seen["kv_len"] == 3 and seen["kv_state"] == "Committed"   # KV committed,
         assert seen["undone"] == 2                     # the slices undone,
         assert seen["leased"] == 1                     # the lease still out at resolve
