@@ -336,14 +336,9 @@ class Submission:
             self._submit_rows(job)
             return
         core, life, outcomes = self.core, self.core.life, self.outcomes
-        if job.cancel_requested or life.closing:
-            self.release_inflight(job)
-            outcomes.fail_before_submit(job, Cancelled("cancelled before submit",
-                                                       **job_ctx(job, "submit")))
-            return
-        if core.clock.now() >= job.queue_deadline:
-            self.release_inflight(job)
-            self.fail_queue_deadline(job)
+        if (err := _not_submittable(job, life.closing, core.clock.now())) is not None:
+            self.release_inflight(job)      # ends here: the device never hears of it
+            outcomes.fail_before_submit(job, err)
             return
         epoch = job.epoch
         slot = job.lease.slot
@@ -428,19 +423,14 @@ class Submission:
     def _rows_still_wanted(self, leader: JobContext) -> list[JobContext] | None:
         """The rows to submit: a cancelled or expired rider fails alone; a cancelled or
         expired leader fails and puts the others back (None: nothing to submit)."""
-        life, outcomes = self.core.life, self.outcomes
+        outcomes, closing = self.outcomes, self.core.life.closing
         rows = leader.batch
         assert rows is not None
         now = self.core.clock.now()
         live: list[JobContext] = []
         for row in rows:
-            if row.cancel_requested or life.closing:
-                err: CalfsmError = Cancelled("cancelled before submit",
-                                             **job_ctx(row, "submit"))
-            elif now >= row.queue_deadline:
-                err = DeadlineExceeded("queue deadline passed before submit",
-                                       **job_ctx(row, "queue"))
-            else:
+            err = _not_submittable(row, closing, now)
+            if err is None:
                 live.append(row)
                 continue
             if row is leader:
@@ -711,3 +701,13 @@ def _programmed(rows: list[JobContext]) -> CalfsmError | None:
         return e
     return None
 
+
+def _not_submittable(job: JobContext, closing: bool, now: float) -> CalfsmError | None:
+    """Why ``job`` may not go to the device (spec 9.1): cancelled, the executor
+    closing, or past its queue deadline; None when it may."""
+    if job.cancel_requested or closing:
+        return Cancelled("cancelled before submit", **job_ctx(job, "submit"))
+    if now >= job.queue_deadline:
+        return DeadlineExceeded("queue deadline passed before submit",
+                                **job_ctx(job, "queue"))
+    return None
