@@ -175,6 +175,9 @@ class Stream:
     #: the sampler's row of the native tail, when it reads no tokens (else asked for at
     #: every step: :func:`_tail_row`)
     _tail: Any = None
+    #: the consumer was woken once: a first token is woken before its next step is
+    #: submitted, every later one after (:meth:`_deliver`)
+    _woke = False
 
     def __init__(self, sequence: StreamSequence, prompt: Seq[int] | str,
                  params: SamplingParams | None, *,
@@ -456,6 +459,8 @@ class Stream:
             successor, outcome = outcome[2], _GOES_ON
         with self._lock:
             self._decided = (job.job_id, outcome)
+            if not self._woke and self._events:
+                self._wake_locked()     # the first token: before the next step, see _deliver
         return successor
 
     def _step_done(self, handle: JobHandle) -> None:
@@ -519,7 +524,7 @@ class Stream:
             return FinishReason.STOP, None, None
         # ``position``: where ``token`` goes. The token is the stream's from here (a next
         # step that fails at once ends the stream with it), but the consumer is woken
-        # only after the next step went to the submitter
+        # only after the next step went to the submitter (but for the first: _deliver)
         now = self._clock.now()     # one read: the token's time and the deadline's
         recorded = want is not None or self._record(token, timings, position, now, scored)
         if not recorded:
@@ -581,6 +586,12 @@ class Stream:
         consumer, then end the stream if it ends here."""
         reason, error, pending = outcome
         if pending is not None:
+            if not self._woke and self._events:
+                # the first token wakes its consumer before the next step is submitted:
+                # the time to the first token is what a client waits on, and the next
+                # step waits the once (every later token: the device first)
+                with self._lock:
+                    self._wake_locked()
             self._submit(*pending)
         with self._lock:
             self._wake_locked()
@@ -836,6 +847,7 @@ class Stream:
             self._wake_locked()
 
     def _wake_locked(self) -> None:
+        self._woke = True
         self._lock.notify_all()
         waiters, self._waiters = self._waiters, []
         for loop, fut in waiters:
