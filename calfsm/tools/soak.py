@@ -50,7 +50,7 @@ import numpy as np
 
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.drivers.faults import SWARM_KINDS, FaultPlan
-from calfsm.engine.observe import JobAccepted, JobEnded, Observer
+from calfsm.engine.observe import DeviceStep, JobAccepted, JobEnded, Observer
 from calfsm.errors import (
     CalfsmError,
     ErrorCategory,
@@ -258,6 +258,12 @@ class SoakExecutor(DeviceExecutor, Observer):
         with self._ledger_lock:
             self._tally.jobs += 1
             self._open_jobs[event.job_id] = None
+
+    def device_step(self, step: DeviceStep) -> None:
+        if step.kind is TaskKind.DECODE:
+            with self._ledger_lock:
+                self._tally.decode_steps[step.graph] += 1
+                self._tally.decode_rows[step.graph] += step.rows
 
     def job_ended(self, event: JobEnded) -> None:
         if not event.announced:
@@ -700,6 +706,7 @@ def _markdown(result: SoakResult, config: SoakConfig, about: dict[str, Any]) -> 
              f"| device-side job errors (explained by point) | {t.device_errors} "
              f"({_kv(t.attributed)}) |",
              f"| faults fired by point | {_kv(t.fired) if t.fired is not None else 'n/a'} |",
+             f"| decode steps by graph (rows per step) | {_decode_steps(t)} |",
              f"| recoveries / generation at end | {last.recoveries} / {last.generation} |",
              f"| lifecycle at end | {t.final_state} |",
              f"| RSS at start / end | {result.samples[0].rss / 2**20:.1f} / "
@@ -720,6 +727,14 @@ def _asked(config: SoakConfig) -> str:
 
 def _kv(counts: dict[str, int] | None) -> str:
     return ", ".join(f"{k}: {v}" for k, v in sorted((counts or {}).items())) or "none"
+
+
+def _decode_steps(t: Tally) -> str:
+    """Decode steps of batch graphs or shape buckets, each graph's with its mean rows
+    ("none": every step ran alone on a one-row graph, which reports none)."""
+    graphs = sorted(t.decode_steps, key=lambda g: (len(g), g))     # b2 before b16
+    return ", ".join(f"{g}: {t.decode_steps[g]} ({t.decode_rows[g] / t.decode_steps[g]:.2f})"
+                     for g in graphs) or "none"
 
 
 # ---- the command -------------------------------------------------------------------------

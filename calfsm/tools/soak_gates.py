@@ -142,6 +142,10 @@ class Tally:
     #: the most rows one device job carried (continuous batching): a fault of a job
     #: fails each of its rows, so it explains up to that many errors
     rows_per_job: int = 1
+    #: decode steps the device ran, by graph, and the rows they carried (a batching
+    #: soak shows it batched: rows / steps above 1)
+    decode_steps: Counter[str] = attrs.Factory(Counter)
+    decode_rows: Counter[str] = attrs.Factory(Counter)
     leased_drained: int = 0         # leased once the workload drained
     leased_closed: int = 0          # leased after close()
     close_error: str | None = None  # close() could not drain the device

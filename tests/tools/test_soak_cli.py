@@ -488,3 +488,12 @@ def test_a_batch_soak_reads_its_evidence_dir_and_batches(tmp_path, caplog):
         assert rc == 0, report["gates"]
     assert runs["batched"][1]["tally"]["rows_per_job"] == 8
     assert runs["none"][1]["tally"]["rows_per_job"] == 1
+    # the report says how it batched: decode steps by graph, and the rows they carried
+    for name, report in ((n, r) for n, (_, r) in runs.items()):
+        steps, rows = report["tally"]["decode_steps"], report["tally"]["decode_rows"]
+        assert list(steps) == ["tiny_b8_decode"], steps
+        per_step = rows["tiny_b8_decode"] / steps["tiny_b8_decode"]
+        assert per_step > 1.5 if name == "batched" else per_step == 1, (name, per_step)
+        md = (tmp_path / name / "report.md").read_text()
+        assert f"| decode steps by graph (rows per step) | tiny_b8_decode: " \
+               f"{steps['tiny_b8_decode']} ({per_step:.2f}) |" in md
