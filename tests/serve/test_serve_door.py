@@ -150,8 +150,10 @@ def test_server_config_does_not_show_its_keys():
 
 # ---- per-client fair use -----------------------------------------------------------------
 
-#: 4000 decodes of 5 ms: 20 s at least (the tests that hold these give them a request
-#: timeout long enough for the admission estimate to take four at once)
+#: 4000 decodes of 5 ms: 20 s at least. The tests that hold these give them no request
+#: timeout, so no deadline: the executor's admission estimate (which prices a step from
+#: the warm-up's, however slow on a busy machine: 39 ms once in CI, and 4 x 4000 of them
+#: passed a 600 s timeout) never refuses them, and only the per-client limits are tested
 LONG = {"temperature": 0, "max_tokens": 4000}
 
 
@@ -166,7 +168,7 @@ async def _hold(c: httpx.AsyncClient, headers: dict[str, str], n: int,
 
 
 @pytest.mark.parametrize("served", [{"api_keys": KEYS, "decode_ms": 5,
-                                     "max_sequences": 8, "request_timeout_s": 600.0}],
+                                     "max_sequences": 8, "request_timeout_s": None}],
                          indirect=True)
 def test_one_client_at_its_stream_limit_gets_429_while_another_is_served(served):
     """max_sequences 8: each client may hold 4 (half). Alice holds 4 streams she never
@@ -202,7 +204,7 @@ def test_one_client_at_its_stream_limit_gets_429_while_another_is_served(served)
 
 
 @pytest.mark.parametrize("served", [{"decode_ms": 5, "max_sequences": 4,
-                                     "request_timeout_s": 600.0}], indirect=True)
+                                     "request_timeout_s": None}], indirect=True)
 def test_without_keys_a_client_is_its_address(served):
     """127.0.0.1 holds its 2 streams (half of 4); 127.0.0.2 is another client."""
     from contextlib import AsyncExitStack
