@@ -192,8 +192,7 @@ class Submission:
     def fail_queue_deadline(self, job: JobContext) -> None:
         """The queue deadline passed before ``infer`` succeeded: not submitted, so the
         KV reservation rolls back and the lease returns (spec 9.1)."""
-        self.outcomes.fail_before_submit(job, DeadlineExceeded(
-            "queue deadline passed before submit", **job_ctx(job, "queue")))
+        self.outcomes.fail_before_submit(job, _queue_deadline_passed(job))
 
     # ---- claim and submit ----------------------------------------------------------
     def submittable(self) -> bool:
@@ -708,6 +707,9 @@ def _not_submittable(job: JobContext, closing: bool, now: float) -> CalfsmError 
     if job.cancel_requested or closing:
         return Cancelled("cancelled before submit", **job_ctx(job, "submit"))
     if now >= job.queue_deadline:
-        return DeadlineExceeded("queue deadline passed before submit",
-                                **job_ctx(job, "queue"))
+        return _queue_deadline_passed(job)
     return None
+
+
+def _queue_deadline_passed(job: JobContext) -> DeadlineExceeded:
+    return DeadlineExceeded("queue deadline passed before submit", **job_ctx(job, "queue"))
