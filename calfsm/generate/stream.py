@@ -175,8 +175,8 @@ class Stream:
     #: the sampler's row of the native tail, when it reads no tokens (else asked for at
     #: every step: :func:`_tail_row`)
     _tail: Any = None
-    #: the consumer was woken once: a first token is woken before its next step is
-    #: submitted, every later one after (:meth:`_deliver`)
+    #: the consumer was woken once: a first token is woken as it is recorded, before
+    #: its next step is submitted, every later one after (:meth:`_record`)
     _woke = False
 
     def __init__(self, sequence: StreamSequence, prompt: Seq[int] | str,
@@ -459,8 +459,6 @@ class Stream:
             successor, outcome = outcome[2], _GOES_ON
         with self._lock:
             self._decided = (job.job_id, outcome)
-            if not self._woke and self._events:
-                self._wake_locked()     # the first token: before the next step, see _deliver
         return successor
 
     def _step_done(self, handle: JobHandle) -> None:
@@ -524,7 +522,7 @@ class Stream:
             return FinishReason.STOP, None, None
         # ``position``: where ``token`` goes. The token is the stream's from here (a next
         # step that fails at once ends the stream with it), but the consumer is woken
-        # only after the next step went to the submitter (but for the first: _deliver)
+        # only after the next step went to the submitter (but for the first: _record)
         now = self._clock.now()     # one read: the token's time and the deadline's
         recorded = want is not None or self._record(token, timings, position, now, scored)
         if not recorded:
@@ -586,12 +584,6 @@ class Stream:
         consumer, then end the stream if it ends here."""
         reason, error, pending = outcome
         if pending is not None:
-            if not self._woke and self._events:
-                # the first token wakes its consumer before the next step is submitted:
-                # the time to the first token is what a client waits on, and the next
-                # step waits the once (every later token: the device first)
-                with self._lock:
-                    self._wake_locked()
             self._submit(*pending)
         with self._lock:
             self._wake_locked()
@@ -616,8 +608,15 @@ class Stream:
                 self._events.append(TokenEvent(token, position, len(tokens) - 1, timings,
                                                None, *(scored or (None, ()))))
                 self._delivered += 1
-                return True
-            return self._record_held_locked(token, timings, position, now, scored)
+                kept: bool | str = True
+            else:
+                kept = self._record_held_locked(token, timings, position, now, scored)
+            if not self._woke and self._events:
+                # the first token wakes its consumer at once, before the next step goes
+                # to the submitter: the time to the first token is what a client waits
+                # on; every later token waits for that (the device first)
+                self._wake_locked()
+            return kept
 
     def _record_held_locked(self, token: int, timings: Any, position: int, now: float,
                             scored: tuple[float, tuple[tuple[int, float], ...]] | None

@@ -202,7 +202,10 @@ def test_the_first_token_wakes_its_consumer_before_the_next_step_is_submitted():
             got = [first.result().token] + [ev.token async for ev in stream]
             loop.call_soon_threadsafe = post        # type: ignore[method-assign]
             assert got == golden_tokens([PROMPT], 6)[0]
-            assert log[:2] == ["wake", "infer"], log
+            # the first token's wake comes before any infer; what follows it races (the
+            # consumer re-parks while the prefill's callbacks wake it again, the
+            # submitter thread infers), so only the first entry is the claim
+            assert log[0] == "wake" and "infer" in log, log
 
     try:
         asyncio.run(main())
