@@ -558,10 +558,11 @@ class DeviceExecutor:
         return self._life
 
     def idle(self) -> bool:
-        """No job waits for admission, is queued, on the device or being completed, and
-        no deferred work is queued or running (a stream's next step being staged ahead
-        may be a job that has yet to tell its end)."""
-        return self._pipeline.idle()
+        """No job waits for admission, is queued, in the submitter's hand, on the device
+        or being completed, no deferred work is queued or running (a stream's next step
+        being staged ahead may be a job that has yet to tell its end), and no drain,
+        recovery or model switch is under way (a warm-up holds a slot of its own)."""
+        return self._pipeline.idle() and not self._life.moving
 
     def wait_until(self, predicate: Callable[[], bool], timeout: float | None = None
                    ) -> bool:

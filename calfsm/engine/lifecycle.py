@@ -67,6 +67,10 @@ _limited = RateLimitedLog(log)
 RESET_PREFERENCE = (ResetKind.FULL, ResetKind.CONFIGURATION, ResetKind.CCU)
 
 _READY = LifecycleState.READY
+#: the states the lifecycle passes through and leaves on its own (a drain, a reset, a
+#: bring-up: its procedures hold leases and run jobs of their own)
+_MOVING = frozenset({LifecycleState.CONFIGURING, LifecycleState.WARMING,
+                     LifecycleState.DRAINING, LifecycleState.RECOVERING})
 
 
 @attrs.define(slots=True)
@@ -139,6 +143,12 @@ class Lifecycle:
     @property
     def ready(self) -> bool:
         return self._rec.state == _READY and not self.closing and not self._stopping
+
+    @property
+    def moving(self) -> bool:
+        """A drain, reset, bring-up or model switch is under way: the lifecycle will
+        leave this state on its own, and its procedures may hold slots meanwhile."""
+        return self._rec.state in _MOVING
 
     def unready_s(self, now: float) -> float:
         """Clock seconds spent out of Ready (draining, recovering, warming) since the

@@ -78,8 +78,10 @@ class Submission:
         return self._inflight
 
     def busy(self) -> bool:
-        """A job is queued, on the device or waiting for its completion."""
-        return bool(self._submit_q or self._complete_q or self._on_device)
+        """A job is queued, in the submitter's hand (claimed, not yet on the device: it
+        holds a lease and may still fail before submit), on the device or waiting for
+        its completion."""
+        return bool(self._submit_q or self._complete_q or self._on_device or self._inflight)
 
     def has_queued(self) -> bool:
         return bool(self._submit_q)

@@ -197,6 +197,21 @@ def test_a_job_cancelled_on_the_device_is_waited_for_and_its_result_dropped(core
     assert core.infers() == 1
     core.assert_books_as_built()
 
+def test_a_job_in_the_submitters_hand_keeps_the_pipeline_busy_until_it_ends(core):
+    """Claimed and not yet submitted, a job is in no queue and not on the device, but it
+    holds a lease: the pipeline is not idle (the soak once found ``leased 1`` after
+    ``idle()`` said True, for a stream cancelled while its step was in this hand)."""
+    job, handle = core.start(Request.prefill(1, [4, 5]))
+    assert core.pipe.device.claim() is job
+    assert not core.pipe.idle() and core.epoch.pool.stats().leased == 1
+    assert handle.cancel()                      # the consumer goes away meanwhile
+    assert not handle.done() and not core.pipe.idle()
+    core.pipe.device.submit(job)                # the submitter sees the cancel
+    assert isinstance(handle.exception(0), Cancelled)
+    assert core.infers() == 0
+    core.assert_books_as_built()
+
+
 def test_a_job_past_its_queue_deadline_fails_before_submit():
     core = Core(queue_s=0.5)
     job, handle = core.start(Request.prefill(2, [1, 2]))

@@ -156,6 +156,28 @@ def test_a_new_generation_is_booked_before_anyone_sees_it_ready(mode):
         assert seen and all(got == (1, 0.0) for got in seen), seen
 
 
+def test_the_executor_is_not_idle_while_a_recovery_is_under_way(mode):
+    """From the drain to Ready again the lifecycle moves on its own and its warm-up
+    holds a slot: ``idle()`` says False all the way, so a caller that waits for idle and
+    then reads the books finds every lease back (the soak once read ``leased 1`` after
+    ``idle()`` said True)."""
+    seen = []
+    with make_executor(mode, recovery=RecoveryPolicy(grace_period_s=0.0)) as ex:
+        def told() -> None:
+            if ex.lifecycle_state not in ("Ready", "Failed", "Closed"):
+                seen.append((ex.lifecycle_state, ex.idle()))
+        ex.lifecycle.on_change(told)
+        assert ex.idle()
+        assert ex.recover("test: a recovery with nothing running")
+        if mode == "step":
+            assert ex.lifecycle_state == "Draining" and not ex.idle()
+        settle(ex, lambda: ex.generation == 2 and ex.lifecycle_state == "Ready")
+        assert ex.idle() and ex.stats().leased == 0
+    states = [state for state, _ in seen]
+    assert {"Draining", "Recovering", "Configuring", "Warming"} <= set(states), states
+    assert not any(idle for _, idle in seen), seen
+
+
 def test_fi14_stale_completion_after_reset_touches_nothing_new(mode):
     plan = FaultPlan.of(FaultRule("infer", "stale", seq_id=SEQ))
     inner = make_sim(mode, faults=plan)
