@@ -267,18 +267,13 @@ class Pipeline:
         """Fail every parked job past its admission deadline and every queued job past
         its queue deadline."""
         self.admission.expire_parked()
-        device = self.device
-        for j in device.take_expired():
-            device.run_step(j, "queue", device.fail_queue_deadline)
+        self.device.fail_expired()
 
     def submit_next(self) -> bool:
         """Expire, then submit the head of the queue if an in-flight slot is free (on a
         virtual clock a back-off is jumped over). True if anything moved."""
         device, clock, faults = self.device, self.core.clock, self.core.faults
-        expired = device.take_expired()
-        for j in expired:
-            device.run_step(j, "queue", device.fail_queue_deadline)
-        if expired:
+        if device.fail_expired():
             return True
         backoff = faults.backoff_until       # 0: none (no clock read then)
         if backoff and clock.virtual and backoff > clock.now() and device.submittable():

@@ -59,6 +59,7 @@ class Submission:
         self._complete_q: deque[JobContext] = deque()
         self._on_device: list[JobContext] = []      # submitted, wait not returned
         self._inflight = 0
+        self._expiring = 0          # taken out of the queue past their deadline, not failed yet
         #: ping/pong: the job each fixed engine runs now (one per engine, spec 6.4);
         #: empty with one in flight on the AUTO engine
         self._engine_busy: dict[EngineSlot, JobContext] = {}
@@ -79,9 +80,10 @@ class Submission:
 
     def busy(self) -> bool:
         """A job is queued, in the submitter's hand (claimed, not yet on the device: it
-        holds a lease and may still fail before submit), on the device or waiting for
-        its completion."""
-        return bool(self._submit_q or self._complete_q or self._on_device or self._inflight)
+        holds a lease and may still fail before submit), being failed past its queue
+        deadline, on the device or waiting for its completion."""
+        return bool(self._submit_q or self._complete_q or self._on_device or self._inflight
+                    or self._expiring)
 
     def has_queued(self) -> bool:
         return bool(self._submit_q)
@@ -175,26 +177,31 @@ class Submission:
             self._submit_q.clear()
         return jobs
 
-    def take_expired(self) -> list[JobContext]:
-        """Remove and return the queued jobs whose queue deadline passed."""
-        with self.core.lock:
+    def fail_expired(self) -> bool:
+        """Fail every queued job whose queue deadline passed (spec 9.1: never submitted,
+        so its KV reservation rolls back and its lease returns); True if there was one.
+        Out of the queue they still hold their leases: busy until the last has failed."""
+        core = self.core
+        with core.lock:
             if not self._submit_q:
-                return []
-            now = self.core.clock.now()
-            expired = []
-            for j in self._submit_q:
-                if j.queue_deadline <= now:
-                    expired.append(j)
+                return False
+            now = core.clock.now()
+            expired = [j for j in self._submit_q if j.queue_deadline <= now]
             for j in expired:
                 self._submit_q.remove(j)
-        if expired:
-            self.core.hooks.changed()
-        return expired
-
-    def fail_queue_deadline(self, job: JobContext) -> None:
-        """The queue deadline passed before ``infer`` succeeded: not submitted, so the
-        KV reservation rolls back and the lease returns (spec 9.1)."""
-        self.outcomes.fail_before_submit(job, _queue_deadline_passed(job))
+            self._expiring += len(expired)
+        if not expired:
+            return False
+        fail = self.outcomes.fail_before_submit
+        try:
+            for job in expired:
+                self.run_step(job, "queue",
+                              lambda j: fail(j, _queue_deadline_passed(j)))
+        finally:
+            with core.lock:
+                self._expiring -= len(expired)
+            core.hooks.changed()        # they were what kept it busy: idle may hold now
+        return True
 
     # ---- claim and submit ----------------------------------------------------------
     def submittable(self) -> bool:

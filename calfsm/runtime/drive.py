@@ -179,10 +179,7 @@ class ThreadRuntime(_Runtime):
     def _submitter_loop(self) -> None:
         p, life, clock = self.pipeline, self.life, self.clock
         while True:
-            expired = p.device.take_expired()
-            for job in expired:
-                p.device.run_step(job, "queue", p.device.fail_queue_deadline)
-            if expired:
+            if p.device.fail_expired():
                 continue
             job = p.device.claim()
             if job is None:

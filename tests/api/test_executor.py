@@ -341,15 +341,15 @@ def _kill_submitter_when_armed(monkeypatch) -> threading.Event:
     queued (so the crash always meets a queued job). Patched on the public class: there
     is one executor in the test."""
     armed = threading.Event()
-    real = Submission.take_expired
+    real = Submission.fail_expired
 
-    def take_expired(self):
+    def fail_expired(self):
         if armed.is_set() and self.has_queued() \
                 and threading.current_thread().name == "calfsm-submitter":
             raise RuntimeError("injected: the submitter loop crashed")
         return real(self)
 
-    monkeypatch.setattr(Submission, "take_expired", take_expired)
+    monkeypatch.setattr(Submission, "fail_expired", fail_expired)
     return armed
 
 

@@ -215,12 +215,14 @@ def test_a_job_in_the_submitters_hand_keeps_the_pipeline_busy_until_it_ends(core
 def test_a_job_past_its_queue_deadline_fails_before_submit():
     core = Core(queue_s=0.5)
     job, handle = core.start(Request.prefill(2, [1, 2]))
-    assert core.pipe.device.take_expired() == []               # not yet
+    assert not core.pipe.device.fail_expired()                 # not yet
     assert core.pipe.next_deadline() == pytest.approx(job.timings.queued + 0.5)
     core.clock.advance(0.5)
-    assert core.pipe.device.take_expired() == [job]
+    idle_at_its_end = []            # out of the queue, it is busy until it has failed
+    handle.add_done_callback(lambda _h: idle_at_its_end.append(core.pipe.idle()))
+    assert core.pipe.device.fail_expired()
+    assert idle_at_its_end == [False]
     assert core.pipe.device.claim() is None                    # taken out of the queue
-    core.pipe.device.fail_queue_deadline(job)
     err = handle.exception(0)
     assert isinstance(err, DeadlineExceeded) and "queue deadline" in str(err), err
     assert core.infers() == 0
