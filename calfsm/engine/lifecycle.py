@@ -29,6 +29,7 @@ thread; in step mode the scheduler runs :meth:`DeviceLifecycle.recover` as a ste
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import weakref
@@ -57,7 +58,7 @@ from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.util.lograte import RateLimitedLog
 
-__all__ = ["DeviceLifecycle", "Lifecycle", "LifecycleRecord"]
+__all__ = ["HISTORY_KEPT", "DeviceLifecycle", "Lifecycle", "LifecycleRecord"]
 
 log = logging.getLogger("calfsm.lifecycle")
 #: the warnings a fault storm repeats, a burst per minute each (calfsm/util/lograte.py)
@@ -67,6 +68,8 @@ _limited = RateLimitedLog(log)
 RESET_PREFERENCE = (ResetKind.FULL, ResetKind.CONFIGURATION, ResetKind.CCU)
 
 _READY = LifecycleState.READY
+#: how many notes :attr:`Lifecycle.history` keeps (a recovery makes two: its drain, its Ready)
+HISTORY_KEPT = 1024
 #: the states the lifecycle passes through and leaves on its own (a drain, a reset, a
 #: bring-up: its procedures hold leases and run jobs of their own)
 _MOVING = frozenset({LifecycleState.CONFIGURING, LifecycleState.WARMING,
@@ -119,7 +122,10 @@ class Lifecycle:
         self._unready_since: float | None = None
         self._was_ready = False
         self._listeners: list[Callable[[], None]] = []
-        self.history: list[tuple[float, str, str]] = []   # (time, state, reason)
+        #: (time, state, reason) of the latest notes: the last HISTORY_KEPT only, so a
+        #: process that recovers for months does not keep every one
+        self.history: collections.deque[tuple[float, str, str]] = collections.deque(
+            maxlen=HISTORY_KEPT)
 
     # ---- reading -------------------------------------------------------------------
     @property

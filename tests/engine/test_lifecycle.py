@@ -10,7 +10,7 @@ import pytest
 from calfsm.clock import VirtualClock
 from calfsm.drivers.base import Calbin, EngineSlot
 from calfsm.drivers.sim import SimDriver
-from calfsm.engine.lifecycle import DeviceLifecycle, Lifecycle, epoch_builder
+from calfsm.engine.lifecycle import HISTORY_KEPT, DeviceLifecycle, Lifecycle, epoch_builder
 from calfsm.engine.recovery import Decision, FaultPolicy, RecoveryPolicy, Verdict
 from calfsm.engine.stepcost import ServiceModel
 from calfsm.errors import CalfsmError, DeadlineExceeded, ExecutorClosed, Unavailable
@@ -95,6 +95,28 @@ def test_time_out_of_ready_is_counted_from_the_first_ready_only():
     life.warmed(TINY, Calbin.from_manifest(TINY))
     clock.advance(10.0)
     assert life.unready_s(clock.now()) == 3.5       # stopped at Ready
+
+
+def test_the_history_keeps_the_latest_transitions_only():
+    """A process that recovers for months must not keep every transition: the history
+    keeps the last HISTORY_KEPT notes, newest last."""
+    clock = VirtualClock()
+    life = Lifecycle(clock, THREADS)
+    _ready(life)
+    cycles = HISTORY_KEPT // 2 + 10          # each notes its drain and its Ready
+    for i in range(cycles):
+        clock.advance(1.0)
+        life.drain(f"recovery {i}", 1.0)
+        life.fire("reset")
+        life.fire("reconfigure")
+        life.fire("configured")
+        life.warmed(TINY, Calbin.from_manifest(TINY))
+    history = list(life.history)
+    assert len(history) == HISTORY_KEPT
+    assert [(state, why) for _, state, why in history[-2:]] == [
+        ("Draining", f"recovery {cycles - 1}"), ("Ready", "ready")]
+    times = [t for t, _, _ in history]
+    assert times == sorted(times)
 
 
 def test_wait_for_a_state_that_does_not_come_raises_deadline_exceeded():
