@@ -54,7 +54,7 @@ from calfsm.errors import (
     Unsupported,
     check,
 )
-from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, LifecycleState
+from calfsm.machines.lifecycle import LIFECYCLE_MACHINE, MOVING, LifecycleState
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.util.lograte import RateLimitedLog
 
@@ -70,10 +70,6 @@ RESET_PREFERENCE = (ResetKind.FULL, ResetKind.CONFIGURATION, ResetKind.CCU)
 _READY = LifecycleState.READY
 #: how many notes :attr:`Lifecycle.history` keeps (a recovery makes two: its drain, its Ready)
 HISTORY_KEPT = 1024
-#: the states the lifecycle passes through and leaves on its own (a drain, a reset, a
-#: bring-up: its procedures hold leases and run jobs of their own)
-_MOVING = frozenset({LifecycleState.CONFIGURING, LifecycleState.WARMING,
-                     LifecycleState.DRAINING, LifecycleState.RECOVERING})
 
 
 @attrs.define(slots=True)
@@ -154,7 +150,7 @@ class Lifecycle:
     def moving(self) -> bool:
         """A drain, reset, bring-up or model switch is under way: the lifecycle will
         leave this state on its own, and its procedures may hold slots meanwhile."""
-        return self._rec.state in _MOVING
+        return self._rec.state in MOVING
 
     def unready_s(self, now: float) -> float:
         """Clock seconds spent out of Ready (draining, recovering, warming) since the

@@ -192,11 +192,14 @@ class Submission:
             self._expiring += len(expired)
         if not expired:
             return False
-        fail = self.outcomes.fail_before_submit
+        outcomes = self.outcomes
+
+        def fail(job: JobContext) -> None:
+            outcomes.fail_before_submit(job, _queue_deadline_passed(job))
+
         try:
             for job in expired:
-                self.run_step(job, "queue",
-                              lambda j: fail(j, _queue_deadline_passed(j)))
+                self.run_step(job, "queue", fail)
         finally:
             with core.lock:
                 self._expiring -= len(expired)

@@ -21,7 +21,7 @@ from transitions import EventData
 
 from calfsm.machines._declared import DeclaredMachine
 
-__all__ = ["LIFECYCLE_MACHINE", "LifecycleState", "has_known_good"]
+__all__ = ["LIFECYCLE_MACHINE", "MOVING", "LifecycleState", "has_known_good"]
 
 
 class LifecycleState(enum.StrEnum):
@@ -42,6 +42,9 @@ def has_known_good(event: EventData) -> bool:
 
 L = LifecycleState
 LIVE = [L.UNCONFIGURED, L.CONFIGURING, L.WARMING, L.READY, L.DRAINING, L.RECOVERING]
+#: the live states the lifecycle leaves on its own (a drain, a reset, a bring-up or a
+#: model switch under way: their procedures hold slots and run jobs of their own)
+MOVING = frozenset(LIVE) - {L.UNCONFIGURED, L.READY}
 
 TRANSITIONS = [
     {"trigger": "start", "source": L.UNCONFIGURED, "dest": L.CONFIGURING},

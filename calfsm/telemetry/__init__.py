@@ -1,1 +1,2 @@
-"""What the executor tells operators: Prometheus metrics and the dump sink."""
+"""What the executor tells operators: Prometheus metrics, traces, the dump sink, goodput
+and the decode steps the device ran."""

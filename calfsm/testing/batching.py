@@ -9,18 +9,17 @@ measure it.
 
 from __future__ import annotations
 
-import collections
 import time
 from pathlib import Path
 from typing import Any
 
-from calfsm.engine.observe import DeviceStep
 from calfsm.manifest import Manifest, TaskKind
 from calfsm.plan.batching import MAX_ROWS_OBSERVATION
 from calfsm.plan.batching import REQUIRED_CAPABILITIES as BATCH_CAPABILITIES
 from calfsm.plan.buckets import REQUIRED_CAPABILITIES as BUCKET_CAPABILITIES
 from calfsm.plan.buckets import STEP_COSTS, graph_cost_record, step_costs_observation
 from calfsm.plan.capabilities import Evidence, Verdict, device_identity
+from calfsm.telemetry.steps import DecodeSteps
 
 __all__ = ["DecodeSteps", "write_batch_evidence", "write_step_costs"]
 
@@ -57,22 +56,3 @@ def write_step_costs(directory: str | Path, driver: Any, manifest: Manifest, *,
     path = Path(directory) / name
     path.write_text(ev.to_json(), "utf-8")
     return path
-
-
-class DecodeSteps:
-    """The decode jobs the device ran (an observer of ``device_step``): ``sizes``, jobs
-    by rows carried; ``steps``, ``rows`` and ``padded`` (rows that carried nothing), by
-    graph."""
-
-    def __init__(self) -> None:
-        self.sizes: collections.Counter[int] = collections.Counter()
-        self.steps: collections.Counter[str] = collections.Counter()
-        self.rows: collections.Counter[str] = collections.Counter()
-        self.padded: collections.Counter[str] = collections.Counter()
-
-    def device_step(self, step: DeviceStep) -> None:
-        if step.kind is TaskKind.DECODE:
-            self.sizes[step.rows] += 1
-            self.steps[step.graph] += 1
-            self.rows[step.graph] += step.rows
-            self.padded[step.graph] += step.capacity - step.rows

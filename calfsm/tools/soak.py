@@ -50,7 +50,7 @@ import numpy as np
 
 from calfsm.drivers import Driver, driver_names, load_driver
 from calfsm.drivers.faults import SWARM_KINDS, FaultPlan
-from calfsm.engine.observe import DeviceStep, JobAccepted, JobEnded, Observer
+from calfsm.engine.observe import JobAccepted, JobEnded, Observer
 from calfsm.errors import (
     CalfsmError,
     ErrorCategory,
@@ -74,6 +74,7 @@ from calfsm.telemetry.goodput import (
     format_slos,
     parse_slos,
 )
+from calfsm.telemetry.steps import DecodeSteps
 from calfsm.tools.capabilities_cli import EVIDENCE_DIR_HELP
 from calfsm.tools.soak_gates import (
     DEVICE_CATEGORIES,
@@ -258,12 +259,6 @@ class SoakExecutor(DeviceExecutor, Observer):
         with self._ledger_lock:
             self._tally.jobs += 1
             self._open_jobs[event.job_id] = None
-
-    def device_step(self, step: DeviceStep) -> None:
-        if step.kind is TaskKind.DECODE:
-            with self._ledger_lock:
-                self._tally.decode_steps[step.graph] += 1
-                self._tally.decode_rows[step.graph] += step.rows
 
     def job_ended(self, event: JobEnded) -> None:
         if not event.announced:
@@ -560,6 +555,8 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     tally = Tally(plan_fails_resets=any(r.point == "reset" for r in rules))
     lock = threading.Lock()
     ex = SoakExecutor(driver, manifest, config.executor, tally=tally, lock=lock)
+    decode = DecodeSteps()          # did it batch, and on which graphs
+    ex.add_observer(decode)
     soak = _Soak(config, ex, tally, lock, observer)
     clients = [threading.Thread(target=_Client(soak, i).run, name=f"soak-client-{i}",
                                 daemon=True) for i in range(config.clients)]
@@ -581,6 +578,7 @@ def run_soak(config: SoakConfig, driver: Driver, manifest: Manifest, *,
     tally.leased_drained = ex.stats().leased
     tally.fired = soak.fired_by_point()
     tally.rows_per_job = ex.max_batch
+    tally.decode_steps, tally.decode_rows = decode.steps, decode.rows
     tally.final_state, tally.failure_reason = ex.lifecycle_state, ex.failure_reason
     tally.executor_bugs = ex.stats().errors_by_category.get(ErrorCategory.PROGRAMMING.value, 0)
     try:

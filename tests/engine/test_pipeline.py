@@ -197,6 +197,7 @@ def test_a_job_cancelled_on_the_device_is_waited_for_and_its_result_dropped(core
     assert core.infers() == 1
     core.assert_books_as_built()
 
+
 def test_a_job_in_the_submitters_hand_keeps_the_pipeline_busy_until_it_ends(core):
     """Claimed and not yet submitted, a job is in no queue and not on the device, but it
     holds a lease: the pipeline is not idle (the soak once found ``leased 1`` after
