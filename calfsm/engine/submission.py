@@ -186,7 +186,10 @@ class Submission:
             if not self._submit_q:
                 return False
             now = core.clock.now()
-            expired = [j for j in self._submit_q if j.queue_deadline <= now]
+            expired = []
+            for j in self._submit_q:        # a loop, not a comprehension: no call per step
+                if j.queue_deadline <= now:
+                    expired.append(j)
             for j in expired:
                 self._submit_q.remove(j)
             self._expiring += len(expired)
